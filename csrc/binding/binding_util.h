@@ -1,0 +1,69 @@
+// Helpers shared by the binding files: dtype mapping, argument checks that
+// raise (as RuntimeError in Python) instead of crashing, and the thread split.
+// The Python wrappers validate first with friendlier messages; these checks
+// keep the raw torch.ops.te_fuser.* entry points safe on their own.
+#pragma once
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+
+extern "C" {
+#include "../common/tf_dtype.h"
+#include "../common/tf_status.h"
+#include "../fp8/fp8_format.h"
+}
+
+namespace te_fuser {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+inline tf_dtype to_tf_dtype(ScalarType t, const char* arg) {
+  switch (t) {
+    case ScalarType::Float: return TF_FLOAT32;
+    case ScalarType::BFloat16: return TF_BFLOAT16;
+    case ScalarType::Half: return TF_FLOAT16;
+    default: break;
+  }
+  STD_TORCH_CHECK(false, arg, " must be float32, bfloat16 or float16");
+  return TF_FLOAT32;
+}
+
+inline tf_fp8_format to_tf_fp8_format(ScalarType t, const char* arg) {
+  if (t == ScalarType::Float8_e4m3fn) return TF_FP8_E4M3;
+  STD_TORCH_CHECK(t == ScalarType::Float8_e5m2, arg,
+                  " must be torch.float8_e4m3fn or torch.float8_e5m2");
+  return TF_FP8_E5M2;
+}
+
+inline ScalarType fp8_scalar_type(tf_fp8_format f) {
+  return f == TF_FP8_E4M3 ? ScalarType::Float8_e4m3fn : ScalarType::Float8_e5m2;
+}
+
+inline void check_status(tf_status s, const char* what) {
+  STD_TORCH_CHECK(s == TF_OK, what, ": ", tf_status_string(s));
+}
+
+inline void check_contiguous(const Tensor& t, const char* arg) {
+  STD_TORCH_CHECK(t.is_contiguous(), arg, " must be contiguous");
+}
+
+inline void check_same_device(const Tensor& a, const Tensor& b, const char* arg_a,
+                              const char* arg_b) {
+  STD_TORCH_CHECK(a.get_device() == b.get_device() && a.is_cpu() == b.is_cpu(), arg_a,
+                  " and ", arg_b, " must be on the same device");
+}
+
+// A float32 tensor with exactly one element, e.g. a per-tensor scale or amax.
+inline void check_scalar_f32(const Tensor& t, const char* arg) {
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float && t.numel() == 1, arg,
+                  " must be a float32 tensor with one element");
+}
+
+// Elements handed to one thread at a time by the element-wise kernels.
+constexpr int64_t kGrainElements = 1 << 16;
+
+}  // namespace te_fuser

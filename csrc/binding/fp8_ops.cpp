@@ -1,0 +1,190 @@
+// Schemas of the FP8 quantizer ops and their CPU implementations, which call
+// the C core in csrc/fp8 over chunks spread on torch's intra-op thread pool.
+#include <vector>
+
+#include "binding_util.h"
+
+extern "C" {
+#include "../fp8/fp8_quantize.h"
+#include "../fp8/fp8_scaling.h"
+}
+
+namespace te_fuser {
+namespace {
+
+// Runs fn(chunk, &amax_bits) -> tf_status for every chunk in [0, chunks) on the
+// thread pool and returns the combined amax bits; statuses are checked after
+// the parallel region so nothing throws inside it.
+template <class F>
+uint32_t parallel_chunks(int64_t chunks, const char* what, const F& fn) {
+  std::vector<uint32_t> partial(static_cast<size_t>(chunks), 0u);
+  std::vector<int> status(static_cast<size_t>(chunks), TF_OK);
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) status[c] = fn(c, &partial[c]);
+  });
+  uint32_t amax = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    check_status(static_cast<tf_status>(status[c]), what);
+    amax = partial[c] > amax ? partial[c] : amax;
+  }
+  return amax;
+}
+
+// The same over the elements [0, n), in chunks of kGrainElements: fn(begin, end, &amax_bits).
+template <class F>
+uint32_t parallel_elements(int64_t n, const char* what, const F& fn) {
+  return parallel_chunks((n + kGrainElements - 1) / kGrainElements, what,
+                         [&](int64_t c, uint32_t* amax_bits) {
+                           const int64_t begin = c * kGrainElements;
+                           const int64_t end = n - begin < kGrainElements ? n : begin + kGrainElements;
+                           return fn(begin, end, amax_bits);
+                         });
+}
+
+// amax <- max(amax, new), on the bit patterns of non-negative floats (NaN wins).
+void accumulate_amax(const Tensor& amax, uint32_t bits) {
+  float* p = amax.mutable_data_ptr<float>();
+  const uint32_t old = tf_f32_bits(*p) & 0x7FFFFFFFu;
+  *p = tf_f32_from_bits(bits > old ? bits : old);
+}
+
+void check_quantize_args(const Tensor& input, const Tensor& scale, const Tensor& amax) {
+  check_contiguous(input, "input");
+  check_scalar_f32(scale, "scale");
+  check_scalar_f32(amax, "amax");
+  check_same_device(input, scale, "input", "scale");
+  check_same_device(input, amax, "input", "amax");
+}
+
+Tensor fp8_quantize_cpu(Tensor input, Tensor scale, Tensor amax, ScalarType fp8_dtype) {
+  check_quantize_args(input, scale, amax);
+  const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
+  const tf_fp8_format format = to_tf_fp8_format(fp8_dtype, "fp8_dtype");
+  Tensor out = torch::stable::new_empty(input, input.sizes(), fp8_dtype);
+  const void* x = input.const_data_ptr();
+  uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
+  const float s = *scale.const_data_ptr<float>();
+  const uint32_t bits = parallel_elements(input.numel(), "fp8_quantize",
+                                     [&](int64_t b, int64_t e, uint32_t* a) {
+                                       return tf_fp8_quantize(x, dtype, b, e, s, format, y, a);
+                                     });
+  accumulate_amax(amax, bits);
+  return out;
+}
+
+Tensor fp8_amax_cpu(Tensor input) {
+  check_contiguous(input, "input");
+  const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
+  const void* x = input.const_data_ptr();
+  const uint32_t bits = parallel_elements(input.numel(), "fp8_amax",
+                                     [&](int64_t b, int64_t e, uint32_t* a) {
+                                       return tf_fp8_amax(x, dtype, b, e, a);
+                                     });
+  Tensor out = torch::stable::new_empty(input, {1}, ScalarType::Float);
+  *out.mutable_data_ptr<float>() = tf_f32_from_bits(bits);
+  return out;
+}
+
+Tensor fp8_dequantize_cpu(Tensor data, Tensor scale_inv, ScalarType out_dtype) {
+  check_contiguous(data, "data");
+  check_scalar_f32(scale_inv, "scale_inv");
+  check_same_device(data, scale_inv, "data", "scale_inv");
+  const tf_fp8_format format = to_tf_fp8_format(data.scalar_type(), "data");
+  const tf_dtype dtype = to_tf_dtype(out_dtype, "out_dtype");
+  Tensor out = torch::stable::new_empty(data, data.sizes(), out_dtype);
+  const uint8_t* y = static_cast<const uint8_t*>(data.const_data_ptr());
+  void* x = out.mutable_data_ptr();
+  const float s_inv = *scale_inv.const_data_ptr<float>();
+  parallel_elements(data.numel(), "fp8_dequantize", [&](int64_t b, int64_t e, uint32_t*) {
+    return tf_fp8_dequantize(y, format, b, e, s_inv, x, dtype);
+  });
+  return out;
+}
+
+// input is viewed as a matrix of (numel / last dim) rows; the transpose is
+// (last dim) x rows, which is what the weight-gradient GEMM consumes.
+std::tuple<Tensor, Tensor> fp8_cast_transpose_cpu(Tensor input, Tensor scale, Tensor amax,
+                                                  ScalarType fp8_dtype) {
+  check_quantize_args(input, scale, amax);
+  STD_TORCH_CHECK(input.dim() >= 2, "input must have at least 2 dimensions");
+  const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
+  const tf_fp8_format format = to_tf_fp8_format(fp8_dtype, "fp8_dtype");
+  const int64_t cols = input.size(input.dim() - 1);
+  const int64_t rows = cols == 0 ? 0 : input.numel() / cols;
+  Tensor out = torch::stable::new_empty(input, input.sizes(), fp8_dtype);
+  Tensor out_t = torch::stable::new_empty(input, {cols, rows}, fp8_dtype);
+  const void* x = input.const_data_ptr();
+  uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
+  uint8_t* y_t = static_cast<uint8_t*>(out_t.mutable_data_ptr());
+  const float s = *scale.const_data_ptr<float>();
+  // Bands of whole tiles of about kGrainElements elements each.
+  const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / TF_FP8_CT_TILE + 1) * TF_FP8_CT_TILE;
+  const uint32_t bits = parallel_chunks(
+      (rows + band - 1) / band, "fp8_cast_transpose", [&](int64_t c, uint32_t* a) {
+        const int64_t r0 = c * band;
+        const int64_t r1 = rows - r0 < band ? rows : r0 + band;
+        return tf_fp8_cast_transpose(x, dtype, rows, cols, cols, r0, r1, s, format, y, y_t, a);
+      });
+  accumulate_amax(amax, bits);
+  return std::make_tuple(out, out_t);
+}
+
+void fp8_delayed_scaling_update_cpu(Tensor amax_history, Tensor amax, Tensor scale,
+                                    Tensor scale_inv, double fp8_max, int64_t margin,
+                                    int64_t amax_compute_algo) {
+  STD_TORCH_CHECK(amax_history.dim() == 2, "amax_history must be 2-D (history_len, n)");
+  const int64_t n = amax_history.size(1);
+  for (const Tensor* t : {&amax_history, &amax, &scale, &scale_inv}) {
+    STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float && t->is_contiguous(),
+                    "amax_history, amax, scale and scale_inv must be contiguous float32");
+    check_same_device(*t, amax_history, "every argument", "amax_history");
+  }
+  STD_TORCH_CHECK(amax.numel() == n && scale.numel() == n && scale_inv.numel() == n,
+                  "amax, scale and scale_inv must have amax_history.size(1) elements");
+  STD_TORCH_CHECK(margin >= -126 && margin <= 126, "margin must lie in [-126, 126]");
+  check_status(tf_fp8_delayed_scaling_update(
+                   amax_history.mutable_data_ptr<float>(), amax_history.size(0), n,
+                   amax.mutable_data_ptr<float>(), scale.mutable_data_ptr<float>(),
+                   scale_inv.mutable_data_ptr<float>(), static_cast<float>(fp8_max),
+                   static_cast<int32_t>(margin), static_cast<tf_amax_algo>(amax_compute_algo)),
+               "fp8_delayed_scaling_update");
+}
+
+std::tuple<Tensor, Tensor> fp8_current_scale_cpu(Tensor amax, double fp8_max, double epsilon,
+                                                 bool force_pow2) {
+  check_scalar_f32(amax, "amax");
+  Tensor scale = torch::stable::new_empty(amax, {1}, ScalarType::Float);
+  Tensor scale_inv = torch::stable::new_empty(amax, {1}, ScalarType::Float);
+  const float s = tf_fp8_current_scale(*amax.const_data_ptr<float>(), static_cast<float>(fp8_max),
+                                       static_cast<float>(epsilon), force_pow2 ? 1 : 0);
+  *scale.mutable_data_ptr<float>() = s;
+  *scale_inv.mutable_data_ptr<float>() = 1.0f / s;
+  return std::make_tuple(scale, scale_inv);
+}
+
+}  // namespace
+}  // namespace te_fuser
+
+STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
+  m.def("fp8_quantize(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType fp8_dtype) -> Tensor");
+  m.def("fp8_amax(Tensor input) -> Tensor");
+  m.def("fp8_dequantize(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor");
+  m.def(
+      "fp8_cast_transpose(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType fp8_dtype)"
+      " -> (Tensor, Tensor)");
+  m.def(
+      "fp8_delayed_scaling_update(Tensor(a!) amax_history, Tensor(b!) amax, Tensor(c!) scale,"
+      " Tensor(d!) scale_inv, float fp8_max, int margin, int amax_compute_algo) -> ()");
+  m.def(
+      "fp8_current_scale(Tensor amax, float fp8_max, float epsilon, bool force_pow2)"
+      " -> (Tensor, Tensor)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
+  m.impl("fp8_quantize", TORCH_BOX(&te_fuser::fp8_quantize_cpu));
+  m.impl("fp8_amax", TORCH_BOX(&te_fuser::fp8_amax_cpu));
+  m.impl("fp8_dequantize", TORCH_BOX(&te_fuser::fp8_dequantize_cpu));
+  m.impl("fp8_cast_transpose", TORCH_BOX(&te_fuser::fp8_cast_transpose_cpu));
+  m.impl("fp8_delayed_scaling_update", TORCH_BOX(&te_fuser::fp8_delayed_scaling_update_cpu));
+  m.impl("fp8_current_scale", TORCH_BOX(&te_fuser::fp8_current_scale_cpu));
+}

@@ -1,0 +1,47 @@
+/*
+ * FP8 quantizer kernels on the CPU.
+ *
+ * Buffers are contiguous unless a row stride is given. Every kernel works on a
+ * sub-range of its problem ([begin, end) elements, or a band of rows) so the
+ * caller can split the work over threads; each call is independent and
+ * touches only its own part of the outputs.
+ *
+ * amax is reported as the bit pattern of max |x| (the sign bit cleared), which
+ * orders like the value for non-negative floats and lets NaN win over Inf:
+ * callers combine partial results with an unsigned max.
+ */
+#ifndef TF_FP8_QUANTIZE_H
+#define TF_FP8_QUANTIZE_H
+
+#include <stdint.h>
+
+#include "../common/tf_dtype.h"
+#include "../common/tf_status.h"
+#include "fp8_format.h"
+
+/* y[i] = fp8(float(x[i]) * scale) for i in [begin, end); *amax_bits = bits of max |x[i]|. */
+tf_status tf_fp8_quantize(const void *x, tf_dtype dtype, int64_t begin, int64_t end,
+                          float scale, tf_fp8_format format, uint8_t *y, uint32_t *amax_bits);
+
+/* *amax_bits = bits of max |x[i]| for i in [begin, end). */
+tf_status tf_fp8_amax(const void *x, tf_dtype dtype, int64_t begin, int64_t end,
+                      uint32_t *amax_bits);
+
+/* x[i] = dtype(decode(y[i]) * scale_inv) for i in [begin, end), rounded to nearest even. */
+tf_status tf_fp8_dequantize(const uint8_t *y, tf_fp8_format format, int64_t begin, int64_t end,
+                            float scale_inv, void *x, tf_dtype dtype);
+
+/*
+ * Cast-transpose of a rows x cols matrix x (row stride x_row_stride elements),
+ * for the rows in [row_begin, row_end): writes y (rows x cols, row-major) and
+ * y_t (cols x rows, row-major) from a single read of x.
+ */
+tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
+                                int64_t x_row_stride, int64_t row_begin, int64_t row_end,
+                                float scale, tf_fp8_format format, uint8_t *y, uint8_t *y_t,
+                                uint32_t *amax_bits);
+
+/* Row band height that tf_fp8_cast_transpose works in; callers split rows at multiples of it. */
+#define TF_FP8_CT_TILE 32
+
+#endif /* TF_FP8_QUANTIZE_H */

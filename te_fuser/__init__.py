@@ -1,0 +1,1 @@
+from . import _extension  # noqa: F401
