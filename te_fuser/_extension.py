@@ -1,5 +1,7 @@
 """Loads te_fuser._C, whose import registers the torch.ops.te_fuser kernels."""
 
+import torch  # loads libtorch, which te_fuser._C links against
+
 try:
     from . import _C  # noqa: F401  (imported for its op registrations)
 except ImportError as err:  # pragma: no cover - only hit on a broken install
@@ -8,8 +10,6 @@ except ImportError as err:  # pragma: no cover - only hit on a broken install
         "build it with `pip install --no-build-isolation -e .` "
         f"(original error: {err})"
     ) from err
-
-import torch
 
 
 def has_cuda_kernels() -> bool:
