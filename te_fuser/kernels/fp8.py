@@ -1,0 +1,128 @@
+"""FP8 quantizer kernels: validated Python entry points and fake (meta) kernels.
+
+The kernels themselves are torch.ops.te_fuser.fp8_* (C on CPU, CUDA C on GPU).
+The fake kernels describe their outputs so torch.compile can trace them.
+"""
+
+import torch
+
+from .validate import (
+    check_contiguous,
+    check_dtype,
+    check_float_dtype,
+    check_fp8_dtype,
+    check_same_device,
+    check_scalar_f32,
+    check_tensor,
+    FP8_DTYPES,
+)
+
+_ops = torch.ops.te_fuser
+
+AMAX_ALGOS = {"max": 0, "most_recent": 1}
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    check_fp8_dtype(fp8_dtype)
+    return torch.finfo(fp8_dtype).max
+
+
+def _check_quantize_args(x, scale, amax, fp8_dtype):
+    check_dtype(x, "x")
+    check_contiguous(x, "x")
+    check_scalar_f32(scale, "scale", x, "x")
+    check_scalar_f32(amax, "amax", x, "x")
+    check_fp8_dtype(fp8_dtype)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 bytes of fp8(x * scale) in one pass; amax <- max(amax, max|x|) in place."""
+    _check_quantize_args(x, scale, amax, fp8_dtype)
+    return _ops.fp8_quantize(x, scale, amax, fp8_dtype)
+
+
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype):
+    """Like quantize, and also the transpose of x viewed as (numel / x.shape[-1], x.shape[-1])."""
+    _check_quantize_args(x, scale, amax, fp8_dtype)
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dimensions for cast_transpose, got shape {tuple(x.shape)}")
+    return _ops.fp8_cast_transpose(x, scale, amax, fp8_dtype)
+
+
+def compute_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 tensor of one element (NaN if x holds a NaN, 0 if x is empty)."""
+    check_dtype(x, "x")
+    check_contiguous(x, "x")
+    return _ops.fp8_amax(x)
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dtype(fp8 value * scale_inv), rounded to nearest even."""
+    check_dtype(data, "data", FP8_DTYPES)
+    check_contiguous(data, "data")
+    check_scalar_f32(scale_inv, "scale_inv", data, "data")
+    check_float_dtype(dtype, "dtype")
+    return _ops.fp8_dequantize(data, scale_inv, dtype)
+
+
+def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: float, margin: int,
+                           amax_compute_algo: str = "max") -> None:
+    """Roll amax into the history, reduce it, and update scale/scale_inv in place (see csrc/fp8/fp8_scaling.h)."""
+    if amax_compute_algo not in AMAX_ALGOS:
+        raise ValueError(f"amax_compute_algo must be one of {sorted(AMAX_ALGOS)}, got {amax_compute_algo!r}")
+    check_tensor(amax_history, "amax_history")
+    if amax_history.dim() != 2:
+        raise ValueError(f"amax_history must be 2-D (history_len, n), got shape {tuple(amax_history.shape)}")
+    for name, t in (("amax_history", amax_history), ("amax", amax), ("scale", scale), ("scale_inv", scale_inv)):
+        check_dtype(t, name, (torch.float32,))
+        check_contiguous(t, name)
+        check_same_device(t, name, amax_history, "amax_history")
+    n = amax_history.shape[1]
+    for name, t in (("amax", amax), ("scale", scale), ("scale_inv", scale_inv)):
+        if t.numel() != n:
+            raise ValueError(f"{name} must have amax_history.shape[1] = {n} elements, got {t.numel()}")
+    if not -126 <= int(margin) <= 126:
+        raise ValueError(f"margin must lie in [-126, 126], got {margin}")
+    _ops.fp8_delayed_scaling_update(amax_history, amax, scale, scale_inv, float(fp8_max_value), int(margin),
+                                    AMAX_ALGOS[amax_compute_algo])
+
+
+def current_scale(amax: torch.Tensor, fp8_max_value: float, epsilon: float = 0.0, force_pow2: bool = False):
+    """(scale, scale_inv) for current scaling: fp8_max / max(amax, epsilon), 1 for amax 0/Inf/NaN."""
+    check_scalar_f32(amax, "amax", amax, "amax")
+    if epsilon < 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+    return _ops.fp8_current_scale(amax, float(fp8_max_value), float(epsilon), bool(force_pow2))
+
+
+@torch.library.register_fake("te_fuser::fp8_quantize")
+def _(x, scale, amax, fp8_dtype):
+    return torch.empty_like(x, dtype=fp8_dtype)
+
+
+@torch.library.register_fake("te_fuser::fp8_cast_transpose")
+def _(x, scale, amax, fp8_dtype):
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
+
+
+@torch.library.register_fake("te_fuser::fp8_amax")
+def _(x):
+    return x.new_empty((1,), dtype=torch.float32)
+
+
+@torch.library.register_fake("te_fuser::fp8_dequantize")
+def _(data, scale_inv, out_dtype):
+    return torch.empty_like(data, dtype=out_dtype)
+
+
+@torch.library.register_fake("te_fuser::fp8_delayed_scaling_update")
+def _(amax_history, amax, scale, scale_inv, fp8_max_value, margin, amax_compute_algo):
+    return None
+
+
+@torch.library.register_fake("te_fuser::fp8_current_scale")
+def _(amax, fp8_max_value, epsilon, force_pow2):
+    return amax.new_empty((1,)), amax.new_empty((1,))

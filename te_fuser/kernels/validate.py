@@ -1,0 +1,63 @@
+"""Argument checks for the kernel wrappers: clear TypeError/ValueError naming the argument."""
+
+from typing import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d) for d in dtypes)
+
+
+def check_tensor(value, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_dtype(t: torch.Tensor, name: str, allowed=FLOAT_DTYPES) -> None:
+    check_tensor(t, name)
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} must have dtype in ({_names(allowed)}), got {t.dtype}")
+
+
+def check_fp8_dtype(dtype, name: str = "fp8_dtype") -> None:
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{name} must be one of ({_names(FP8_DTYPES)}), got {dtype!r}")
+
+
+def check_float_dtype(dtype, name: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be one of ({_names(FLOAT_DTYPES)}), got {dtype!r}")
+
+
+def check_contiguous(t: torch.Tensor, name: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first)")
+
+
+def check_same_device(t: torch.Tensor, name: str, other: torch.Tensor, other_name: str) -> None:
+    if t.device != other.device:
+        raise ValueError(
+            f"{name} is on {t.device} but {other_name} is on {other.device}; "
+            "they must be on the same device"
+        )
+
+
+def check_scalar_f32(t, name: str, like: torch.Tensor, like_name: str) -> None:
+    """A float32 tensor of one element on the same device as `like`."""
+    check_tensor(t, name)
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise TypeError(
+            f"{name} must be a float32 tensor with one element, got dtype {t.dtype} "
+            f"and shape {tuple(t.shape)}"
+        )
+    check_same_device(t, name, like, like_name)
+
+
+def check_divisible(value: int, divisor: int, name: str) -> None:
+    if value % divisor:
+        raise ValueError(f"{name} must be divisible by {divisor}, got {value}")
