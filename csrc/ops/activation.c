@@ -1,0 +1,185 @@
+#include "activation.h"
+
+#include "ops_tile.h"
+
+#include <math.h>
+
+#define GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
+#define GELU_K1 0.044715f
+
+static void act_forward_tile(tf_activation act, int64_t n, float *restrict v) {
+  if (act == TF_ACT_GELU_TANH) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = v[i];
+      v[i] = 0.5f * x * (1.0f + tanhf(GELU_K0 * (x + GELU_K1 * x * x * x)));
+    }
+  } else if (act == TF_ACT_RELU) {
+    for (int64_t i = 0; i < n; ++i) v[i] = v[i] > 0.0f ? v[i] : 0.0f;
+  }
+}
+
+/* g[i] *= act'(x[i]). */
+static void act_backward_tile(tf_activation act, int64_t n, const float *restrict x,
+                              float *restrict g) {
+  if (act == TF_ACT_GELU_TANH) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float xi = x[i];
+      const float t = tanhf(GELU_K0 * (xi + GELU_K1 * xi * xi * xi));
+      const float du = GELU_K0 * (1.0f + 3.0f * GELU_K1 * xi * xi);
+      g[i] *= 0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * du;
+    }
+  } else if (act == TF_ACT_RELU) {
+    for (int64_t i = 0; i < n; ++i) g[i] = x[i] > 0.0f ? g[i] : 0.0f;
+  }
+}
+
+static int act_ok(tf_activation act) {
+  return act == TF_ACT_NONE || act == TF_ACT_GELU_TANH || act == TF_ACT_RELU;
+}
+
+static void add_bias_tile(const void *bias, tf_dtype bias_dtype, int64_t c0, int64_t n,
+                          float *restrict v) {
+  if (!bias) return;
+  float b[TF_OPS_TILE];
+  tf_ops_load(bias, bias_dtype, c0, n, b);
+  for (int64_t i = 0; i < n; ++i) v[i] += b[i];
+}
+
+tf_status tf_bias_act_forward(const void *x, tf_dtype dtype, const void *bias, tf_dtype bias_dtype,
+                              int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                              tf_activation act, const tf_ops_output *y, uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  *amax_bits = 0;
+  if (!tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(y)) return TF_ERR_BAD_DTYPE;
+  if (bias && !tf_ops_dtype_ok(bias_dtype)) return TF_ERR_BAD_DTYPE;
+  if (!act_ok(act)) return TF_ERR_BAD_ARGUMENT;
+  const tf_status s = tf_ops_check_rows(rows, cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (row_end > row_begin && cols > 0 && (!x || !y->data)) return TF_ERR_NULL_POINTER;
+  float v[TF_OPS_TILE];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+      const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+      tf_ops_load(x, dtype, r * cols + c0, n, v);
+      add_bias_tile(bias, bias_dtype, c0, n, v);
+      act_forward_tile(act, n, v);
+      tf_ops_store(y, r * cols + c0, n, v, amax_bits);
+    }
+  }
+  return TF_OK;
+}
+
+tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                               const void *bias, tf_dtype bias_dtype, int64_t rows, int64_t cols,
+                               int64_t row_begin, int64_t row_end, tf_activation act,
+                               const tf_ops_output *dx, float *dbias_partial, uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  *amax_bits = 0;
+  if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(dx))
+    return TF_ERR_BAD_DTYPE;
+  if (bias && !tf_ops_dtype_ok(bias_dtype)) return TF_ERR_BAD_DTYPE;
+  if (!act_ok(act)) return TF_ERR_BAD_ARGUMENT;
+  const tf_status s = tf_ops_check_rows(rows, cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (cols > 0 && ((row_end > row_begin && (!dy || !x || !dx->data)))) return TF_ERR_NULL_POINTER;
+  if (dbias_partial)
+    for (int64_t c = 0; c < cols; ++c) dbias_partial[c] = 0.0f;
+  float xv[TF_OPS_TILE];
+  float g[TF_OPS_TILE];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+      const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+      tf_ops_load(dy, dy_dtype, r * cols + c0, n, g);
+      if (act != TF_ACT_NONE) {
+        tf_ops_load(x, dtype, r * cols + c0, n, xv);
+        add_bias_tile(bias, bias_dtype, c0, n, xv);
+        act_backward_tile(act, n, xv, g);
+      }
+      if (dbias_partial) {
+        float *restrict db = dbias_partial + c0;
+        for (int64_t i = 0; i < n; ++i) db[i] += g[i];
+      }
+      tf_ops_store(dx, r * cols + c0, n, g, amax_bits);
+    }
+  }
+  return TF_OK;
+}
+
+static float silu(float a) { return a / (1.0f + expf(-a)); }
+
+tf_status tf_swiglu_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
+                            int64_t row_begin, int64_t row_end, const tf_ops_output *y,
+                            uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  *amax_bits = 0;
+  if (!tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(y)) return TF_ERR_BAD_DTYPE;
+  if (!tf_mul_fits(cols, 2)) return TF_ERR_OVERFLOW;
+  const tf_status s = tf_ops_check_rows(rows, 2 * cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (row_end > row_begin && cols > 0 && (!x || !y->data)) return TF_ERR_NULL_POINTER;
+  float a[TF_OPS_TILE];
+  float g[TF_OPS_TILE];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+      const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+      tf_ops_load(x, dtype, 2 * r * cols + c0, n, a);
+      tf_ops_load(x, dtype, 2 * r * cols + cols + c0, n, g);
+      for (int64_t i = 0; i < n; ++i) a[i] = silu(a[i]) * g[i];
+      tf_ops_store(y, r * cols + c0, n, a, amax_bits);
+    }
+  }
+  return TF_OK;
+}
+
+tf_status tf_swiglu_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                             int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                             const tf_ops_output *dx, uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  *amax_bits = 0;
+  if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(dx))
+    return TF_ERR_BAD_DTYPE;
+  if (!tf_mul_fits(cols, 2)) return TF_ERR_OVERFLOW;
+  const tf_status s = tf_ops_check_rows(rows, 2 * cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (row_end > row_begin && cols > 0 && (!dy || !x || !dx->data)) return TF_ERR_NULL_POINTER;
+  float a[TF_OPS_TILE];
+  float g[TF_OPS_TILE];
+  float d[TF_OPS_TILE];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+      const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+      tf_ops_load(dy, dy_dtype, r * cols + c0, n, d);
+      tf_ops_load(x, dtype, 2 * r * cols + c0, n, a);
+      tf_ops_load(x, dtype, 2 * r * cols + cols + c0, n, g);
+      for (int64_t i = 0; i < n; ++i) {
+        const float sig = 1.0f / (1.0f + expf(-a[i]));
+        const float s_a = a[i] * sig;
+        const float dsilu = sig * (1.0f + a[i] * (1.0f - sig));
+        a[i] = d[i] * g[i] * dsilu; /* gradient of the silu half */
+        g[i] = d[i] * s_a;          /* gradient of the gate half */
+      }
+      tf_ops_store(dx, 2 * r * cols + c0, n, a, amax_bits);
+      tf_ops_store(dx, 2 * r * cols + cols + c0, n, g, amax_bits);
+    }
+  }
+  return TF_OK;
+}
+
+tf_status tf_ops_sum_partials(const float *partials, int64_t num_parts, int64_t cols,
+                              int64_t col_begin, int64_t col_end, void *out, tf_dtype out_dtype) {
+  if (!tf_ops_dtype_ok(out_dtype)) return TF_ERR_BAD_DTYPE;
+  if (num_parts < 0 || cols < 0 || !tf_range_ok(col_begin, col_end, cols)) return TF_ERR_BAD_SIZE;
+  if (!tf_mul_fits(num_parts, cols)) return TF_ERR_OVERFLOW;
+  if (col_end > col_begin && (!out || (num_parts > 0 && !partials))) return TF_ERR_NULL_POINTER;
+  float acc[TF_OPS_TILE];
+  for (int64_t c0 = col_begin; c0 < col_end; c0 += TF_OPS_TILE) {
+    const int64_t n = col_end - c0 < TF_OPS_TILE ? col_end - c0 : TF_OPS_TILE;
+    for (int64_t i = 0; i < n; ++i) acc[i] = 0.0f;
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float *restrict row = partials + p * cols + c0;
+      for (int64_t i = 0; i < n; ++i) acc[i] += row[i];
+    }
+    tf_ops_store_dtype(out, out_dtype, c0, n, acc);
+  }
+  return TF_OK;
+}

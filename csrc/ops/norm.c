@@ -1,0 +1,207 @@
+#include "norm.h"
+
+#include "ops_tile.h"
+
+#include <math.h>
+
+/* w[i] = gamma[c0 + i] (+ 1 when zero-centered). */
+static void load_weight(const void *gamma, tf_dtype param_dtype, int zero_centered, int64_t c0,
+                        int64_t n, float *restrict w) {
+  tf_ops_load(gamma, param_dtype, c0, n, w);
+  if (zero_centered)
+    for (int64_t i = 0; i < n; ++i) w[i] += 1.0f;
+}
+
+static tf_status check_common(const void *x, tf_dtype dtype, const void *gamma,
+                              tf_dtype param_dtype, int64_t rows, int64_t cols, int64_t row_begin,
+                              int64_t row_end) {
+  if (!tf_ops_dtype_ok(dtype) || !tf_ops_dtype_ok(param_dtype)) return TF_ERR_BAD_DTYPE;
+  const tf_status s = tf_ops_check_rows(rows, cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (row_end > row_begin && cols > 0 && (!x || !gamma)) return TF_ERR_NULL_POINTER;
+  return TF_OK;
+}
+
+/* Sum of x (or of x^2 after subtracting `center`) over one row, in double. */
+static double row_sum(const void *x, tf_dtype dtype, int64_t offset, int64_t cols, float center,
+                      int squared) {
+  float v[TF_OPS_TILE];
+  double sum = 0.0;
+  for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+    const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+    tf_ops_load(x, dtype, offset + c0, n, v);
+    float part = 0.0f;
+    if (squared) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float d = v[i] - center;
+        part += d * d;
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) part += v[i];
+    }
+    sum += part;
+  }
+  return sum;
+}
+
+/* y = (x - center) * rstd * w (+ beta) for one row. */
+static void normalize_row(const void *x, tf_dtype dtype, const void *gamma, const void *beta,
+                          tf_dtype param_dtype, int zero_centered, int64_t offset, int64_t cols,
+                          float center, float rstd, const tf_ops_output *y, uint32_t *amax_bits) {
+  float v[TF_OPS_TILE];
+  float w[TF_OPS_TILE];
+  float b[TF_OPS_TILE];
+  for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+    const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+    tf_ops_load(x, dtype, offset + c0, n, v);
+    load_weight(gamma, param_dtype, zero_centered, c0, n, w);
+    for (int64_t i = 0; i < n; ++i) v[i] = (v[i] - center) * rstd * w[i];
+    if (beta) {
+      tf_ops_load(beta, param_dtype, c0, n, b);
+      for (int64_t i = 0; i < n; ++i) v[i] += b[i];
+    }
+    tf_ops_store(y, offset + c0, n, v, amax_bits);
+  }
+}
+
+tf_status tf_rmsnorm_forward(const void *x, tf_dtype dtype, const void *gamma, tf_dtype param_dtype,
+                             int zero_centered_gamma, float eps, int64_t rows, int64_t cols,
+                             int64_t row_begin, int64_t row_end, const tf_ops_output *y,
+                             float *rstd, uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  *amax_bits = 0;
+  if (!tf_ops_output_ok(y)) return TF_ERR_BAD_DTYPE;
+  const tf_status s = check_common(x, dtype, gamma, param_dtype, rows, cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (!(eps >= 0.0f)) return TF_ERR_BAD_ARGUMENT;
+  if (row_end > row_begin && (!rstd || (cols > 0 && !y->data))) return TF_ERR_NULL_POINTER;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const double ms = cols > 0 ? row_sum(x, dtype, r * cols, cols, 0.0f, 1) / (double)cols : 0.0;
+    const float rs = (float)(1.0 / sqrt(ms + (double)eps));
+    rstd[r] = rs;
+    normalize_row(x, dtype, gamma, NULL, param_dtype, zero_centered_gamma, r * cols, cols, 0.0f, rs,
+                  y, amax_bits);
+  }
+  return TF_OK;
+}
+
+tf_status tf_layernorm_forward(const void *x, tf_dtype dtype, const void *gamma, const void *beta,
+                               tf_dtype param_dtype, int zero_centered_gamma, float eps,
+                               int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                               const tf_ops_output *y, float *mean, float *rstd,
+                               uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  *amax_bits = 0;
+  if (!tf_ops_output_ok(y)) return TF_ERR_BAD_DTYPE;
+  const tf_status s = check_common(x, dtype, gamma, param_dtype, rows, cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (!(eps >= 0.0f)) return TF_ERR_BAD_ARGUMENT;
+  if (row_end > row_begin && (!mean || !rstd || (cols > 0 && (!y->data || !beta))))
+    return TF_ERR_NULL_POINTER;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const float mu = cols > 0 ? (float)(row_sum(x, dtype, r * cols, cols, 0.0f, 0) / (double)cols)
+                              : 0.0f;
+    const double var = cols > 0 ? row_sum(x, dtype, r * cols, cols, mu, 1) / (double)cols : 0.0;
+    const float rs = (float)(1.0 / sqrt(var + (double)eps));
+    mean[r] = mu;
+    rstd[r] = rs;
+    normalize_row(x, dtype, gamma, beta, param_dtype, zero_centered_gamma, r * cols, cols, mu, rs, y,
+                  amax_bits);
+  }
+  return TF_OK;
+}
+
+/*
+ * Shared backward of both norms for one band. With xhat = (x - mu) * rstd and
+ * g = dy * w: dx = rstd * (g - mean(g) * has_mean - xhat * mean(g * xhat)).
+ */
+static void norm_backward_band(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                               const float *mean, const float *rstd, const void *gamma,
+                               tf_dtype param_dtype, int zero_centered, int64_t cols,
+                               int64_t row_begin, int64_t row_end, void *dx, tf_dtype dx_dtype,
+                               float *restrict dgamma_partial, float *restrict dbeta_partial) {
+  float d[TF_OPS_TILE];
+  float v[TF_OPS_TILE];
+  float w[TF_OPS_TILE];
+  for (int64_t c = 0; c < cols; ++c) dgamma_partial[c] = 0.0f;
+  if (dbeta_partial)
+    for (int64_t c = 0; c < cols; ++c) dbeta_partial[c] = 0.0f;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const int64_t offset = r * cols;
+    const float mu = mean ? mean[r] : 0.0f;
+    const float rs = rstd[r];
+    double sum_g = 0.0, sum_gx = 0.0;
+    for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+      const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+      tf_ops_load(dy, dy_dtype, offset + c0, n, d);
+      tf_ops_load(x, dtype, offset + c0, n, v);
+      load_weight(gamma, param_dtype, zero_centered, c0, n, w);
+      float part_g = 0.0f, part_gx = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = d[i] * w[i];
+        part_g += g;
+        part_gx += g * (v[i] - mu) * rs;
+      }
+      sum_g += part_g;
+      sum_gx += part_gx;
+    }
+    const float mean_g = mean ? (float)(sum_g / (double)cols) : 0.0f;
+    const float mean_gx = (float)(sum_gx / (double)cols);
+    for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+      const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+      tf_ops_load(dy, dy_dtype, offset + c0, n, d);
+      tf_ops_load(x, dtype, offset + c0, n, v);
+      load_weight(gamma, param_dtype, zero_centered, c0, n, w);
+      float *restrict dg = dgamma_partial + c0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float xhat = (v[i] - mu) * rs;
+        dg[i] += d[i] * xhat;
+        v[i] = rs * (d[i] * w[i] - mean_g - xhat * mean_gx);
+      }
+      if (dbeta_partial) {
+        float *restrict db = dbeta_partial + c0;
+        for (int64_t i = 0; i < n; ++i) db[i] += d[i];
+      }
+      tf_ops_store_dtype(dx, dx_dtype, offset + c0, n, v);
+    }
+  }
+}
+
+static tf_status check_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                const float *rstd, const void *gamma, tf_dtype param_dtype,
+                                int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                                const void *dx, tf_dtype dx_dtype, const float *dgamma_partial) {
+  if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dx_dtype)) return TF_ERR_BAD_DTYPE;
+  const tf_status s = check_common(x, dtype, gamma, param_dtype, rows, cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (cols > 0 && !dgamma_partial) return TF_ERR_NULL_POINTER;
+  if (row_end > row_begin && (!rstd || (cols > 0 && (!dy || !dx)))) return TF_ERR_NULL_POINTER;
+  return TF_OK;
+}
+
+tf_status tf_rmsnorm_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                              const float *rstd, const void *gamma, tf_dtype param_dtype,
+                              int zero_centered_gamma, int64_t rows, int64_t cols,
+                              int64_t row_begin, int64_t row_end, void *dx, tf_dtype dx_dtype,
+                              float *dgamma_partial) {
+  const tf_status s = check_backward(dy, dy_dtype, x, dtype, rstd, gamma, param_dtype, rows, cols,
+                                     row_begin, row_end, dx, dx_dtype, dgamma_partial);
+  if (s != TF_OK || cols == 0) return s;
+  norm_backward_band(dy, dy_dtype, x, dtype, NULL, rstd, gamma, param_dtype, zero_centered_gamma,
+                     cols, row_begin, row_end, dx, dx_dtype, dgamma_partial, NULL);
+  return TF_OK;
+}
+
+tf_status tf_layernorm_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                const float *mean, const float *rstd, const void *gamma,
+                                tf_dtype param_dtype, int zero_centered_gamma, int64_t rows,
+                                int64_t cols, int64_t row_begin, int64_t row_end, void *dx,
+                                tf_dtype dx_dtype, float *dgamma_partial, float *dbeta_partial) {
+  const tf_status s = check_backward(dy, dy_dtype, x, dtype, rstd, gamma, param_dtype, rows, cols,
+                                     row_begin, row_end, dx, dx_dtype, dgamma_partial);
+  if (s != TF_OK || cols == 0) return s;
+  if (!dbeta_partial || (row_end > row_begin && !mean)) return TF_ERR_NULL_POINTER;
+  norm_backward_band(dy, dy_dtype, x, dtype, mean, rstd, gamma, param_dtype, zero_centered_gamma,
+                     cols, row_begin, row_end, dx, dx_dtype, dgamma_partial, dbeta_partial);
+  return TF_OK;
+}
