@@ -1,0 +1,218 @@
+"""Fused element-wise and normalization kernels: validated Python entry points and fake kernels.
+
+The kernels are torch.ops.te_fuser.* (C on CPU, CUDA C on GPU). Tensors are
+viewed as (numel / last dim) x (last dim) and must be contiguous.
+
+GELU is the tanh approximation (TransformerEngine's and Megatron's gelu),
+equal to torch.nn.functional.gelu(x, approximate="tanh").
+
+Forward kernels can write FP8 directly: pass `fp8_out=(fp8_dtype, scale, amax)`
+and the result holds the FP8 codes of value * scale (a plain FP8 tensor),
+while amax <- max(amax, max |value|) in place.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from .validate import (
+    check_contiguous,
+    check_dtype,
+    check_fp8_dtype,
+    check_same_device,
+    check_scalar_f32,
+)
+
+_ops = torch.ops.te_fuser
+
+ACTIVATIONS = {"none": 0, "gelu": 1, "relu": 2}
+
+Fp8Out = Optional[Tuple[torch.dtype, torch.Tensor, torch.Tensor]]
+
+
+def _activation_code(activation: str) -> int:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    return ACTIVATIONS[activation]
+
+
+def _check_input(x, name: str) -> None:
+    check_dtype(x, name)
+    check_contiguous(x, name)
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension, got a scalar")
+
+
+def _check_like(t, name: str, x, x_name: str) -> None:
+    _check_input(t, name)
+    check_same_device(t, name, x, x_name)
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have the shape of {x_name} {tuple(x.shape)}, got {tuple(t.shape)}")
+
+
+def _check_vector(v, name: str, x, x_name: str = "x") -> None:
+    _check_input(v, name)
+    check_same_device(v, name, x, x_name)
+    if v.dim() != 1 or v.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"{name} must be 1-D with {x_name}.shape[-1] = {x.shape[-1]} elements, got shape {tuple(v.shape)}"
+        )
+
+
+def _check_stats(t, name: str, x) -> None:
+    check_dtype(t, name, (torch.float32,))
+    check_contiguous(t, name)
+    check_same_device(t, name, x, "x")
+    if t.numel() != x.numel() // max(x.shape[-1], 1) or t.shape != x.shape[:-1]:
+        raise ValueError(f"{name} must have shape {tuple(x.shape[:-1])}, got {tuple(t.shape)}")
+
+
+def _fp8_args(fp8_out: Fp8Out, x) -> tuple:
+    if fp8_out is None:
+        return None, None, None
+    if not isinstance(fp8_out, tuple) or len(fp8_out) != 3:
+        raise TypeError("fp8_out must be a tuple (fp8_dtype, scale, amax)")
+    fp8_dtype, scale, amax = fp8_out
+    check_fp8_dtype(fp8_dtype, "fp8_out[0] (fp8_dtype)")
+    check_scalar_f32(scale, "fp8_out[1] (scale)", x, "x")
+    check_scalar_f32(amax, "fp8_out[2] (amax)", x, "x")
+    return fp8_dtype, scale, amax
+
+
+def bias_activation(x: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: str = "gelu",
+                    fp8_out: Fp8Out = None) -> torch.Tensor:
+    """activation(x + bias) in one pass ("none", "gelu" (tanh approximation) or "relu")."""
+    _check_input(x, "x")
+    if bias is not None:
+        _check_vector(bias, "bias", x)
+    return _ops.bias_act_forward(x, bias, _activation_code(activation), *_fp8_args(fp8_out, x))
+
+
+def activation_bias_backward(grad: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                             activation: str = "gelu", compute_dbias: bool = True, fp8_out: Fp8Out = None):
+    """(dx, dbias) of activation(x + bias) from one pass over grad and x; dbias is None when not computed.
+
+    dbias is reduced over rows deterministically (fixed row bands summed in a fixed order).
+    """
+    _check_input(x, "x")
+    _check_like(grad, "grad", x, "x")
+    if bias is not None:
+        _check_vector(bias, "bias", x)
+    dx, dbias = _ops.act_bias_backward(grad, x, bias, _activation_code(activation), bool(compute_dbias),
+                                       *_fp8_args(fp8_out, x))
+    return dx, (dbias if compute_dbias else None)
+
+
+def _check_swiglu_input(x) -> None:
+    _check_input(x, "x")
+    if x.shape[-1] % 2:
+        raise ValueError(f"x.shape[-1] must be even for SwiGLU, got {x.shape[-1]}")
+
+
+def swiglu(x: torch.Tensor, fp8_out: Fp8Out = None) -> torch.Tensor:
+    """silu(a) * g with a, g = x.chunk(2, dim=-1)."""
+    _check_swiglu_input(x)
+    return _ops.swiglu_forward(x, *_fp8_args(fp8_out, x))
+
+
+def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Gradient of swiglu with respect to x."""
+    _check_swiglu_input(x)
+    _check_input(grad, "grad")
+    check_same_device(grad, "grad", x, "x")
+    if grad.shape != x.shape[:-1] + (x.shape[-1] // 2,):
+        raise ValueError(f"grad must have shape {tuple(x.shape[:-1]) + (x.shape[-1] // 2,)}, got {tuple(grad.shape)}")
+    return _ops.swiglu_backward(grad, x)
+
+
+def _check_eps(eps) -> float:
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    return float(eps)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False,
+            fp8_out: Fp8Out = None):
+    """(y, rstd): y = x / sqrt(mean(x^2) + eps) * weight; rstd float32 per row, for the backward."""
+    _check_input(x, "x")
+    _check_vector(weight, "weight", x)
+    return _ops.rmsnorm_forward(x, weight, _check_eps(eps), bool(zero_centered_gamma), *_fp8_args(fp8_out, x))
+
+
+def rmsnorm_backward(grad, x, rstd, weight, zero_centered_gamma: bool = False):
+    """(dx, dweight) of rmsnorm."""
+    _check_input(x, "x")
+    _check_like(grad, "grad", x, "x")
+    _check_stats(rstd, "rstd", x)
+    _check_vector(weight, "weight", x)
+    return _ops.rmsnorm_backward(grad, x, rstd, weight, bool(zero_centered_gamma))
+
+
+def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
+              zero_centered_gamma: bool = False, fp8_out: Fp8Out = None):
+    """(y, mean, rstd): y = (x - mean) * rstd * weight + bias; mean, rstd float32 per row."""
+    _check_input(x, "x")
+    _check_vector(weight, "weight", x)
+    _check_vector(bias, "bias", x)
+    if bias.dtype != weight.dtype:
+        raise TypeError(f"bias must have weight's dtype {weight.dtype}, got {bias.dtype}")
+    return _ops.layernorm_forward(x, weight, bias, _check_eps(eps), bool(zero_centered_gamma),
+                                  *_fp8_args(fp8_out, x))
+
+
+def layernorm_backward(grad, x, mean, rstd, weight, zero_centered_gamma: bool = False):
+    """(dx, dweight, dbias) of layernorm."""
+    _check_input(x, "x")
+    _check_like(grad, "grad", x, "x")
+    _check_stats(mean, "mean", x)
+    _check_stats(rstd, "rstd", x)
+    _check_vector(weight, "weight", x)
+    return _ops.layernorm_backward(grad, x, mean, rstd, weight, bool(zero_centered_gamma))
+
+
+def _out_like(x, dtype, fp8_dtype, shape=None):
+    return x.new_empty(x.shape if shape is None else shape, dtype=fp8_dtype if fp8_dtype is not None else dtype)
+
+
+@torch.library.register_fake("te_fuser::bias_act_forward")
+def _(x, bias, activation, fp8_dtype=None, scale=None, amax=None):
+    return _out_like(x, x.dtype, fp8_dtype)
+
+
+@torch.library.register_fake("te_fuser::act_bias_backward")
+def _(grad, x, bias, activation, compute_dbias, fp8_dtype=None, scale=None, amax=None):
+    dbias_dtype = bias.dtype if bias is not None else grad.dtype
+    return (_out_like(x, grad.dtype, fp8_dtype),
+            x.new_empty((x.shape[-1] if compute_dbias else 0,), dtype=dbias_dtype))
+
+
+@torch.library.register_fake("te_fuser::swiglu_forward")
+def _(x, fp8_dtype=None, scale=None, amax=None):
+    return _out_like(x, x.dtype, fp8_dtype, x.shape[:-1] + (x.shape[-1] // 2,))
+
+
+@torch.library.register_fake("te_fuser::swiglu_backward")
+def _(grad, x):
+    return x.new_empty(x.shape, dtype=grad.dtype)
+
+
+@torch.library.register_fake("te_fuser::rmsnorm_forward")
+def _(x, weight, eps, zero_centered_gamma, fp8_dtype=None, scale=None, amax=None):
+    return _out_like(x, x.dtype, fp8_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.register_fake("te_fuser::rmsnorm_backward")
+def _(grad, x, rstd, weight, zero_centered_gamma):
+    return x.new_empty(x.shape, dtype=grad.dtype), torch.empty_like(weight)
+
+
+@torch.library.register_fake("te_fuser::layernorm_forward")
+def _(x, weight, bias, eps, zero_centered_gamma, fp8_dtype=None, scale=None, amax=None):
+    stats = x.shape[:-1]
+    return (_out_like(x, x.dtype, fp8_dtype), x.new_empty(stats, dtype=torch.float32),
+            x.new_empty(stats, dtype=torch.float32))
+
+
+@torch.library.register_fake("te_fuser::layernorm_backward")
+def _(grad, x, mean, rstd, weight, zero_centered_gamma):
+    return x.new_empty(x.shape, dtype=grad.dtype), torch.empty_like(weight), torch.empty_like(weight)

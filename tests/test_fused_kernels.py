@@ -1,0 +1,207 @@
+"""Fused element-wise / normalization kernels against float64 torch autograd references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import te_fuser  # noqa: F401
+from te_fuser.kernels import fused
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Output rounding of the dtype plus float32 math; bounds relative to max |reference|.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def _close(actual, expected, dtype, scale=None):
+    expected = expected.double()
+    scale = scale if scale is not None else max(expected.abs().max().item(), 1.0)
+    err = (actual.double() - expected).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max error {err} > {TOL[dtype] * scale}"
+
+
+def _rand(*shape, dtype=torch.float32, scale=3.0):
+    x = torch.randn(*shape, dtype=torch.float64) * scale
+    edges = torch.tensor([0.0, -0.0, 1e-3, -12.0], dtype=torch.float64)  # edge values
+    n = min(x.numel(), edges.numel())
+    x.view(-1)[:n] = edges[:n]
+    return x.to(dtype)
+
+
+def _ref_act(act, z):
+    return {"gelu": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu, "none": lambda t: t}[act](z)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["gelu", "relu", "none"])
+@pytest.mark.parametrize("shape", [(3, 5, 70), (1, 1), (600, 33), (2, 1100)])
+def test_bias_activation_forward_and_backward(dtype, act, shape):
+    x = _rand(*shape, dtype=dtype)
+    b = _rand(shape[-1], dtype=dtype)
+    g = _rand(*shape, dtype=dtype, scale=1.0)
+    y = fused.bias_activation(x, b, act)
+    assert y.dtype == dtype and y.shape == x.shape
+    x64 = x.double().requires_grad_()
+    b64 = b.double().requires_grad_()
+    ref = _ref_act(act, x64 + b64)
+    ref.backward(g.double())
+    _close(y, ref.detach(), dtype)
+    dx, db = fused.activation_bias_backward(g, x, b, act)
+    _close(dx, x64.grad, dtype)
+    _close(db, b64.grad, dtype, scale=max(b64.grad.abs().max().item(), 1.0) * (shape[0] if len(shape) == 2 else 15))
+
+
+def test_dbias_is_deterministic_across_thread_counts():
+    x, g, b = _rand(4096, 64), _rand(4096, 64), _rand(64)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _, db1 = fused.activation_bias_backward(g, x, b, "gelu")
+        torch.set_num_threads(max(old, 2))
+        _, db2 = fused.activation_bias_backward(g, x, b, "gelu")
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(db1, db2)
+
+
+def test_gelu_matches_torch_tanh_gelu_exactly_enough():
+    # The tanh form, not the erf one: they differ by up to ~5e-4 near |x| = 2.
+    x = torch.linspace(-8, 8, 4001)
+    y = fused.bias_activation(x, None, "gelu")
+    assert (y - F.gelu(x, approximate="tanh")).abs().max() < 1e-6
+    assert (y - F.gelu(x)).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu(dtype):
+    x = _rand(7, 3, 130, dtype=dtype)
+    g = _rand(7, 3, 65, dtype=dtype, scale=1.0)
+    x64 = x.double().requires_grad_()
+    a, gate = x64.chunk(2, dim=-1)
+    ref = F.silu(a) * gate
+    ref.backward(g.double())
+    _close(fused.swiglu(x), ref.detach(), dtype)
+    _close(fused.swiglu_backward(g, x), x64.grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("kind", ["rms", "ln"])
+def test_norms(dtype, zero_centered, kind):
+    x = _rand(300, 96, dtype=dtype) + 0.5
+    w = _rand(96, dtype=dtype, scale=0.5)
+    b = _rand(96, dtype=dtype, scale=0.5)
+    g = _rand(300, 96, dtype=dtype, scale=1.0)
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    w_eff = w64 + 1 if zero_centered else w64
+    if kind == "rms":
+        ref = F.rms_norm(x64, (96,), w_eff, 1e-5)
+        y, rstd = fused.rmsnorm(x, w, 1e-5, zero_centered)
+        dx, dw = fused.rmsnorm_backward(g, x, rstd, w, zero_centered)
+    else:
+        ref = F.layer_norm(x64, (96,), w_eff, b64, 1e-5)
+        y, mean, rstd = fused.layernorm(x, w, b, 1e-5, zero_centered)
+        dx, dw, db = fused.layernorm_backward(g, x, mean, rstd, w, zero_centered)
+        _close(mean, x64.detach().mean(-1), torch.float32)
+    ref.backward(g.double())
+    assert rstd.dtype == torch.float32 and rstd.shape == (300,)
+    _close(y, ref.detach(), dtype)
+    _close(dx, x64.grad, dtype)
+    _close(dw, w64.grad, dtype, scale=max(w64.grad.abs().max().item(), 1.0) * 20)
+    if kind == "ln":
+        _close(db, b64.grad, dtype, scale=max(b64.grad.abs().max().item(), 1.0) * 20)
+
+
+def test_float32_gradcheck_by_finite_differences():
+    # Kernels compute in float32 at most, so torch.autograd.gradcheck (float64) does
+    # not apply; central differences in float32 with a matching tolerance instead.
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    w = torch.randn(16)
+    b = torch.randn(16)
+    g = torch.randn(4, 16)
+    y, mean, rstd = fused.layernorm(x, w, b, 1e-5)
+    dx, _, _ = fused.layernorm_backward(g, x, mean, rstd, w)
+    eps = 1e-2
+    for i, j in [(0, 0), (1, 5), (3, 15)]:
+        xp, xm = x.clone(), x.clone()
+        xp[i, j] += eps
+        xm[i, j] -= eps
+        fd = ((fused.layernorm(xp, w, b)[0] - fused.layernorm(xm, w, b)[0]) * g).sum() / (2 * eps)
+        assert abs(fd.item() - dx[i, j].item()) < 2e-2 * max(1.0, abs(fd.item()))
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_output_equals_quantizing_the_output(fp8_dtype):
+    x = _rand(64, 48, dtype=torch.bfloat16)
+    b = _rand(48, dtype=torch.bfloat16)
+    scale = torch.tensor([3.0])
+    amax = torch.zeros(1)
+    y8 = fused.bias_activation(x, b, "gelu", fp8_out=(fp8_dtype, scale, amax))
+    y = fused.bias_activation(x.float(), b.float(), "gelu")
+    # Reference: torch's own float8 cast of the float32 output times the scale.
+    ref = (y * scale).to(fp8_dtype)
+    assert y8.dtype == fp8_dtype
+    assert torch.equal(y8.view(torch.uint8), ref.view(torch.uint8))
+    assert amax.item() == y.abs().max().item()
+    # amax accumulates as a running max.
+    fused.bias_activation(x * 0, None, "relu", fp8_out=(fp8_dtype, scale, amax))
+    assert amax.item() == y.abs().max().item()
+    # The norms emit FP8 the same way.
+    w = torch.ones(48, dtype=torch.bfloat16)
+    n8, _ = fused.rmsnorm(x, w, fp8_out=(fp8_dtype, scale, torch.zeros(1)))
+    n, _ = fused.rmsnorm(x.float(), w.float())
+    assert torch.equal(n8.view(torch.uint8), (n * scale).to(fp8_dtype).view(torch.uint8))
+
+
+def test_fp8_gradient_output():
+    x, g, b = _rand(32, 16), _rand(32, 16), _rand(16)
+    amax = torch.zeros(1)
+    dx8, db = fused.activation_bias_backward(g, x, b, "gelu", fp8_out=(torch.float8_e5m2, torch.tensor([2.0]), amax))
+    dx, db_ref = fused.activation_bias_backward(g, x, b, "gelu")
+    assert torch.equal(dx8.view(torch.uint8), (dx * 2.0).to(torch.float8_e5m2).view(torch.uint8))
+    assert torch.equal(db, db_ref) and amax.item() == dx.abs().max().item()
+
+
+def test_bad_arguments_raise_clear_errors():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="bias must be 1-D"):
+        fused.bias_activation(x, torch.randn(7))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        fused.bias_activation(x.double())
+    with pytest.raises(ValueError, match="contiguous"):
+        fused.bias_activation(x.t())
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fused.bias_activation(x, None, "tanh")
+    with pytest.raises(ValueError, match="even"):
+        fused.swiglu(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="grad must have the shape"):
+        fused.activation_bias_backward(torch.randn(4, 7), x)
+    with pytest.raises(ValueError, match="eps"):
+        fused.rmsnorm(x, torch.ones(8), eps=-1.0)
+    with pytest.raises(TypeError, match="fp8_out"):
+        fused.bias_activation(x, fp8_out=(torch.float8_e4m3fn, torch.ones(1)))
+    # The raw op checks on its own too.
+    with pytest.raises(RuntimeError, match="bias must be 1-D"):
+        torch.ops.te_fuser.bias_act_forward(x, torch.randn(3), 1)
+    with pytest.raises(RuntimeError, match="needs both scale and amax"):
+        torch.ops.te_fuser.bias_act_forward(x, None, 1, torch.float8_e4m3fn)
+
+
+def test_empty_inputs():
+    for shape in [(0, 8), (4, 0)]:
+        x = torch.randn(*shape)
+        assert fused.bias_activation(x, None, "gelu").shape == shape
+        dx, db = fused.activation_bias_backward(x, x, None, "gelu")
+        assert dx.shape == shape and db.shape == (shape[1],) and (db == 0).all()
+    y, rstd = fused.rmsnorm(torch.randn(0, 8), torch.ones(8))
+    assert y.shape == (0, 8) and rstd.shape == (0,)
+
+
+def test_compiles_fullgraph():
+    def f(x, b, w):
+        y = fused.bias_activation(x, b, "gelu")
+        return fused.rmsnorm(y, w)[0]
+
+    x, b, w = torch.randn(8, 16), torch.randn(16), torch.randn(16)
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, b, w), f(x, b, w))
