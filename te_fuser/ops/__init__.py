@@ -1,0 +1,31 @@
+"""te_fuser.ops: basic and fused operations, the OperationFuser and the Sequential container."""
+
+from ..kernels import fused as _fused_kernels  # noqa: F401  (registers the fake kernels)
+from .basic.activation import GELU, ReLU, SwiGLU
+from .basic.bias import Bias
+from .basic.linear import BasicLinear
+from .basic.norm import LayerNorm, RMSNorm
+from .basic.quantize import Quantize
+from .fused.activation_bias_grad import ActivationBiasGrad
+from .fused.linear_bias_activation import LinearBiasActivation
+from .fuser import OperationFuser
+from .op import BasicOperation, FusedOperation, OperationContext
+from .sequential import Sequential
+
+__all__ = [
+    "ActivationBiasGrad",
+    "BasicLinear",
+    "BasicOperation",
+    "Bias",
+    "FusedOperation",
+    "GELU",
+    "LayerNorm",
+    "LinearBiasActivation",
+    "OperationContext",
+    "OperationFuser",
+    "Quantize",
+    "ReLU",
+    "RMSNorm",
+    "Sequential",
+    "SwiGLU",
+]

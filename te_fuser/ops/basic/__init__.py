@@ -1,0 +1,1 @@
+"""Basic operations: each owns its parameters and quantizers."""

@@ -1,0 +1,1 @@
+"""Fused operations: stateless, several basic ops in one step."""

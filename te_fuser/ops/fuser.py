@@ -1,0 +1,193 @@
+"""OperationFuser: runs a chain of basic ops as ONE autograd Function, with the fusions applied.
+
+Fusions are found once per cache key -- FP8 on/off, the recipe type and
+format, grad mode, and which of the input and parameters require grad -- and
+re-found only when that key changes.
+
+Saved-tensor discipline (the bug of TransformerEngine's fuser: quantized
+tensors kept as plain ctx attributes lived until the next iteration):
+  * every tensor an op saves goes through autograd's save_for_backward; a
+    Float8Tensor is split by prepare_for_saving() into its buffers (saved) and
+    an empty shell (kept);
+  * backward restores them, then drops every reference the forward left on
+    the autograd node: the shells, the per-op contexts, the plan. After
+    backward, the node holds no tensor, even while the output is alive.
+_CLEAR_CTX_AFTER_BACKWARD = False turns the dropping off; it exists only so the
+tests can show that they catch the leak.
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..float8_tensor import Float8Tensor
+from ..fp8_state import FP8GlobalState
+from ..saved_tensors import prepare_for_saving, restore_from_saved
+from .basic.activation import _BiasActivation
+from .basic.bias import Bias
+from .basic.linear import BasicLinear
+from .fused.activation_bias_grad import ActivationBiasGrad
+from .fused.linear_bias_activation import LinearBiasActivation
+from .op import BasicOperation, OperationContext
+
+_CLEAR_CTX_AFTER_BACKWARD = True
+
+SECOND_BACKWARD_MESSAGE = (
+    "te_fuser: backward through the fused graph a second time is not supported; saved tensors were freed"
+)
+
+
+def fuse_forward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
+    """[(op, basic op indices)]: BasicLinear + Bias (+ GELU/ReLU) become LinearBiasActivation."""
+    plan, i, n = [], 0, len(basic_ops)
+    while i < n:
+        op = basic_ops[i]
+        if (isinstance(op, BasicLinear) and i + 1 < n and isinstance(basic_ops[i + 1], Bias)
+                and LinearBiasActivation.applies_to(op)):
+            act = basic_ops[i + 2] if i + 2 < n and isinstance(basic_ops[i + 2], _BiasActivation) else None
+            width = 3 if act is not None else 2
+            plan.append((LinearBiasActivation(op, basic_ops[i + 1], act), tuple(range(i, i + width))))
+            i += width
+        else:
+            plan.append((op, (i,)))
+            i += 1
+    return plan
+
+
+def fuse_backward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
+    """[(op, basic op indices)] in forward order: Bias + GELU/ReLU become ActivationBiasGrad."""
+    plan, i, n = [], 0, len(basic_ops)
+    while i < n:
+        if isinstance(basic_ops[i], Bias) and i + 1 < n and isinstance(basic_ops[i + 1], _BiasActivation):
+            plan.append((ActivationBiasGrad(basic_ops[i], basic_ops[i + 1]), (i, i + 1)))
+            i += 2
+        else:
+            plan.append((basic_ops[i], (i,)))
+            i += 1
+    return plan
+
+
+class _Plan:
+    """The fusions and per-op requires-grad pattern for one cache key."""
+
+    __slots__ = ("forward_ops", "backward_ops", "input_requires_grad", "param_slices")
+
+    def __init__(self, basic_ops, input_requires_grad, params_require_grad, param_counts):
+        self.forward_ops = fuse_forward_ops(basic_ops)
+        self.backward_ops = fuse_backward_ops(basic_ops)
+        # Op j's input requires grad when the chain input or a parameter of an earlier op does.
+        self.input_requires_grad, self.param_slices = [], []
+        needs, start = input_requires_grad, 0
+        for count in param_counts:
+            self.input_requires_grad.append(needs)
+            self.param_slices.append((start, start + count))
+            needs = needs or any(params_require_grad[start:start + count])
+            start += count
+
+
+class _BackwardState:
+    """Everything the backward needs besides the saved tensors; dropped once backward ran."""
+
+    __slots__ = ("fuser", "plan", "op_ctxs", "tensor_objects", "save_ranges", "num_params")
+
+
+class _FuserFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(func_ctx, input_, fuser, plan, kwargs_list, *params):
+        basic_ops = fuser.basic_ops
+        ctxs = [OperationContext() for _ in basic_ops]
+        for ctx, needs in zip(ctxs, plan.input_requires_grad):
+            ctx.input_requires_grad = needs
+        x = input_
+        last = len(basic_ops) - 1
+        for op, idx in plan.forward_ops:
+            prev_q = basic_ops[idx[0] - 1].grad_output_quantizer() if idx[0] > 0 else None
+            next_q = basic_ops[idx[-1] + 1].input_quantizer() if idx[-1] < last else None
+            x = op.fuser_forward([ctxs[j] for j in idx], x, prev_q, next_q, [kwargs_list[j] for j in idx])
+        if isinstance(x, Float8Tensor):
+            x = x.dequantize()
+
+        to_save, ranges = [], []
+        for ctx in ctxs:
+            ranges.append((len(to_save), len(to_save) + len(ctx.to_save)))
+            to_save.extend(ctx.to_save)
+            ctx.to_save = ()
+        tensors, objects = prepare_for_saving(*to_save)
+        func_ctx.save_for_backward(*tensors)
+        state = _BackwardState()
+        state.fuser, state.plan, state.op_ctxs = fuser, plan, ctxs
+        state.tensor_objects, state.save_ranges, state.num_params = objects, ranges, len(params)
+        func_ctx.state = state
+        func_ctx.backward_done = False
+        return x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(func_ctx, grad_output):
+        if func_ctx.backward_done:
+            raise RuntimeError(SECOND_BACKWARD_MESSAGE)
+        func_ctx.backward_done = True
+        state = func_ctx.state
+        saved = restore_from_saved(state.tensor_objects, func_ctx.saved_tensors)
+        ctxs = state.op_ctxs
+        for ctx, (start, end) in zip(ctxs, state.save_ranges):
+            ctx.saved_tensors = tuple(saved[start:end])
+        del saved
+        if _CLEAR_CTX_AFTER_BACKWARD:
+            state.tensor_objects = None
+
+        param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
+        dy = grad_output
+        for op, idx in reversed(state.plan.backward_ops):
+            dy, grads_per_op = op.fuser_backward([ctxs[j] for j in idx], dy)
+            for j, grads in zip(idx, grads_per_op):
+                start, _ = state.plan.param_slices[j]
+                for k, g in enumerate(grads):
+                    param_grads[start + k] = g
+        if isinstance(dy, Float8Tensor):
+            dy = dy.dequantize()
+
+        if _CLEAR_CTX_AFTER_BACKWARD:
+            for ctx in ctxs:
+                ctx.clear()
+            func_ctx.state = None
+        return (dy, None, None, None, *param_grads)
+
+
+class OperationFuser:
+    """Runs basic ops as one autograd Function; see the module docstring."""
+
+    def __init__(self, basic_ops: Sequence[BasicOperation]):
+        for op in basic_ops:
+            if not isinstance(op, BasicOperation):
+                raise TypeError(f"OperationFuser takes BasicOperations, got {type(op).__name__}")
+        self.basic_ops = tuple(basic_ops)
+        self._plan: Optional[_Plan] = None
+        self._plan_key = None
+        self.plans_built = 0  # how often fusions were (re)found; tests check the cache with it
+
+    def __call__(self, input_: torch.Tensor, basic_op_kwargs: Optional[Sequence[dict]] = None) -> torch.Tensor:
+        if not isinstance(input_, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
+        kwargs_list = basic_op_kwargs if basic_op_kwargs is not None else [{}] * len(self.basic_ops)
+        params_per_op = [op.op_params(**kw) for op, kw in zip(self.basic_ops, kwargs_list)]
+        params = [p for ps in params_per_op for p in ps]
+        fp8 = FP8GlobalState.is_enabled()
+        recipe = FP8GlobalState.get_recipe() if fp8 else None
+        grad = torch.is_grad_enabled()
+        params_rg = tuple(grad and p.requires_grad for p in params)
+        key = (fp8, type(recipe), getattr(recipe, "fp8_format", None), grad, grad and input_.requires_grad,
+               params_rg)
+        if key != self._plan_key:
+            self._plan = _Plan(self.basic_ops, key[4], params_rg, [len(ps) for ps in params_per_op])
+            self._plan_key = key
+            self.plans_built += 1
+        plan = self._plan
+        if fp8 or any(op.fp8_enabled for op in self.basic_ops):
+            group = FP8GlobalState.get_group()
+            for j, op in enumerate(self.basic_ops):
+                op.setup_fp8(fp8, recipe, group, input_.device)
+                start, end = plan.param_slices[j]
+                op.configure_quantizers(plan.input_requires_grad[j], params_rg[start:end])
+        return _FuserFunction.apply(input_, self, plan, kwargs_list, *params)

@@ -1,0 +1,150 @@
+"""Operation base classes of the fuser (in the spirit of TransformerEngine's pytorch/ops).
+
+A BasicOperation is one step of a chain (linear, bias, activation, ...): it
+owns its parameters and FP8 quantizers and implements op_forward/op_backward
+on a per-op OperationContext. A FusedOperation is stateless: it runs several
+adjacent basic ops in one step (one kernel where possible) using the basic
+ops' own parameters, quantizers and contexts.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..fp8_state import make_recipe_state
+
+
+class OperationContext:
+    """What one basic op carries from its forward to its backward.
+
+    Tensors go through save_for_backward() (the fuser hands them to autograd's
+    save_for_backward; Float8Tensors are split into buffers + shells) and come
+    back as `saved_tensors` in backward. Anything else is set as an attribute.
+    clear() drops every attribute once backward is done with them.
+    """
+
+    def __init__(self):
+        self.to_save: Tuple = ()
+        self.saved_tensors: Optional[Tuple] = None
+
+    def save_for_backward(self, *objs) -> None:
+        self.to_save = objs
+
+    def clear(self) -> None:
+        self.__dict__.clear()
+
+
+class BasicOperation(torch.nn.Module):
+    """One op of a chain: parameters, FP8 quantizers, op_forward and op_backward.
+
+    Quantizers: num_forward_quantizers / num_backward_quantizers per op, made
+    from a recipe state while FP8 is on (setup_fp8), else none.
+    """
+
+    num_forward_quantizers = 0
+    num_backward_quantizers = 0
+
+    def __init__(self):
+        super().__init__()
+        self._fp8_recipe = None
+        self._fp8_states = None  # (forward state, backward state) for the current recipe
+        self._fp8_enabled = False
+        self._forward_quantizers: List = []
+        self._backward_quantizers: List = []
+
+    # -- the fuser's view: a basic op is a fusion of one ---------------------------------
+    @property
+    def basic_ops(self) -> Tuple["BasicOperation", ...]:
+        return (self,)
+
+    def fuser_forward(self, ctxs, input_, prev_op_grad_output_quantizer, next_op_input_quantizer, kwargs_list):
+        return self.op_forward(ctxs[0], input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
+                               **kwargs_list[0])
+
+    def fuser_backward(self, ctxs, grad_output):
+        grad_input, param_grads = self.op_backward(ctxs[0], grad_output)
+        return grad_input, [param_grads]
+
+    # -- what subclasses implement ------------------------------------------------------
+    def op_forward(self, ctx: OperationContext, input_, prev_op_grad_output_quantizer,
+                   next_op_input_quantizer, **kwargs):
+        raise NotImplementedError
+
+    def op_backward(self, ctx: OperationContext, grad_output):
+        """(grad_input, tuple of grads of op_params(), in order)."""
+        raise NotImplementedError
+
+    def op_params(self, **kwargs) -> Sequence[torch.Tensor]:
+        """The tensors this op trains (its parameters, or those passed in kwargs)."""
+        del kwargs
+        return tuple(self.parameters(recurse=False))
+
+    def input_quantizer(self):
+        """The quantizer this op wants its input cast with, or None (input stays high precision)."""
+        return None
+
+    def grad_output_quantizer(self):
+        """The quantizer this op wants its grad_output cast with, or None."""
+        return None
+
+    def configure_quantizers(self, input_requires_grad: bool, params_require_grad: Sequence[bool]) -> None:
+        """Set the quantizers' usages (e.g. columnwise data only when a gradient GEMM needs it)."""
+        del input_requires_grad, params_require_grad
+
+    # -- FP8 recipe state ---------------------------------------------------------------
+    @property
+    def fp8_enabled(self) -> bool:
+        return self._fp8_enabled
+
+    def setup_fp8(self, enabled: bool, recipe, group, device) -> None:
+        """Called by the fuser before every forward: fresh quantizers from the recipe state."""
+        self._fp8_enabled = bool(enabled) and (self.num_forward_quantizers + self.num_backward_quantizers) > 0
+        if not self._fp8_enabled:
+            self._forward_quantizers, self._backward_quantizers = [], []
+            return
+        if self._fp8_states is None or self._fp8_recipe != recipe:
+            self._fp8_recipe = recipe
+            self._fp8_states = (make_recipe_state(recipe, self.num_forward_quantizers, True, device),
+                                make_recipe_state(recipe, self.num_backward_quantizers, False, device))
+        self._forward_quantizers = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
+        self._backward_quantizers = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []
+
+    def fp8_extra_state(self):
+        """The recipe and its scaling state, for a module's get_extra_state (None before FP8 ran)."""
+        if self._fp8_states is None:
+            return None
+        return {"recipe": self._fp8_recipe,
+                "forward": self._fp8_states[0].state_dict(),
+                "backward": self._fp8_states[1].state_dict()}
+
+    def load_fp8_extra_state(self, state, device) -> None:
+        if not state:
+            return
+        self._fp8_recipe = state["recipe"]
+        self._fp8_states = (make_recipe_state(self._fp8_recipe, self.num_forward_quantizers, True, device),
+                            make_recipe_state(self._fp8_recipe, self.num_backward_quantizers, False, device))
+        self._fp8_states[0].load_state_dict(state["forward"])
+        self._fp8_states[1].load_state_dict(state["backward"])
+
+
+class FusedOperation(torch.nn.Module):
+    """Several adjacent basic ops run as one step; holds no state of its own.
+
+    Not registered as a submodule of anything (the basic ops are), so it adds
+    no parameters or state_dict entries.
+    """
+
+    def __init__(self, basic_ops: Sequence[BasicOperation]):
+        super().__init__()
+        # A plain tuple, so the basic ops are not registered twice.
+        object.__setattr__(self, "_basic_ops", tuple(basic_ops))
+
+    @property
+    def basic_ops(self) -> Tuple[BasicOperation, ...]:
+        return self._basic_ops
+
+    def fuser_forward(self, ctxs, input_, prev_op_grad_output_quantizer, next_op_input_quantizer, kwargs_list):
+        raise NotImplementedError(f"{type(self).__name__} is a backward-only fusion")
+
+    def fuser_backward(self, ctxs, grad_output):
+        raise NotImplementedError(f"{type(self).__name__} is a forward-only fusion")

@@ -1,0 +1,51 @@
+"""te_fuser.ops.Sequential: a container whose runs of basic ops execute through an OperationFuser."""
+
+from typing import List
+
+import torch
+
+from .fuser import OperationFuser
+from .op import BasicOperation
+
+
+class Sequential(torch.nn.Module):
+    """Like torch.nn.Sequential; consecutive BasicOperations run as one fused autograd Function,
+    any other module runs as itself in between."""
+
+    def __init__(self, *modules: torch.nn.Module):
+        super().__init__()
+        for i, module in enumerate(modules):
+            self.add_module(str(i), module)
+        self._groups = None
+
+    def append(self, module: torch.nn.Module) -> "Sequential":
+        self.add_module(str(len(self._modules)), module)
+        self._groups = None
+        return self
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, i: int) -> torch.nn.Module:
+        return list(self._modules.values())[i]
+
+    def _make_groups(self) -> List:
+        groups, run = [], []
+        for module in self._modules.values():
+            if isinstance(module, BasicOperation):
+                run.append(module)
+                continue
+            if run:
+                groups.append(OperationFuser(run))
+                run = []
+            groups.append(module)
+        if run:
+            groups.append(OperationFuser(run))
+        return groups
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._groups is None:
+            self._groups = self._make_groups()
+        for group in self._groups:
+            x = group(x)
+        return x
