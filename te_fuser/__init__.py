@@ -20,3 +20,9 @@ __all__ = [
     "recipe",
     "restore_from_saved",
 ]
+
+# te_fuser.Linear and the op fuser (issue 3)
+from . import ops  # noqa: E402
+from .module.linear import Linear  # noqa: E402
+
+__all__ += ["Linear", "ops"]
