@@ -1,0 +1,110 @@
+"""Test helpers: what an autograd graph still holds, found two independent ways.
+
+reachable_tensors: walks the graph from an output's grad_fn and collects every
+tensor reachable from a node -- saved tensors still alive, and anything on a
+custom Function's ctx attributes (through lists, dicts, objects, Float8Tensors).
+
+retained_cpu_bytes: the bytes torch's CPU allocator allocated during a call and
+that are still alive afterwards, from the profiler's memory events (each
+event's self memory, so nested ops are not counted twice).
+"""
+
+import torch
+from torch.autograd.function import BackwardCFunction
+from torch.profiler import ProfilerActivity, profile
+
+from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.ops.fuser import OperationFuser
+from te_fuser.quantizer import Quantizer
+
+# Parameter holders and scaling state: allowed to be reachable.
+_SKIP = (torch.nn.Module, OperationFuser, Quantizer, type, str, bytes, int, float, bool, type(None),
+         torch.dtype, torch.device, torch.Size)
+
+
+def allowed_storages(*modules) -> set:
+    """Storages of parameters, buffers, FP8 recipe state and cached FP8 weights of the modules."""
+    keys = set()
+
+    def add(t):
+        if isinstance(t, torch.Tensor):
+            keys.add(t.untyped_storage().data_ptr())
+        elif isinstance(t, Float8Tensor):
+            for part in (t._data, t._transpose, t._scale_inv):
+                add(part)
+
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            add(t)
+        for sub in module.modules():
+            for op in getattr(sub, "_ops", ()) or (sub,):
+                for state in getattr(op, "_fp8_states", None) or ():
+                    for v in vars(state).values():
+                        add(v)
+                add(getattr(op, "_fp8_weight_cache", None))
+    return keys
+
+
+def _collect(obj, path, out, seen, depth=0):
+    if depth > 12 or id(obj) in seen or isinstance(obj, _SKIP):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.append((path, obj))
+    elif isinstance(obj, Float8Tensor):
+        for name in Float8Tensor.__slots__:
+            _collect(getattr(obj, name, None), f"{path}.{name}", out, seen, depth + 1)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _collect(v, f"{path}[{k!r}]", out, seen, depth + 1)
+    elif isinstance(obj, (list, tuple, set)):
+        for i, v in enumerate(obj):
+            _collect(v, f"{path}[{i}]", out, seen, depth + 1)
+    else:
+        fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+        for name in getattr(type(obj), "__slots__", ()):
+            fields[name] = getattr(obj, name, None)
+        for k, v in fields.items():
+            _collect(v, f"{path}.{k}", out, seen, depth + 1)
+
+
+def reachable_tensors(output: torch.Tensor, allowed: set) -> list:
+    """[(path, tensor)] reachable from output's graph, except the allowed storages."""
+    found, seen_nodes, seen_objs = [], set(), set()
+    stack = [(output.grad_fn, "grad_fn")]
+    while stack:
+        node, path = stack.pop()
+        if node is None or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        name = f"{path}<{type(node).__name__}>"
+        for i, (nxt, _) in enumerate(node.next_functions):
+            stack.append((nxt, f"{name}.next[{i}]"))
+        if isinstance(node, BackwardCFunction):
+            try:
+                saved = node.saved_tensors
+            except RuntimeError:  # freed after backward
+                saved = ()
+            _collect(list(saved), f"{name}.saved_tensors", found, seen_objs)
+            _collect(dict(vars(node)), name, found, seen_objs)
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                try:
+                    value = getattr(node, attr)
+                except RuntimeError:
+                    continue
+                _collect(value, f"{name}.{attr}", found, seen_objs)
+    return [(p, t) for p, t in found if t.untyped_storage().data_ptr() not in allowed and t.numel() > 0]
+
+
+def assert_nothing_reachable(output: torch.Tensor, allowed: set) -> None:
+    found = reachable_tensors(output, allowed)
+    assert not found, "tensors still reachable from the graph:\n" + "\n".join(
+        f"  {p}: {tuple(t.shape)} {t.dtype}" for p, t in found)
+
+
+def retained_cpu_bytes(fn):
+    """(result of fn(), CPU bytes allocated during fn and still alive once it returned)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    return result, sum(e.self_cpu_memory_usage for e in prof.events())
