@@ -142,9 +142,9 @@ tf_activation to_activation(int64_t act) {
   return static_cast<tf_activation>(act);
 }
 
-Tensor bias_act_forward_cpu(Tensor x, std::optional<Tensor> bias, int64_t activation,
-                            std::optional<ScalarType> fp8_dtype, std::optional<Tensor> scale,
-                            std::optional<Tensor> amax) {
+Tensor bias_act_forward_impl(const Tensor& x, const std::optional<Tensor>& bias, int64_t activation,
+                             const std::optional<ScalarType>& fp8_dtype, const std::optional<Tensor>& scale,
+                             const std::optional<Tensor>& amax) {
   const Matrix m = as_matrix(x, "x");
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   const tf_activation act = to_activation(activation);
@@ -202,8 +202,8 @@ std::tuple<Tensor, Tensor> act_bias_backward_cpu(Tensor grad, Tensor x, std::opt
   return std::make_tuple(dx, dbias);
 }
 
-Tensor swiglu_forward_cpu(Tensor x, std::optional<ScalarType> fp8_dtype,
-                          std::optional<Tensor> scale, std::optional<Tensor> amax) {
+Tensor swiglu_forward_impl(const Tensor& x, const std::optional<ScalarType>& fp8_dtype,
+                           const std::optional<Tensor>& scale, const std::optional<Tensor>& amax) {
   const Matrix m = as_matrix(x, "x");
   STD_TORCH_CHECK(m.cols % 2 == 0, "x's last dimension must be even for SwiGLU, got ", m.cols);
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
@@ -218,6 +218,25 @@ Tensor swiglu_forward_cpu(Tensor x, std::optional<ScalarType> fp8_dtype,
   });
   finish_output(spec, bits);
   return out;
+}
+
+// Single-output ops come in a high-precision and an FP8 variant: inductor cannot lower a
+// single-output op whose mutable argument (amax) is optional.
+Tensor bias_act_forward_cpu(Tensor x, std::optional<Tensor> bias, int64_t activation) {
+  return bias_act_forward_impl(x, bias, activation, std::nullopt, std::nullopt, std::nullopt);
+}
+
+Tensor bias_act_forward_fp8_cpu(Tensor x, std::optional<Tensor> bias, int64_t activation,
+                                ScalarType fp8_dtype, Tensor scale, Tensor amax) {
+  return bias_act_forward_impl(x, bias, activation, fp8_dtype, scale, amax);
+}
+
+Tensor swiglu_forward_cpu(Tensor x) {
+  return swiglu_forward_impl(x, std::nullopt, std::nullopt, std::nullopt);
+}
+
+Tensor swiglu_forward_fp8_cpu(Tensor x, ScalarType fp8_dtype, Tensor scale, Tensor amax) {
+  return swiglu_forward_impl(x, fp8_dtype, scale, amax);
 }
 
 Tensor swiglu_backward_cpu(Tensor grad, Tensor x) {
@@ -368,15 +387,15 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_backward_cpu(Tensor grad, Tensor x,
 }  // namespace te_fuser
 
 STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
+  m.def("bias_act_forward(Tensor x, Tensor? bias, int activation) -> Tensor");
   m.def(
-      "bias_act_forward(Tensor x, Tensor? bias, int activation, ScalarType? fp8_dtype=None,"
-      " Tensor? scale=None, Tensor(a!)? amax=None) -> Tensor");
+      "bias_act_forward_fp8(Tensor x, Tensor? bias, int activation, ScalarType fp8_dtype,"
+      " Tensor scale, Tensor(a!) amax) -> Tensor");
   m.def(
       "act_bias_backward(Tensor grad, Tensor x, Tensor? bias, int activation, bool compute_dbias,"
       " ScalarType? fp8_dtype=None, Tensor? scale=None, Tensor(a!)? amax=None) -> (Tensor, Tensor)");
-  m.def(
-      "swiglu_forward(Tensor x, ScalarType? fp8_dtype=None, Tensor? scale=None,"
-      " Tensor(a!)? amax=None) -> Tensor");
+  m.def("swiglu_forward(Tensor x) -> Tensor");
+  m.def("swiglu_forward_fp8(Tensor x, ScalarType fp8_dtype, Tensor scale, Tensor(a!) amax) -> Tensor");
   m.def("swiglu_backward(Tensor grad, Tensor x) -> Tensor");
   m.def(
       "rmsnorm_forward(Tensor x, Tensor weight, float eps, bool zero_centered_gamma,"
@@ -395,8 +414,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
   m.impl("bias_act_forward", TORCH_BOX(&te_fuser::bias_act_forward_cpu));
+  m.impl("bias_act_forward_fp8", TORCH_BOX(&te_fuser::bias_act_forward_fp8_cpu));
   m.impl("act_bias_backward", TORCH_BOX(&te_fuser::act_bias_backward_cpu));
   m.impl("swiglu_forward", TORCH_BOX(&te_fuser::swiglu_forward_cpu));
+  m.impl("swiglu_forward_fp8", TORCH_BOX(&te_fuser::swiglu_forward_fp8_cpu));
   m.impl("swiglu_backward", TORCH_BOX(&te_fuser::swiglu_backward_cpu));
   m.impl("rmsnorm_forward", TORCH_BOX(&te_fuser::rmsnorm_forward_cpu));
   m.impl("rmsnorm_backward", TORCH_BOX(&te_fuser::rmsnorm_backward_cpu));

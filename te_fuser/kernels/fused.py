@@ -85,7 +85,10 @@ def bias_activation(x: torch.Tensor, bias: Optional[torch.Tensor] = None, activa
     _check_input(x, "x")
     if bias is not None:
         _check_vector(bias, "bias", x)
-    return _ops.bias_act_forward(x, bias, _activation_code(activation), *_fp8_args(fp8_out, x))
+    code = _activation_code(activation)
+    if fp8_out is None:
+        return _ops.bias_act_forward(x, bias, code)
+    return _ops.bias_act_forward_fp8(x, bias, code, *_fp8_args(fp8_out, x))
 
 
 def activation_bias_backward(grad: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -112,7 +115,9 @@ def _check_swiglu_input(x) -> None:
 def swiglu(x: torch.Tensor, fp8_out: Fp8Out = None) -> torch.Tensor:
     """silu(a) * g with a, g = x.chunk(2, dim=-1)."""
     _check_swiglu_input(x)
-    return _ops.swiglu_forward(x, *_fp8_args(fp8_out, x))
+    if fp8_out is None:
+        return _ops.swiglu_forward(x)
+    return _ops.swiglu_forward_fp8(x, *_fp8_args(fp8_out, x))
 
 
 def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -175,8 +180,13 @@ def _out_like(x, dtype, fp8_dtype, shape=None):
 
 
 @torch.library.register_fake("te_fuser::bias_act_forward")
-def _(x, bias, activation, fp8_dtype=None, scale=None, amax=None):
-    return _out_like(x, x.dtype, fp8_dtype)
+def _(x, bias, activation):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("te_fuser::bias_act_forward_fp8")
+def _(x, bias, activation, fp8_dtype, scale, amax):
+    return torch.empty_like(x, dtype=fp8_dtype)
 
 
 @torch.library.register_fake("te_fuser::act_bias_backward")
@@ -187,8 +197,13 @@ def _(grad, x, bias, activation, compute_dbias, fp8_dtype=None, scale=None, amax
 
 
 @torch.library.register_fake("te_fuser::swiglu_forward")
-def _(x, fp8_dtype=None, scale=None, amax=None):
-    return _out_like(x, x.dtype, fp8_dtype, x.shape[:-1] + (x.shape[-1] // 2,))
+def _(x):
+    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
+
+
+@torch.library.register_fake("te_fuser::swiglu_forward_fp8")
+def _(x, fp8_dtype, scale, amax):
+    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=fp8_dtype)
 
 
 @torch.library.register_fake("te_fuser::swiglu_backward")

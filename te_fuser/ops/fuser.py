@@ -125,17 +125,17 @@ class _FuserFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(func_ctx, grad_output):
-        if func_ctx.backward_done:
-            raise RuntimeError(SECOND_BACKWARD_MESSAGE)
-        func_ctx.backward_done = True
+        # Under torch.compile this runs once, at trace time, on trace-time objects: the
+        # graph's real autograd node is AOTAutograd's, so there is nothing to mark or clear.
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            if func_ctx.backward_done:
+                raise RuntimeError(SECOND_BACKWARD_MESSAGE)
+            func_ctx.backward_done = True
         state = func_ctx.state
         saved = restore_from_saved(state.tensor_objects, func_ctx.saved_tensors)
-        ctxs = state.op_ctxs
-        for ctx, (start, end) in zip(ctxs, state.save_ranges):
-            ctx.saved_tensors = tuple(saved[start:end])
-        del saved
-        if _CLEAR_CTX_AFTER_BACKWARD:
-            state.tensor_objects = None
+        ctxs = [_BackwardContext(ctx, tuple(saved[start:end]))
+                for ctx, (start, end) in zip(state.op_ctxs, state.save_ranges)]
 
         param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
         dy = grad_output
@@ -148,11 +148,26 @@ class _FuserFunction(torch.autograd.Function):
         if isinstance(dy, Float8Tensor):
             dy = dy.dequantize()
 
-        if _CLEAR_CTX_AFTER_BACKWARD:
-            for ctx in ctxs:
+        if _CLEAR_CTX_AFTER_BACKWARD and not compiling:
+            # The restored Float8Tensors (tensor_objects), the per-op contexts and the
+            # plan: drop them all, so the node keeps nothing while the output lives.
+            state.tensor_objects = None
+            for ctx in state.op_ctxs:
                 ctx.clear()
             func_ctx.state = None
         return (dy, None, None, None, *param_grads)
+
+
+class _BackwardContext:
+    """An op's context as its backward sees it: the forward's attributes plus the restored
+    saved tensors (a separate object, so backward never writes into the forward's context)."""
+
+    def __init__(self, ctx: OperationContext, saved_tensors: tuple):
+        self._ctx = ctx
+        self.saved_tensors = saved_tensors
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
 
 
 class OperationFuser:
