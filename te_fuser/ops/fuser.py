@@ -134,8 +134,13 @@ class _FuserFunction(torch.autograd.Function):
             func_ctx.backward_done = True
         state = func_ctx.state
         saved = restore_from_saved(state.tensor_objects, func_ctx.saved_tensors)
-        ctxs = [_BackwardContext(ctx, tuple(saved[start:end]))
-                for ctx, (start, end) in zip(state.op_ctxs, state.save_ranges)]
+        if compiling:
+            ctxs = [_BackwardContext(ctx, tuple(saved[start:end]))
+                    for ctx, (start, end) in zip(state.op_ctxs, state.save_ranges)]
+        else:
+            ctxs = state.op_ctxs
+            for ctx, (start, end) in zip(ctxs, state.save_ranges):
+                ctx.saved_tensors = tuple(saved[start:end])
 
         param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
         dy = grad_output
@@ -159,8 +164,9 @@ class _FuserFunction(torch.autograd.Function):
 
 
 class _BackwardContext:
-    """An op's context as its backward sees it: the forward's attributes plus the restored
-    saved tensors (a separate object, so backward never writes into the forward's context)."""
+    """An op's context as its backward sees it under torch.compile: the forward's attributes
+    plus the restored saved tensors, in a new object (dynamo refuses writes into objects
+    the forward created)."""
 
     def __init__(self, ctx: OperationContext, saved_tensors: tuple):
         self._ctx = ctx
