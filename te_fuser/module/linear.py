@@ -136,7 +136,11 @@ class Linear(torch.nn.Module):
         if self.use_bias:
             full_bias = torch.empty(self.local_out_features, device=device, dtype=self.params_dtype)
             for pname, piece in zip(self._split_names("bias"), full_bias.split(sizes)):
-                self.register_parameter(pname, torch.nn.Parameter(piece))
+                param = torch.nn.Parameter(piece)
+                # A row-parallel bias under sequence parallelism gets a partial gradient
+                # on each rank; like TE, mark it for the framework's all-reduce.
+                param.sequence_parallel = self.sequence_parallel and self.parallel_mode == "row"
+                self.register_parameter(pname, param)
         elif self._split is None:
             self.register_parameter("bias", None)
 
