@@ -96,3 +96,45 @@ def test_amax_is_all_reduced_over_the_group():
     mp.spawn(_reduce_worker, args=(2, _free_port(), results), nprocs=2, join=True)
     expected = (20.0, (torch.tensor(448.0) / 20.0).item())
     assert results[0] == expected and results[1] == expected
+
+
+def _quantized_block(state, weight):
+    """x -> fake-quantized(x) @ weight, quantizing with the recipe state while FP8 is on."""
+    def block(x):
+        if FP8GlobalState.is_enabled():
+            (q,) = state.quantizers()
+            x = x + (q(x).dequantize() - x).detach()  # straight-through
+        return x @ weight
+    return block
+
+
+@pytest.mark.parametrize("checkpoint_fn", ["te_fuser", "torch"])
+def test_checkpoint_recomputes_in_the_forward_fp8_state(generator, checkpoint_fn):
+    r = DelayedScaling(amax_history_len=4)
+    state = make_recipe_state(r, 1)
+    weight = torch.randn(32, 8, generator=generator, requires_grad=True)
+    block = _quantized_block(state, weight)
+    x = torch.randn(64, 32, generator=generator) * 3
+    with te_fuser.fp8_autocast(fp8_recipe=r):  # warm-up: sets a non-trivial scale at exit
+        block(x)
+    grads = []
+    for use_checkpoint in (False, True):
+        saved = state.state_dict()
+        with te_fuser.fp8_autocast(fp8_recipe=r):
+            if not use_checkpoint:
+                y = block(x)
+            elif checkpoint_fn == "te_fuser":
+                y = te_fuser.checkpoint(block, x)
+            else:
+                y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        y.square().sum().backward()
+        grads.append(weight.grad.clone())
+        weight.grad = None
+        after = state.state_dict()
+        state.load_state_dict(saved)  # both runs start from the same scaling state
+    if checkpoint_fn == "te_fuser":
+        torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+        # the recompute recorded no amax: the history holds one entry per real forward
+        assert after["amax"].item() == 0.0
+    else:  # plain torch checkpoint recomputes outside fp8_autocast: the values differ
+        assert not torch.equal(grads[1], grads[0])
