@@ -3,7 +3,7 @@
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import recipe
 from .float8_tensor import Float8Tensor
-from .fp8_state import autocast, fp8_autocast, FP8GlobalState
+from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
 
@@ -15,6 +15,7 @@ __all__ = [
     "Float8Tensor",
     "FP8GlobalState",
     "autocast",
+    "checkpoint",
     "fp8_autocast",
     "prepare_for_saving",
     "recipe",

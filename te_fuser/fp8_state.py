@@ -9,10 +9,12 @@ at the exit of the next context, as in TransformerEngine.
 """
 
 import contextlib
+import weakref
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
+import torch.utils.checkpoint
 
 from .kernels import fp8 as fp8_kernels
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
@@ -25,6 +27,7 @@ class _Context:
     calibrating: bool
     recipe: object
     group: object
+    replay: bool = False  # an activation-checkpoint recompute: no amax recording, no update
 
 
 class FP8GlobalState:
@@ -32,6 +35,7 @@ class FP8GlobalState:
 
     _stack: List[_Context] = []
     _pending: List["DelayedScalingState"] = []
+    _live_states: "weakref.WeakSet[DelayedScalingState]" = weakref.WeakSet()
 
     @classmethod
     def is_enabled(cls) -> bool:
@@ -51,6 +55,8 @@ class FP8GlobalState:
 
     @classmethod
     def mark_pending(cls, state: "DelayedScalingState") -> None:
+        if cls._stack and cls._stack[-1].replay:
+            return
         if not any(s is state for s in cls._pending):
             cls._pending.append(state)
 
@@ -79,6 +85,47 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
             FP8GlobalState.update_pending()
 
 
+def checkpoint(function, *args, **kwargs):
+    """Activation checkpointing (non-reentrant) that recomputes in the same FP8 state as the forward.
+
+    The recompute runs during backward, after fp8_autocast has exited and updated
+    the delayed scales. To give the same values as the forward, the recompute
+    re-enters the forward's autocast settings with the forward's scales and
+    records no amax, so it neither changes nor double-counts the scaling state.
+    """
+    kwargs.pop("use_reentrant", None)
+
+    def context_fn():
+        return contextlib.nullcontext(), _replay(_snapshot())
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _snapshot():
+    top = FP8GlobalState._stack[-1] if FP8GlobalState._stack else _Context(False, False, None, None)
+    scales = {state: (state.scale.clone(), state.scale_inv.clone())
+              for state in list(FP8GlobalState._live_states) if state.forward}
+    return top, scales
+
+
+@contextlib.contextmanager
+def _replay(snapshot):
+    top, scales = snapshot
+    current = {state: (state.scale.clone(), state.scale_inv.clone(), state.amax.clone()) for state in scales}
+    for state, (scale, scale_inv) in scales.items():
+        state.scale.copy_(scale)
+        state.scale_inv.copy_(scale_inv)
+    FP8GlobalState._stack.append(_Context(top.enabled, top.calibrating, top.recipe, top.group, replay=True))
+    try:
+        yield
+    finally:
+        FP8GlobalState._stack.pop()
+        for state, (scale, scale_inv, amax) in current.items():
+            state.scale.copy_(scale)
+            state.scale_inv.copy_(scale_inv)
+            state.amax.copy_(amax)
+
+
 def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
     """The newer TransformerEngine name for fp8_autocast."""
     return fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_reduction_group)
@@ -101,6 +148,7 @@ class DelayedScalingState:
         self.scale = torch.ones(num_quantizers, device=device)
         self.scale_inv = torch.ones(num_quantizers, device=device)
         self.group = None
+        FP8GlobalState._live_states.add(self)
 
     def quantizers(self, group=None) -> List[Float8Quantizer]:
         """One quantizer per tensor, writing into this state's buffers; marks the state for update."""
