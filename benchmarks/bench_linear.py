@@ -1,0 +1,132 @@
+"""te_fuser.Linear against torch.nn.Linear: forward+backward time and peak memory, in one run.
+
+    python benchmarks/bench_linear.py [--tokens N] [--in-features K] [--out-features N] [--device cpu|cuda]
+
+Rows: torch.nn.Linear and te_fuser.Linear in the parameter dtype, then te_fuser.Linear
+under fp8_autocast (delayed scaling). On the CPU the FP8 GEMM is emulated (dequantize,
+float32 matmul), so its time says nothing about FP8 speed; on CUDA it is torch._scaled_mm.
+Peak memory: CUDA from the caching allocator, CPU from the profiler's allocation events
+(bytes allocated above the level at the start of the step). "saved" is what autograd
+holds between forward and backward (the activation memory of the layer).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import te_fuser
+from te_fuser import recipe
+
+
+def time_interleaved(steps, device, repeats):
+    """Median seconds per step; the steps take turns so machine noise hits them alike."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    samples = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def peak_bytes(fn, device):
+    """Peak bytes allocated during fn above the level at its start."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # An event's net self memory: allocations counted when it starts, frees when it ends
+    # (an autograd node frees its children's temporaries on the way out).
+    changes = [(e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end, e.self_cpu_memory_usage)
+               for e in prof.events() if e.self_cpu_memory_usage]
+    level = peak = 0
+    for _, delta in sorted(changes, key=lambda c: c[0]):
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def saved_bytes(layer, x, context):
+    """Bytes of the tensors autograd keeps for backward (distinct storages)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context():
+        out = layer(x)
+    out.sum().backward()
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--in-features", type=int, default=1024)
+    parser.add_argument("--out-features", type=int, default=1024)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    print(f"device={device} dtype={dtype} tokens={args.tokens} {args.in_features}->{args.out_features} "
+          f"threads={torch.get_num_threads()}")
+
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(args.in_features, args.out_features, device=device, dtype=dtype)
+    ours = te_fuser.Linear(args.in_features, args.out_features, params_dtype=dtype, device=device)
+    ours.load_state_dict({**reference.state_dict(), "_extra_state": None})
+    x = torch.randn(args.tokens, args.in_features, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(args.tokens, args.out_features, device=device, dtype=dtype)
+
+    plain = torch.enable_grad
+    fp8 = lambda: te_fuser.fp8_autocast(fp8_recipe=recipe.DelayedScaling())  # noqa: E731
+    rows = [("torch.nn.Linear", reference, plain), ("te_fuser.Linear", ours, plain),
+            ("te_fuser.Linear FP8", ours, fp8)]
+    # Same answer before timing anything.
+    torch.testing.assert_close(ours(x), reference(x))
+
+    steps = {}
+    for name, layer, context in rows:
+        def step(layer=layer, context=context):
+            with context():
+                out = layer(x)
+            out.backward(grad)
+        steps[name] = step
+    seconds = time_interleaved(steps, device, args.repeats)
+    results = {}
+    for name, layer, context in rows:
+        results[name] = (seconds[name], peak_bytes(steps[name], device), saved_bytes(layer, x, context))
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+
+    base = results["torch.nn.Linear"][0]
+    print(f"{'layer':<22} {'fwd+bwd ms':>11} {'speed vs nn':>12} {'peak MiB':>9} {'saved MiB':>10}")
+    for name, (seconds, peak, saved) in results.items():
+        print(f"{name:<22} {seconds * 1e3:>11.3f} {base / seconds:>11.3f}x {peak / 2**20:>9.2f} {saved / 2**20:>10.2f}")
+    if device.type == "cpu":
+        print("(CPU FP8 row: emulated GEMM, for memory only)")
+
+
+if __name__ == "__main__":
+    main()
