@@ -205,3 +205,45 @@ def test_compiles_fullgraph():
     x, b, w = torch.randn(8, 16), torch.randn(16), torch.randn(16)
     compiled = torch.compile(f, fullgraph=True)
     assert torch.equal(compiled(x, b, w), f(x, b, w))
+
+
+_CUDA = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "te_fuser::bias_act_forward", "CUDA")
+
+
+@pytest.mark.skipif(not _CUDA, reason="needs a GPU and a CUDA build of te_fuser")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_matches_cpu(dtype):
+    # Same float32 math; tanhf/expf/sqrt may differ by a few ulps between CPU and GPU.
+    x = _rand(300, 130, dtype=dtype)
+    g = _rand(300, 130, dtype=dtype, scale=1.0)
+    b = _rand(130, dtype=dtype)
+    w = _rand(130, dtype=dtype, scale=0.5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+
+    def both(fn, *args, **kw):
+        cpu = fn(*args, **kw)
+        cuda = fn(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in args], **kw)
+        cpu, cuda = (cpu, cuda) if isinstance(cpu, tuple) else ((cpu,), (cuda,))
+        for a, c in zip(cpu, cuda):
+            if a is not None:
+                torch.testing.assert_close(c.cpu().float(), a.float(), **tol)
+
+    for act in ("gelu", "relu", "none"):
+        both(fused.bias_activation, x, b, act)
+        both(fused.activation_bias_backward, g, x, b, act)
+    both(fused.swiglu, x)
+    both(fused.swiglu_backward, g[:, :65].contiguous(), x)
+    y, rstd = fused.rmsnorm(x, w)
+    both(fused.rmsnorm, x, w)
+    both(fused.rmsnorm_backward, g, x, rstd, w)
+    y, mean, rstd = fused.layernorm(x, w, b)
+    both(fused.layernorm, x, w, b)
+    both(fused.layernorm_backward, g, x, mean, rstd, w)
+    # FP8 output: the amax matches exactly, the codes within one FP8 step.
+    amax_cpu, amax_gpu = torch.zeros(1), torch.zeros(1, device="cuda")
+    scale = torch.tensor([4.0])
+    y8 = fused.bias_activation(x, b, "gelu", fp8_out=(torch.float8_e4m3fn, scale, amax_cpu))
+    y8g = fused.bias_activation(x.cuda(), b.cuda(), "gelu", fp8_out=(torch.float8_e4m3fn, scale.cuda(), amax_gpu))
+    torch.testing.assert_close(y8g.cpu().float(), y8.float(), rtol=2 ** -3, atol=2 ** -9)
+    torch.testing.assert_close(amax_gpu.cpu(), amax_cpu, rtol=1e-5, atol=0)
