@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads)
         const float f = Elem::to_f32(x[row * ld + col]);
         const uint32_t a = abs_bits(f);
         amax_bits = a > amax_bits ? a : amax_bits;
-        const uint8_t q = Fmt::encode(__fmul_rn(f, scale));
+        const uint8_t q = Fmt::encode(mul_like_cpu(f, scale));
         y[row * cols + col] = q;
         tile[r][lane] = q;
       }

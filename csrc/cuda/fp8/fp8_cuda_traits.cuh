@@ -24,9 +24,36 @@ struct BF16 {
   static __device__ __forceinline__ uint16_t from_f32(float v) { return tf_f32_to_bf16(v); }
 };
 
+// NaN results of arithmetic differ between the CPU and the GPU, and the CPU's
+// bytes (an FP8 NaN's sign, an amax's bits) depend on them: x86 and AArch64
+// return a NaN operand, quieted, sign and payload kept; NVIDIA GPUs return
+// the canonical NaN 0x7FFFFFFF. These helpers give the CPU's result.
+__device__ __forceinline__ float quieted(float nan) {
+  return tf_f32_from_bits(tf_f32_bits(nan) | 0x00400000u);
+}
+
+// a * b rounded to nearest (__fmul_rn: never contracted into an FMA), with the
+// CPU's NaN. When both are NaN the CPU's pick depends on operand order; a wins here.
+__device__ __forceinline__ float mul_like_cpu(float a, float b) {
+  const float p = __fmul_rn(a, b);
+  return a != a ? quieted(a) : b != b ? quieted(b) : p;
+}
+
+// 1 / s rounded to nearest, with the CPU's NaN.
+__device__ __forceinline__ float recip_like_cpu(float s) {
+  return s != s ? quieted(s) : __fdiv_rn(1.0f, s);
+}
+
 struct F16 {
   using Storage = uint16_t;
-  static __device__ __forceinline__ float to_f32(uint16_t v) { return tf_f16_to_f32(v); }
+  // tf_f16_to_f32 forms a NaN's bits with a multiply: rebuild them the CPU way
+  // (the half's payload shifted in, quiet bit set).
+  static __device__ __forceinline__ float to_f32(uint16_t v) {
+    const uint32_t sign = static_cast<uint32_t>(v & 0x8000u) << 16;
+    const uint32_t payload = static_cast<uint32_t>(v & 0x03FFu) << 13;
+    const float nan = tf_f32_from_bits(sign | 0x7FC00000u | payload);
+    return (v & 0x7FFFu) > 0x7C00u ? nan : tf_f16_to_f32(v);
+  }
   static __device__ __forceinline__ uint16_t from_f32(float v) { return tf_f32_to_f16(v); }
 };
 

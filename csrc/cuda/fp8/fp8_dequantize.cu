@@ -6,8 +6,7 @@
 namespace tf_cuda {
 namespace {
 
-// x[i] = dtype(decode(y[i]) * scale_inv); __fmul_rn keeps the product a
-// separately rounded multiply, like the CPU's.
+// x[i] = dtype(decode(y[i]) * scale_inv), the product formed as on the CPU.
 template <class Fmt, class Elem, bool kVectorized>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint8_t *__restrict__ y, int64_t n,
@@ -25,13 +24,14 @@ __global__ void __launch_bounds__(kThreads)
       load_vec<V>(y + i * V, q);
       typename Elem::Storage v[V];
 #pragma unroll
-      for (int k = 0; k < V; ++k) v[k] = Elem::from_f32(__fmul_rn(Fmt::decode(q[k]), scale_inv));
+      for (int k = 0; k < V; ++k)
+        v[k] = Elem::from_f32(mul_like_cpu(Fmt::decode(q[k]), scale_inv));
       store_vec<kVecBytes>(x + i * V, v);
     }
     tail_begin = vectors * V;
   }
   for (int64_t i = tail_begin + tid; i < n; i += stride)
-    x[i] = Elem::from_f32(__fmul_rn(Fmt::decode(y[i]), scale_inv));
+    x[i] = Elem::from_f32(mul_like_cpu(Fmt::decode(y[i]), scale_inv));
 }
 
 // Vectorized when x is 16-byte aligned and y aligned to one vector of FP8 bytes.

@@ -12,8 +12,8 @@ namespace {
 // Format trait of the amax-only kernel: no output is written.
 struct NoOutput {};
 
-// amax of x[i]; with an FP8 format also y[i] = fp8(x[i] * scale). The product
-// is a separately rounded multiply (__fmul_rn: never contracted), like the CPU's.
+// amax of x[i]; with an FP8 format also y[i] = fp8(x[i] * scale), the product
+// formed as on the CPU (mul_like_cpu).
 template <class Elem, class Fmt, bool kVectorized>
 __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const typename Elem::Storage *__restrict__ x, int64_t n,
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kThreads)
         const float f = Elem::to_f32(v[k]);
         const uint32_t a = abs_bits(f);
         amax_bits = a > amax_bits ? a : amax_bits;
-        if constexpr (kWrites) q[k] = Fmt::encode(__fmul_rn(f, scale));
+        if constexpr (kWrites) q[k] = Fmt::encode(mul_like_cpu(f, scale));
       }
       if constexpr (kWrites) store_vec<V>(y + i * V, q);
     }
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads)
     const float f = Elem::to_f32(x[i]);
     const uint32_t a = abs_bits(f);
     amax_bits = a > amax_bits ? a : amax_bits;
-    if constexpr (kWrites) y[i] = Fmt::encode(__fmul_rn(f, scale));
+    if constexpr (kWrites) y[i] = Fmt::encode(mul_like_cpu(f, scale));
   }
   block_fold_amax(amax_bits, amax);
 }

@@ -1,8 +1,9 @@
 // Scaling-factor kernels: the delayed-scaling update (one thread per tensor,
 // each touching only its own history column) and current scaling (one thread).
 // Both call the TF_HD scaling math of csrc/fp8/fp8_scaling.h, so the scales
-// are those of the CPU; 1 / scale is an IEEE-rounded division (__fdiv_rn).
+// are those of the CPU, and so is 1 / scale (recip_like_cpu).
 #include "../../common/tf_checks.h"
+#include "fp8_cuda_traits.cuh"
 #include "fp8_launch_config.cuh"
 
 namespace tf_cuda {
@@ -27,7 +28,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     const float s = tf_fp8_delayed_scale(reduced, scale[j], fp8_max, margin);
     scale[j] = s;
-    scale_inv[j] = __fdiv_rn(1.0f, s);
+    scale_inv[j] = recip_like_cpu(s);
     amax[j] = 0.0f;
   }
 }
@@ -37,7 +38,7 @@ __global__ void current_scale_kernel(const float *__restrict__ amax, float fp8_m
                                      float *__restrict__ scale_inv) {
   const float s = tf_fp8_current_scale(*amax, fp8_max, epsilon, force_pow2);
   *scale = s;
-  *scale_inv = __fdiv_rn(1.0f, s);
+  *scale_inv = recip_like_cpu(s);
 }
 
 }  // namespace
