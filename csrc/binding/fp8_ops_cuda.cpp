@@ -19,6 +19,9 @@ void check_quantize_args(const Tensor& input, const Tensor& scale, const Tensor&
   check_scalar_f32(amax, "amax");
   check_same_device(input, scale, "input", "scale");
   check_same_device(input, amax, "input", "amax");
+  // The CPU reads the scale before it writes amax; GPU blocks overlap both.
+  STD_TORCH_CHECK(scale.const_data_ptr() != amax.const_data_ptr(),
+                  "scale and amax must not share memory on CUDA");
 }
 
 Tensor fp8_quantize_cuda(Tensor input, Tensor scale, Tensor amax, ScalarType fp8_dtype) {
