@@ -215,6 +215,27 @@ static void test_half_and_bfloat(void) {
   CHECK(tf_f32_to_bf16(FLT_MAX) == 0x7F80, "bf16 FLT_MAX rounds to Inf");
 }
 
+/*
+ * The CPU's NaN results that the CUDA kernels reproduce (see mul_like_cpu in
+ * csrc/cuda/fp8/fp8_cuda_traits.cuh): a NaN operand of a multiply comes back
+ * quieted with its sign and payload, including inside tf_f16_to_f32.
+ */
+static void test_cpu_nan_propagation(void) {
+  CHECK(f_bits(tf_f16_to_f32(0x7D00)) == 0x7FE00000u, "f16 sNaN -> quieted, payload kept");
+  CHECK(f_bits(tf_f16_to_f32(0xFE01)) == 0xFFC02000u, "f16 -qNaN -> payload and sign kept");
+  const float in[3] = {bits_f(0xFF800001u), bits_f(0x7FC00000u), 1.0f};
+  uint8_t y[3];
+  uint32_t a;
+  tf_status st = tf_fp8_quantize(in, TF_FLOAT32, 0, 3, 2.0f, TF_FP8_E5M2, y, &a);
+  CHECK(st == TF_OK && y[0] == 0xFF && y[1] == 0x7F && a == 0x7FC00000u,
+        "quantize keeps the NaN sign through the scale multiply");
+  float out[2];
+  const uint8_t codes[2] = {0xFF, 0x7F};
+  st = tf_fp8_dequantize(codes, TF_FP8_E4M3, 0, 2, 3.0f, out, TF_FLOAT32);
+  CHECK(st == TF_OK && f_bits(out[0]) == 0xFFC00000u && f_bits(out[1]) == 0x7FC00000u,
+        "dequantize keeps the decoded NaN");
+}
+
 /* ---- Kernels. ---- */
 
 #define N 1000
@@ -457,6 +478,7 @@ int main(void) {
   test_encode_hand_points();
   test_saturation_and_nan();
   test_half_and_bfloat();
+  test_cpu_nan_propagation();
   test_quantize_kernels();
   test_amax_special_values();
   test_cast_transpose();
