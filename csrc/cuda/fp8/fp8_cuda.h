@@ -10,7 +10,8 @@
  *
  * Work is enqueued on `stream` (a cudaStream_t) and not waited for; a
  * TF_ERR_CUDA return means the launch itself failed. No CUDA header is needed
- * to call these.
+ * to call these. The kernels must be compiled without --use_fast_math: the
+ * shared scaling math relies on IEEE division and on denormals being kept.
  */
 #ifndef TF_FP8_CUDA_H
 #define TF_FP8_CUDA_H
