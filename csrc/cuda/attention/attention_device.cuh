@@ -1,0 +1,169 @@
+// Device building blocks of the attention kernels: tensor-core MMA, ldmatrix
+// and cp.async through inline PTX (sm_80+), 16-bit element packing, global ->
+// shared tile loads (with the FP8 -> 16-bit conversion), and the per-sequence
+// row ranges for padded and packed (cu_seqlens) problems.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "attention_cuda.h"
+#include "../../fp8/fp8_format.h"
+
+namespace tf_attn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The 16-bit element types; the MMA instruction names their PTX type.
+struct Bf16 {
+  using T = __nv_bfloat16;
+  __device__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  __device__ static uint16_t from_float(float f) {
+    __nv_bfloat16 v = __float2bfloat16_rn(f);
+    return *reinterpret_cast<uint16_t*>(&v);
+  }
+  __device__ static float2 unpack(uint32_t u) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  }
+  __device__ static void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+struct Fp16 {
+  using T = __half;
+  __device__ static uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+  __device__ static uint16_t from_float(float f) {
+    __half v = __float2half_rn(f);
+    return *reinterpret_cast<uint16_t*>(&v);
+  }
+  __device__ static float2 unpack(uint32_t u) {
+    return __half22float2(*reinterpret_cast<__half2*>(&u));
+  }
+  __device__ static void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 16-bit matrices; lane l supplies the row address of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row)));
+}
+
+// 16-byte global -> shared copy; when !valid nothing is read and zeros land.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :
+               : "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Rows [begin, begin + len) of one sequence inside the token dim, and the
+// batch index of the tensors. `cap` rows belong to the sequence (padded
+// length, or the packed segment); the first `len` of them are valid.
+struct SeqRows {
+  int64_t batch, begin, cap, len;
+};
+
+__device__ __forceinline__ int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// Segment bounds are clamped into the tensor so that bad cu_seqlens or
+// seqlens cannot make a kernel read or write out of bounds.
+__device__ __forceinline__ SeqRows seq_rows(const int32_t* cu, const int32_t* lens, int64_t s,
+                                            int64_t tokens) {
+  SeqRows r;
+  if (cu != nullptr) {
+    r.batch = 0;
+    r.begin = clamp64(cu[s], 0, tokens);
+    r.cap = clamp64(static_cast<int64_t>(cu[s + 1]) - r.begin, 0, tokens - r.begin);
+  } else {
+    r.batch = s;
+    r.begin = 0;
+    r.cap = tokens;
+  }
+  r.len = lens != nullptr ? clamp64(lens[s], 0, r.cap) : r.cap;
+  return r;
+}
+
+// Index of row i of sequence s, head h in an lse-shaped float array:
+// [B, H, S] when padded, [H, T] when packed (rows.batch is 0 then).
+__device__ __forceinline__ int64_t lse_index(const SeqRows& rows, int64_t heads, int64_t h,
+                                             int64_t tokens, int64_t i) {
+  return (rows.batch * heads + h) * tokens + rows.begin + i;
+}
+
+__device__ __forceinline__ float load_descale(const float* p) { return p != nullptr ? *p : 1.0f; }
+
+// Loads `Rows` rows of D elements into shared memory (row stride Ld) from
+// global rows at src + r * row_stride (elements of the source type); rows
+// >= valid are zero-filled. 16-bit sources go through cp.async (the caller
+// commits and waits); FP8 sources are converted on the way and stored with
+// ordinary shared stores. All kThreads threads of the CTA take part.
+template <class E, bool kFp8, int Rows, int D, int Ld, int kThreads>
+__device__ __forceinline__ void load_tile(uint16_t* dst, const void* src, int64_t row_stride,
+                                          int64_t valid) {
+  if constexpr (!kFp8) {
+    constexpr int kChunks = D / 8;  // 16-byte chunks per row
+    const uint16_t* s = static_cast<const uint16_t*>(src);
+    for (int c = threadIdx.x; c < Rows * kChunks; c += kThreads) {
+      const int r = c / kChunks, k = (c % kChunks) * 8;
+      const bool ok = r < valid;
+      cp_async_16(dst + r * Ld + k, ok ? s + r * row_stride + k : s, ok);
+    }
+  } else {
+    constexpr int kChunks = D / 16;  // 16 FP8 values per 16-byte chunk
+    const uint8_t* s = static_cast<const uint8_t*>(src);
+    for (int c = threadIdx.x; c < Rows * kChunks; c += kThreads) {
+      const int r = c / kChunks, k = (c % kChunks) * 16;
+      uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+      if (r < valid) raw = *reinterpret_cast<const uint4*>(s + r * row_stride + k);
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(&raw);
+      uint32_t w[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        w[i] = E::pack(tf_fp8_e4m3_decode(b[2 * i]), tf_fp8_e4m3_decode(b[2 * i + 1]));
+      }
+      uint4* d = reinterpret_cast<uint4*>(dst + r * Ld + k);
+      d[0] = make_uint4(w[0], w[1], w[2], w[3]);
+      d[1] = make_uint4(w[4], w[5], w[6], w[7]);
+    }
+  }
+}
+
+}  // namespace tf_attn
