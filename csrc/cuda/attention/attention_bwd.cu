@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(Bwd<D>::kThreads)
   const float k_descale = kFp8 ? load_descale(p.k_descale) : 1.0f;
   const float v_descale = kFp8 ? load_descale(p.v_descale) : 1.0f;
   const float scale_log2 = p.softmax_scale * q_descale * k_descale * kLog2e;
+  const Dropout drop = make_dropout(p);
 
   // Fetches query block `it` (head, block) into buffer `buf`.
   auto prefetch = [&](int it, int buf) {
@@ -96,7 +97,9 @@ __global__ void __launch_bounds__(Bwd<D>::kThreads)
     for (int r = threadIdx.x; r < BM; r += NT) {
       const bool ok = r < valid;
       const int64_t idx = lse_index(qr, p.heads_q, h, p.seqlen_q, ok ? m0 + r : 0);
-      sLse[buf * BM + r] = ok ? a.lse[idx] * kLog2e : INFINITY;
+      // lse is -inf on rows that saw no key; +inf here makes their P zero.
+      const float l = ok ? a.lse[idx] : -INFINITY;
+      sLse[buf * BM + r] = l == -INFINITY ? INFINITY : l * kLog2e;
       sDelta[buf * BM + r] = ok ? a.delta[idx] : 0.0f;
     }
   };
@@ -165,6 +168,8 @@ __global__ void __launch_bounds__(Bwd<D>::kThreads)
     // P^T and dS^T in place of S^T and dP^T. Query rows past the valid
     // length carry lse = +inf, so only keys need an explicit mask.
     const bool need_mask = n0 + BN > kr.len || (p.causal && n0 + BN - 1 > m0);
+    const uint64_t keep =
+        drop.on ? dropout_keep_mask<BM / 8, true>(drop, blockIdx.z, h, key0, m0 + t * 2) : 0;
 #pragma unroll
     for (int i = 0; i < BM / 8; ++i) {
 #pragma unroll
@@ -175,8 +180,11 @@ __global__ void __launch_bounds__(Bwd<D>::kThreads)
           const int64_t key = key0 + (e >> 1) * 8;
           if (key >= kr.len || (p.causal && key > m0 + col)) pr = 0.0f;
         }
-        s[i][e] = pr;
-        dp[i][e] = pr * (dp[i][e] * v_descale - delta[col]);
+        // With dropout, dV takes the dropped weights and dP the dropped gradient.
+        float z = 1.0f;
+        if (drop.on) z = (keep >> (4 * i + e)) & 1u ? drop.inv_keep : 0.0f;
+        s[i][e] = pr * z;
+        dp[i][e] = pr * (dp[i][e] * v_descale * z - delta[col]);
       }
     }
 
@@ -359,7 +367,6 @@ extern "C" tf_status tf_attention_bwd_cuda(const tf_attn_cuda_problem* p, tf_att
   if (lse == nullptr || dq_accum == nullptr || delta == nullptr) return TF_ERR_NULL_POINTER;
   if (reinterpret_cast<uintptr_t>(dq_accum) % 16 != 0) return TF_ERR_BAD_ARGUMENT;
   if (!tf_mul_fits(b * sq * p->heads_q, d)) return TF_ERR_OVERFLOW;
-  if (p->dropout_p != 0.0f) return TF_ERR_BAD_ARGUMENT;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // dQ accumulates across key blocks; delta is read only at valid rows.
   if (cudaMemsetAsync(dq_accum, 0, static_cast<size_t>(b * sq * p->heads_q * d) * sizeof(float), s) !=

@@ -65,8 +65,9 @@ typedef struct tf_attn_cuda_problem {
 /*
  * out (dtype, [B, Sq, Hq, D]) and lse (float32, [B, Hq, Sq] dense, or
  * [Hq, Sq] when packed). Rows past a sequence's valid length get out 0 and
- * lse +inf; so do rows that see no key. When packed, tokens outside every
- * sequence are not written: the caller zero-fills out and sets lse to +inf.
+ * lse -inf (the CPU kernels' convention); so do rows that see no key. When
+ * packed, tokens outside every
+ * sequence are not written: the caller zero-fills out and sets lse to -inf.
  */
 tf_status tf_attention_fwd_cuda(const tf_attn_cuda_problem *p, tf_attn_cuda_tensor q,
                                 tf_attn_cuda_tensor k, tf_attn_cuda_tensor v,

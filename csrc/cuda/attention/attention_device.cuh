@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "attention_cuda.h"
+#include "../../attention/attention_dropout.h"
 #include "../../fp8/fp8_format.h"
 
 namespace tf_attn {
@@ -164,6 +165,47 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const void* src, int64_
       d[1] = make_uint4(w[4], w[5], w[6], w[7]);
     }
   }
+}
+
+// Dropout shared bit-for-bit with the CPU kernels (attention_dropout.h):
+// element (sequence, query head, query row, key col) is kept iff its Philox
+// bits reach the threshold; kept elements are scaled by 1 / (1 - p).
+struct Dropout {
+  tf_attn_dropout_key_t key;
+  uint32_t threshold;
+  bool on;
+  float inv_keep;
+};
+
+__device__ __forceinline__ Dropout make_dropout(const tf_attn_cuda_problem& p) {
+  Dropout d;
+  d.on = p.dropout_p > 0.0f;
+  d.key = tf_attn_dropout_key(p.seed, p.offset);
+  d.threshold = tf_attn_dropout_threshold(p.dropout_p);
+  d.inv_keep = 1.0f / (1.0f - p.dropout_p);
+  return d;
+}
+
+// Keep bits of one thread's accumulator fragments: bit 4 * i + e stands for
+// the element at fragment row r0 + (e / 2) * 8, column c0 + 8 * i + e % 2
+// (MMA C layout). Fragment rows are query rows and columns keys, or the other
+// way round when kKeyRows. The loop stays rolled so that Philox does not
+// multiply the live registers of the caller.
+template <int kTiles, bool kKeyRows>
+__device__ __forceinline__ uint64_t dropout_keep_mask(const Dropout& d, int64_t seq, int64_t head,
+                                                      int64_t r0, int64_t c0) {
+  static_assert(kTiles * 4 <= 64, "one bit per fragment element");
+  uint64_t mask = 0;
+#pragma unroll 1
+  for (int k = 0; k < kTiles * 4; ++k) {
+    const int64_t r = r0 + ((k & 3) >> 1) * 8, c = c0 + (k >> 2) * 8 + (k & 1);
+    const uint32_t query = static_cast<uint32_t>(kKeyRows ? c : r);
+    const uint32_t key = static_cast<uint32_t>(kKeyRows ? r : c);
+    const uint32_t bits = tf_attn_dropout_bits(d.key, static_cast<uint32_t>(seq),
+                                               static_cast<uint32_t>(head), query, key);
+    if (bits >= d.threshold) mask |= uint64_t{1} << k;
+  }
+  return mask;
 }
 
 }  // namespace tf_attn

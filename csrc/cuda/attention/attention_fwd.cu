@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
 
   const float qk_descale = kFp8 ? load_descale(p.q_descale) * load_descale(p.k_descale) : 1.0f;
   const float scale_log2 = p.softmax_scale * qk_descale * kLog2e;
+  const Dropout drop = make_dropout(p);
 
   load_tile<E, kFp8, BM, D, LD, NT>(sQ, qbase, a.q.stride_token, q_valid);
   if (n_blocks > 0) load_tile<E, kFp8, BN, D, LD, NT>(sK, kbase, a.k.stride_token, kr.len);
@@ -152,6 +153,18 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
         row_sum[e >> 1] += s[i][e];
       }
     }
+    // Dropout acts on the weights that multiply V, not on the normalizer.
+    if (drop.on) {
+      const uint64_t keep =
+          dropout_keep_mask<BN / 8, false>(drop, blockIdx.z, h, row0, n0 + t * 2);
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (!((keep >> (4 * i + e)) & 1u)) s[i][e] = 0.0f;
+        }
+      }
+    }
 
     cp_async_wait_all();
     __syncthreads();  // V_j landed; every warp is done reading K_j
@@ -180,7 +193,7 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
   // Epilogue: normalize, stage the warp's 16 rows in its own rows of sQ (no
   // other warp reads them), then store 16-byte chunks.
   cp_async_wait_all();
-  const float v_descale = kFp8 ? load_descale(p.v_descale) : 1.0f;
+  const float v_scale = (kFp8 ? load_descale(p.v_descale) : 1.0f) * (drop.on ? drop.inv_keep : 1.0f);
   float out_scale[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -189,10 +202,10 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const int64_t row = row0 + r * 8;
     const bool live = row < qr.len && sum > 0.0f;
-    out_scale[r] = live ? v_descale / sum : 0.0f;
+    out_scale[r] = live ? v_scale / sum : 0.0f;
     if (t == 0 && row < qr.cap) {
       a.lse[lse_index(qr, p.heads_q, h, p.seqlen_q, row)] =
-          live ? (row_max[r] + log2f(sum)) * kLn2 : INFINITY;
+          live ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
     }
   }
   __syncwarp();
