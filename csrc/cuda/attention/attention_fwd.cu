@@ -193,6 +193,7 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
   // Epilogue: normalize, stage the warp's 16 rows in its own rows of sQ (no
   // other warp reads them), then store 16-byte chunks.
   cp_async_wait_all();
+  __syncthreads();  // no Q copy of another thread may land on the staging rows
   const float v_scale = (kFp8 ? load_descale(p.v_descale) : 1.0f) * (drop.on ? drop.inv_keep : 1.0f);
   float out_scale[2];
 #pragma unroll
