@@ -111,7 +111,7 @@ tf_attn_cuda_problem make_problem(const Tensor& q, const Tensor& k, const Tensor
                                   double softmax_scale, bool causal, double dropout_p,
                                   int64_t seed, int64_t offset, const OptTensor& q_descale,
                                   const OptTensor& k_descale, const OptTensor& v_descale,
-                                  tf_dtype dtype) {
+                                  tf_dtype out_dtype) {
   check_cuda_tensor(q, q, "q");
   check_cuda_tensor(k, q, "k");
   check_cuda_tensor(v, q, "v");
@@ -142,7 +142,12 @@ tf_attn_cuda_problem make_problem(const Tensor& q, const Tensor& k, const Tensor
   check_int32_vector(lens_q, num_seqs, q, "seqlens_q");
   check_int32_vector(lens_kv, num_seqs, q, "seqlens_kv");
   const bool fp8 = is_fp8(q.scalar_type());
-  if (!fp8) half_dtype(q.scalar_type(), "q");
+  STD_TORCH_CHECK(!packed || (!lens_q.has_value() && !lens_kv.has_value()),
+                  "seqlens and cu_seqlens cannot be combined");
+  // FP8 tiles are converted to out_dtype for the MMA (bfloat16 for a float32
+  // output); e4m3 values are exact in both 16-bit types.
+  const tf_dtype dtype = fp8 ? (out_dtype == TF_FLOAT32 ? TF_BFLOAT16 : out_dtype)
+                             : half_dtype(q.scalar_type(), "q");
 
   tf_attn_cuda_problem p{};
   p.batch = q.size(0);
@@ -162,6 +167,7 @@ tf_attn_cuda_problem make_problem(const Tensor& q, const Tensor& k, const Tensor
   p.seed = static_cast<uint64_t>(seed);
   p.offset = static_cast<uint64_t>(offset);
   p.dtype = dtype;
+  p.out_dtype = out_dtype;
   p.fp8_inputs = fp8 ? 1 : 0;
   p.q_descale = descale_ptr(q_descale, q, fp8, "q_descale");
   p.k_descale = descale_ptr(k_descale, q, fp8, "k_descale");
@@ -169,18 +175,17 @@ tf_attn_cuda_problem make_problem(const Tensor& q, const Tensor& k, const Tensor
   return p;
 }
 
-ScalarType dtype_scalar(tf_dtype d) {
-  return d == TF_BFLOAT16 ? ScalarType::BFloat16 : ScalarType::Half;
-}
-
-// Output dtype: q's, or out_dtype (default bfloat16) for FP8 inputs.
-tf_dtype fwd_out_dtype(const Tensor& q, std::optional<ScalarType> out_dtype) {
-  if (is_fp8(q.scalar_type()))
-    return out_dtype.has_value() ? half_dtype(*out_dtype, "out_dtype") : TF_BFLOAT16;
-  const tf_dtype d = half_dtype(q.scalar_type(), "q");
+// Output dtype: q's, or out_dtype (float32 when None, as on the CPU) for FP8 inputs.
+ScalarType fwd_out_dtype(const Tensor& q, std::optional<ScalarType> out_dtype) {
+  if (is_fp8(q.scalar_type())) {
+    const ScalarType d = out_dtype.value_or(ScalarType::Float);
+    to_tf_dtype(d, "out_dtype");
+    return d;
+  }
+  half_dtype(q.scalar_type(), "q");
   STD_TORCH_CHECK(!out_dtype.has_value() || *out_dtype == q.scalar_type(),
                   "out_dtype must be None or q's dtype for bfloat16/float16 inputs");
-  return d;
+  return q.scalar_type();
 }
 
 void* current_stream(const Tensor& q) {
@@ -201,15 +206,16 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(
     OptTensor seqlens_q, OptTensor seqlens_kv, double softmax_scale, bool causal,
     double dropout_p, int64_t seed, int64_t offset, OptTensor q_descale, OptTensor k_descale,
     OptTensor v_descale, std::optional<ScalarType> out_dtype) {
-  const tf_dtype dtype = fwd_out_dtype(q, out_dtype);
+  const ScalarType out_type = fwd_out_dtype(q, out_dtype);
   torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
   q = rows_aligned(q, "q");
   k = rows_aligned(k, "k");
   v = rows_aligned(v, "v");
   const tf_attn_cuda_problem p =
       make_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
-                   causal, dropout_p, seed, offset, q_descale, k_descale, v_descale, dtype);
-  Tensor out = dense_like(q, dtype_scalar(dtype));
+                   causal, dropout_p, seed, offset, q_descale, k_descale, v_descale,
+                   to_tf_dtype(out_type, "out_dtype"));
+  Tensor out = dense_like(q, out_type);
   const std::vector<int64_t> shape = lse_shape(p);
   Tensor lse = torch::stable::new_empty(q, shape, ScalarType::Float);
   if (p.cu_seqlens_q != nullptr) {  // tokens outside every sequence
@@ -229,9 +235,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
     OptTensor k_descale, OptTensor v_descale) {
   // Gradients come in the dtype of dout (q's dtype, or the forward's
   // out_dtype for FP8 inputs).
-  const tf_dtype dtype = half_dtype(dout.scalar_type(), "dout");
+  const tf_dtype dtype = to_tf_dtype(dout.scalar_type(), "dout");
   STD_TORCH_CHECK(is_fp8(q.scalar_type()) || dout.scalar_type() == q.scalar_type(),
-                  "dout must have q's dtype");
+                  "dout must have q's dtype for non-FP8 inputs");
   STD_TORCH_CHECK(out.scalar_type() == dout.scalar_type(), "out and dout must have the same dtype");
   torch::stable::accelerator::DeviceGuard guard(q.get_device_index());
   dout = rows_aligned(dout, "dout");

@@ -89,11 +89,17 @@ __global__ void __launch_bounds__(Bwd<D>::kThreads)
     const char* q = static_cast<const char*>(a.q.data) +
                     (qr.batch * a.q.stride_batch + (qr.begin + m0) * a.q.stride_token +
                      h * a.q.stride_head) * kInBytes;
-    const uint16_t* dout = static_cast<const uint16_t*>(a.dout.data) +
-                           qr.batch * a.dout.stride_batch + (qr.begin + m0) * a.dout.stride_token +
-                           h * a.dout.stride_head;
+    const int64_t dout_off =
+        qr.batch * a.dout.stride_batch + (qr.begin + m0) * a.dout.stride_token + h * a.dout.stride_head;
     load_tile<E, kFp8, BM, D, LD, NT>(sQ + buf * BM * LD, q, a.q.stride_token, valid);
-    load_tile<E, false, BM, D, LD, NT>(sdO + buf * BM * LD, dout, a.dout.stride_token, valid);
+    if (kFp8 && p.out_dtype == TF_FLOAT32)
+      load_tile_f32<E, BM, D, LD, NT>(sdO + buf * BM * LD,
+                                      static_cast<const float*>(a.dout.data) + dout_off,
+                                      a.dout.stride_token, valid);
+    else
+      load_tile<E, false, BM, D, LD, NT>(sdO + buf * BM * LD,
+                                         static_cast<const uint16_t*>(a.dout.data) + dout_off,
+                                         a.dout.stride_token, valid);
     for (int r = threadIdx.x; r < BM; r += NT) {
       const bool ok = r < valid;
       const int64_t idx = lse_index(qr, p.heads_q, h, p.seqlen_q, ok ? m0 + r : 0);
@@ -259,30 +265,29 @@ __global__ void __launch_bounds__(Bwd<D>::kThreads)
 
   // dK = scale * dS^T Q, dV = P^T dO; keys past the valid length hold zeros.
   const float dk_scale = p.softmax_scale * q_descale;
-  uint16_t* dkp = static_cast<uint16_t*>(a.dk.data) + kr.batch * a.dk.stride_batch +
-                  (kr.begin + key0) * a.dk.stride_token + hk * a.dk.stride_head;
-  uint16_t* dvp = static_cast<uint16_t*>(a.dv.data) + kr.batch * a.dv.stride_batch +
-                  (kr.begin + key0) * a.dv.stride_token + hk * a.dv.stride_head;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (key0 + r * 8 >= kr.cap) continue;
-    const int64_t dk_off = r * 8 * a.dk.stride_token, dv_off = r * 8 * a.dv.stride_token;
+    const int64_t key = key0 + r * 8;
+    if (key >= kr.cap) continue;
+    const int64_t dk_row = kr.batch * a.dk.stride_batch + (kr.begin + key) * a.dk.stride_token +
+                           hk * a.dk.stride_head;
+    const int64_t dv_row = kr.batch * a.dv.stride_batch + (kr.begin + key) * a.dv.stride_token +
+                           hk * a.dv.stride_head;
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) {
       const int col = i * 8 + t * 2;
-      *reinterpret_cast<uint32_t*>(dkp + dk_off + col) =
-          E::pack(dk[i][2 * r] * dk_scale, dk[i][2 * r + 1] * dk_scale);
-      *reinterpret_cast<uint32_t*>(dvp + dv_off + col) = E::pack(dv[i][2 * r], dv[i][2 * r + 1]);
+      store_pair(a.dk.data, dk_row + col, p.out_dtype, dk[i][2 * r] * dk_scale,
+                 dk[i][2 * r + 1] * dk_scale);
+      store_pair(a.dv.data, dv_row + col, p.out_dtype, dv[i][2 * r], dv[i][2 * r + 1]);
     }
   }
 }
 
 // dq = dq_accum * scale * k_descale for every token and head of batch
 // blockIdx.y: 8 elements per thread.
-template <class E>
 __global__ void __launch_bounds__(256)
     attention_bwd_dq_kernel(const float* __restrict__ acc, tf_attn_cuda_out_tensor dq,
-                            int64_t tokens, int64_t heads, int64_t d, float scale,
+                            tf_dtype dtype, int64_t tokens, int64_t heads, int64_t d, float scale,
                             const float* k_descale) {
   const int64_t chunks = d / 8;
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -293,10 +298,11 @@ __global__ void __launch_bounds__(256)
   const float4* src =
       reinterpret_cast<const float4*>(acc + ((b * tokens + token) * heads + h) * d + c * 8);
   const float4 x = src[0], y = src[1];
-  const uint4 out = make_uint4(E::pack(x.x * sc, x.y * sc), E::pack(x.z * sc, x.w * sc),
-                               E::pack(y.x * sc, y.y * sc), E::pack(y.z * sc, y.w * sc));
-  *reinterpret_cast<uint4*>(static_cast<uint16_t*>(dq.data) + b * dq.stride_batch +
-                            token * dq.stride_token + h * dq.stride_head + c * 8) = out;
+  const int64_t dst = b * dq.stride_batch + token * dq.stride_token + h * dq.stride_head + c * 8;
+  store_pair(dq.data, dst, dtype, x.x * sc, x.y * sc);
+  store_pair(dq.data, dst + 2, dtype, x.z * sc, x.w * sc);
+  store_pair(dq.data, dst + 4, dtype, y.x * sc, y.y * sc);
+  store_pair(dq.data, dst + 6, dtype, y.z * sc, y.w * sc);
 }
 
 template <int D, class E, bool kFp8>
@@ -334,12 +340,8 @@ tf_status launch_dq(const tf_attn_cuda_problem& p, const float* acc, tf_attn_cud
   if ((per_batch + 255) / 256 > INT32_MAX) return TF_ERR_BAD_SIZE;
   const dim3 grid(static_cast<unsigned>((per_batch + 255) / 256), static_cast<unsigned>(p.batch));
   const float* k_descale = p.fp8_inputs ? p.k_descale : nullptr;
-  if (p.dtype == TF_BFLOAT16)
-    attention_bwd_dq_kernel<Bf16><<<grid, 256, 0, stream>>>(acc, dq, p.seqlen_q, p.heads_q,
-                                                            p.head_dim, p.softmax_scale, k_descale);
-  else
-    attention_bwd_dq_kernel<Fp16><<<grid, 256, 0, stream>>>(acc, dq, p.seqlen_q, p.heads_q,
-                                                            p.head_dim, p.softmax_scale, k_descale);
+  attention_bwd_dq_kernel<<<grid, 256, 0, stream>>>(acc, dq, p.out_dtype, p.seqlen_q, p.heads_q,
+                                                    p.head_dim, p.softmax_scale, k_descale);
   return cudaGetLastError() == cudaSuccess ? TF_OK : TF_ERR_CUDA;
 }
 
@@ -357,16 +359,19 @@ extern "C" tf_status tf_attention_bwd_cuda(const tf_attn_cuda_problem* p, tf_att
   if (st != TF_OK) return st;
   const int64_t b = p->batch, sq = p->seqlen_q, skv = p->seqlen_kv, d = p->head_dim;
   st = check_qkv(p, q, k, v);
-  if (st == TF_OK) st = check_in(dout, b, sq, p->heads_q, d, 2);
-  if (st == TF_OK) st = check_in(out, b, sq, p->heads_q, d, 2);
-  if (st == TF_OK) st = check_out(dq, b, sq, p->heads_q, d, 2);
-  if (st == TF_OK) st = check_out(dk, b, skv, p->heads_kv, d, 2);
-  if (st == TF_OK) st = check_out(dv, b, skv, p->heads_kv, d, 2);
+  const int64_t ob = tf_dtype_size(p->out_dtype);
+  if (st == TF_OK) st = check_in(dout, b, sq, p->heads_q, d, ob);
+  if (st == TF_OK) st = check_in(out, b, sq, p->heads_q, d, ob);
+  if (st == TF_OK) st = check_out(dq, b, sq, p->heads_q, d, ob);
+  if (st == TF_OK) st = check_out(dk, b, skv, p->heads_kv, d, ob);
+  if (st == TF_OK) st = check_out(dv, b, skv, p->heads_kv, d, ob);
   if (st != TF_OK) return st;
   if (p->num_seqs == 0 || (sq == 0 && skv == 0)) return TF_OK;
   if (lse == nullptr || dq_accum == nullptr || delta == nullptr) return TF_ERR_NULL_POINTER;
   if (reinterpret_cast<uintptr_t>(dq_accum) % 16 != 0) return TF_ERR_BAD_ARGUMENT;
   if (!tf_mul_fits(b * sq * p->heads_q, d)) return TF_ERR_OVERFLOW;
+  // The kernel counts (query head, query block) steps in int.
+  if ((sq / 16 + 1) * (p->heads_q / p->heads_kv) > INT32_MAX) return TF_ERR_BAD_SIZE;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // dQ accumulates across key blocks; delta is read only at valid rows.
   if (cudaMemsetAsync(dq_accum, 0, static_cast<size_t>(b * sq * p->heads_q * d) * sizeof(float), s) !=

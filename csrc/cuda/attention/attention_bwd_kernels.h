@@ -9,7 +9,8 @@
 namespace tf_attn {
 
 // delta[row] = sum_d dout[row, d] * out[row, d] (float32, lse layout) for
-// every valid query row; the backward kernel reads nothing else of delta.
+// every valid query row (dout and out in p.out_dtype); the backward kernel
+// reads nothing else of delta.
 tf_status launch_bwd_preprocess(const tf_attn_cuda_problem& p, const tf_attn_cuda_tensor& dout,
                                 const tf_attn_cuda_tensor& out, float* delta,
                                 cudaStream_t stream);

@@ -28,6 +28,8 @@ inline tf_status check_problem(const tf_attn_cuda_problem* p) {
   if (p->seqlen_q > INT32_MAX || p->seqlen_kv > INT32_MAX) return TF_ERR_BAD_SIZE;
   if (p->dtype != TF_BFLOAT16 && p->dtype != TF_FLOAT16) return TF_ERR_BAD_DTYPE;
   if (p->fp8_inputs != 0 && p->fp8_inputs != 1) return TF_ERR_BAD_ARGUMENT;
+  if (p->fp8_inputs ? tf_dtype_size(p->out_dtype) == 0 : p->out_dtype != p->dtype)
+    return TF_ERR_BAD_DTYPE;
   if (!isfinite(p->softmax_scale)) return TF_ERR_BAD_ARGUMENT;
   if (!(p->dropout_p >= 0.0f && p->dropout_p < 1.0f)) return TF_ERR_BAD_ARGUMENT;
   /* lse / delta have B * H * S elements, indexed in int64. */

@@ -57,13 +57,14 @@ typedef struct tf_attn_cuda_problem {
   int causal;
   float dropout_p; /* probability of dropping an attention weight, [0, 1) */
   uint64_t seed, offset;
-  tf_dtype dtype;  /* bf16 or fp16: out, dout and the gradients; q/k/v unless fp8 */
-  int fp8_inputs;  /* q, k, v are float8_e4m3fn */
+  tf_dtype dtype;     /* MMA type, bf16 or fp16: q/k/v's dtype, or what FP8 converts to */
+  tf_dtype out_dtype; /* out, dout and the gradients: dtype, or any float dtype with FP8 */
+  int fp8_inputs;     /* q, k, v are float8_e4m3fn */
   const float *q_descale, *k_descale, *v_descale; /* device, one float each; FP8 only */
 } tf_attn_cuda_problem;
 
 /*
- * out (dtype, [B, Sq, Hq, D]) and lse (float32, [B, Hq, Sq] dense, or
+ * out (out_dtype, [B, Sq, Hq, D]) and lse (float32, [B, Hq, Sq] dense, or
  * [Hq, Sq] when packed). Rows past a sequence's valid length get out 0 and
  * lse -inf (the CPU kernels' convention); so do rows that see no key. When
  * packed, tokens outside every
@@ -75,7 +76,7 @@ tf_status tf_attention_fwd_cuda(const tf_attn_cuda_problem *p, tf_attn_cuda_tens
 
 /*
  * Gradients with respect to q, k, v (for FP8 inputs: with respect to the
- * dequantized q*q_descale, ...), in dtype. `dq_accum` is float32 scratch
+ * dequantized q*q_descale, ...), in out_dtype (dout and out have it too). `dq_accum` is float32 scratch
  * laid out [B, Sq, Hq, D] contiguous and `delta` float32 scratch shaped like
  * lse; both are overwritten. Rows past valid lengths get zero gradients; when
  * packed, tokens outside every sequence of dk/dv are not written (the caller

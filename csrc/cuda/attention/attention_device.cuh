@@ -19,17 +19,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // The 16-bit element types; the MMA instruction names their PTX type.
 struct Bf16 {
-  using T = __nv_bfloat16;
   __device__ static uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ static uint16_t from_float(float f) {
-    __nv_bfloat16 v = __float2bfloat16_rn(f);
-    return *reinterpret_cast<uint16_t*>(&v);
-  }
-  __device__ static float2 unpack(uint32_t u) {
-    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
   }
   __device__ static void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -41,17 +33,9 @@ struct Bf16 {
 };
 
 struct Fp16 {
-  using T = __half;
   __device__ static uint32_t pack(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
-  }
-  __device__ static uint16_t from_float(float f) {
-    __half v = __float2half_rn(f);
-    return *reinterpret_cast<uint16_t*>(&v);
-  }
-  __device__ static float2 unpack(uint32_t u) {
-    return __half22float2(*reinterpret_cast<__half2*>(&u));
   }
   __device__ static void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm volatile(
@@ -164,6 +148,36 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const void* src, int64_
       d[0] = make_uint4(w[0], w[1], w[2], w[3]);
       d[1] = make_uint4(w[4], w[5], w[6], w[7]);
     }
+  }
+}
+
+// The same for float32 source rows (dout when FP8 attention produced a
+// float32 output): converted on the way, ordinary shared stores.
+template <class E, int Rows, int D, int Ld, int kThreads>
+__device__ __forceinline__ void load_tile_f32(uint16_t* dst, const float* src, int64_t row_stride,
+                                              int64_t valid) {
+  constexpr int kChunks = D / 8;
+  for (int c = threadIdx.x; c < Rows * kChunks; c += kThreads) {
+    const int r = c / kChunks, k = (c % kChunks) * 8;
+    float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f), y = x;
+    if (r < valid) {
+      const float4* s = reinterpret_cast<const float4*>(src + r * row_stride + k);
+      x = s[0];
+      y = s[1];
+    }
+    *reinterpret_cast<uint4*>(dst + r * Ld + k) =
+        make_uint4(E::pack(x.x, x.y), E::pack(x.z, x.w), E::pack(y.x, y.y), E::pack(y.z, y.w));
+  }
+}
+
+// Stores two adjacent output values as out_dtype (float32, bf16 or fp16).
+__device__ __forceinline__ void store_pair(void* base, int64_t index, tf_dtype out_dtype, float lo,
+                                           float hi) {
+  if (out_dtype == TF_FLOAT32) {
+    *reinterpret_cast<float2*>(static_cast<float*>(base) + index) = make_float2(lo, hi);
+  } else {
+    uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(base) + index);
+    *dst = out_dtype == TF_BFLOAT16 ? Bf16::pack(lo, hi) : Fp16::pack(lo, hi);
   }
 }
 

@@ -209,6 +209,19 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
           live ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
     }
   }
+  if (p.out_dtype == TF_FLOAT32) {  // (FP8 only) straight from registers
+    const int64_t out_row = qr.batch * a.out.stride_batch + h * a.out.stride_head;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = row0 + r * 8;
+      if (row >= qr.cap) continue;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i)
+        store_pair(a.out.data, out_row + (qr.begin + row) * a.out.stride_token + i * 8 + t * 2,
+                   TF_FLOAT32, o[i][2 * r] * out_scale[r], o[i][2 * r + 1] * out_scale[r]);
+    }
+    return;
+  }
   __syncwarp();
   uint16_t* stage = sQ + warp * 16 * LD;
 #pragma unroll
@@ -268,7 +281,8 @@ extern "C" tf_status tf_attention_fwd_cuda(const tf_attn_cuda_problem* p, tf_att
   tf_status st = check_problem(p);
   if (st != TF_OK) return st;
   st = check_qkv(p, q, k, v);
-  if (st == TF_OK) st = check_out(out, p->batch, p->seqlen_q, p->heads_q, p->head_dim, 2);
+  if (st == TF_OK)
+    st = check_out(out, p->batch, p->seqlen_q, p->heads_q, p->head_dim, tf_dtype_size(p->out_dtype));
   if (st != TF_OK) return st;
   if (p->num_seqs == 0 || p->seqlen_q == 0) return TF_OK;
   if (lse == nullptr) return TF_ERR_NULL_POINTER;
