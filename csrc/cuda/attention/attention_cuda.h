@@ -9,12 +9,15 @@
  * the other three with arbitrary non-negative strides (in elements). Packed
  * (thd) problems pass cu_seqlens [N+1] with B == 1 on the tensors and
  * `num_seqs` = N; the token dim then holds all packed tokens. seqlens [N]
- * (optional) are the valid lengths of each sequence (padding). Causal masking
- * is top-left aligned: query i sees keys j <= i.
+ * (optional) are the valid lengths of each sequence (padding; with cu_seqlens
+ * they cut each packed segment short). Sequence bounds are clamped into the
+ * tensors on the device. Causal masking is top-left aligned: query i sees
+ * keys j <= i, positions counted inside the sequence.
  *
  * Supported head dims: TF_ATTN_CUDA_HEAD_DIMS. Inputs bf16/fp16, or
- * float8_e4m3fn with per-tensor descales (the kernels convert FP8 tiles to the
- * 16-bit output type and use the 16-bit tensor-core MMA).
+ * float8_e4m3fn with per-tensor descales (the kernels convert FP8 tiles to
+ * `dtype` and use the 16-bit tensor-core MMA). Dropout drops exactly the
+ * elements the CPU kernels drop (csrc/attention/attention_dropout.h).
  */
 #ifndef TF_ATTENTION_CUDA_H
 #define TF_ATTENTION_CUDA_H

@@ -45,7 +45,9 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
   const int64_t h = blockIdx.y, hk = h / (p.heads_q / p.heads_kv);
   const SeqRows qr = seq_rows(p.cu_seqlens_q, p.seqlens_q, blockIdx.z, p.seqlen_q);
   const SeqRows kr = seq_rows(p.cu_seqlens_kv, p.seqlens_kv, blockIdx.z, p.seqlen_kv);
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
+  // Last query blocks first: under a causal mask they carry the most keys,
+  // so the short ones fill the tail of the grid.
+  const int64_t m0 = static_cast<int64_t>(gridDim.x - 1 - blockIdx.x) * BM;
   if (m0 >= qr.cap) return;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
