@@ -115,15 +115,8 @@ def check_against_reference(q, k, v, dout, scale, causal, seqs, got, lse_shape=N
         assert_close_to_reference(name, g, r, lp, 3.0, 2e-3)
 
 
-def randn(*shape, dtype, gen):
-    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=CUDA, dtype=dtype)
-
-
-@pytest.fixture
-def gen():
-    seed = torch.seed() % (2**31)
-    print(f"random seed: {seed}")
-    return torch.Generator().manual_seed(seed)
+def randn(*shape, dtype, generator):
+    return torch.randn(*shape, generator=generator, dtype=torch.float32).to(device=CUDA, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- dense batches
@@ -139,11 +132,11 @@ SHAPES = [  # B, Sq, Skv, Hq, Hkv
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_float64_sdpa(dtype, head_dim, causal, shape, gen):
+def test_matches_float64_sdpa(dtype, head_dim, causal, shape, generator):
     b, sq, skv, hq, hkv = shape
-    q, k, v = randn(b, sq, hq, head_dim, dtype=dtype, gen=gen), randn(b, skv, hkv, head_dim, dtype=dtype, gen=gen), \
-        randn(b, skv, hkv, head_dim, dtype=dtype, gen=gen)
-    dout = randn(b, sq, hq, head_dim, dtype=dtype, gen=gen)
+    q, k, v = randn(b, sq, hq, head_dim, dtype=dtype, generator=generator), randn(b, skv, hkv, head_dim, dtype=dtype, generator=generator), \
+        randn(b, skv, hkv, head_dim, dtype=dtype, generator=generator)
+    dout = randn(b, sq, hq, head_dim, dtype=dtype, generator=generator)
     scale = 1.0 / math.sqrt(head_dim)
     out, lse = attn_fwd(q, k, v, scale=scale, causal=causal)
     assert out.dtype == dtype and out.shape == q.shape and lse.shape == (b, hq, sq)
@@ -152,20 +145,20 @@ def test_matches_float64_sdpa(dtype, head_dim, causal, shape, gen):
 
 
 @pytest.mark.parametrize("head_dim", [32, 96])
-def test_other_head_dims(head_dim, gen):
-    q = randn(2, 93, 4, head_dim, dtype=torch.bfloat16, gen=gen)
-    k, v = randn(2, 70, 2, head_dim, dtype=torch.bfloat16, gen=gen), randn(2, 70, 2, head_dim, dtype=torch.bfloat16, gen=gen)
-    dout = randn(2, 93, 4, head_dim, dtype=torch.bfloat16, gen=gen)
+def test_other_head_dims(head_dim, generator):
+    q = randn(2, 93, 4, head_dim, dtype=torch.bfloat16, generator=generator)
+    k, v = randn(2, 70, 2, head_dim, dtype=torch.bfloat16, generator=generator), randn(2, 70, 2, head_dim, dtype=torch.bfloat16, generator=generator)
+    dout = randn(2, 93, 4, head_dim, dtype=torch.bfloat16, generator=generator)
     out, lse = attn_fwd(q, k, v, scale=0.3, causal=True)
     grads = attn_bwd(dout, q, k, v, out, lse, scale=0.3, causal=True)
     check_against_reference(q, k, v, dout, 0.3, True, batched_seqs(2, 93, 70), (out, lse, *grads))
 
 
-def test_sbhd_views_keep_their_dim_order(gen):
+def test_sbhd_views_keep_their_dim_order(generator):
     s, b, h, d = 97, 2, 4, 64
-    q_sbhd, k_sbhd, v_sbhd = (randn(s, b, h, d, dtype=torch.bfloat16, gen=gen) for _ in range(3))
+    q_sbhd, k_sbhd, v_sbhd = (randn(s, b, h, d, dtype=torch.bfloat16, generator=generator) for _ in range(3))
     q, k, v = (t.transpose(0, 1) for t in (q_sbhd, k_sbhd, v_sbhd))  # [B, S, H, D] views
-    dout = randn(s, b, h, d, dtype=torch.bfloat16, gen=gen).transpose(0, 1)
+    dout = randn(s, b, h, d, dtype=torch.bfloat16, generator=generator).transpose(0, 1)
     out, lse = attn_fwd(q, k, v, causal=True)
     assert out.transpose(0, 1).is_contiguous(), "out must be laid out like q (sbhd)"
     grads = attn_bwd(dout, q, k, v, out, lse, causal=True)
@@ -173,11 +166,11 @@ def test_sbhd_views_keep_their_dim_order(gen):
     check_against_reference(q, k, v, dout, 1 / 8, True, batched_seqs(b, s, s), (out, lse, *grads))
 
 
-def test_packed_qkv_slices(gen):
+def test_packed_qkv_slices(generator):
     """q, k, v as slices of one [B, S, 3, H, D] buffer: strided heads, still 16-byte aligned rows."""
-    qkv = randn(2, 81, 3, 4, 64, dtype=torch.float16, gen=gen)
+    qkv = randn(2, 81, 3, 4, 64, dtype=torch.float16, generator=generator)
     q, k, v = qkv.unbind(2)
-    dout = randn(2, 81, 4, 64, dtype=torch.float16, gen=gen)
+    dout = randn(2, 81, 4, 64, dtype=torch.float16, generator=generator)
     out, lse = attn_fwd(q, k, v)
     grads = attn_bwd(dout, q, k, v, out, lse)
     check_against_reference(q, k, v, dout, 1 / 8, False, batched_seqs(2, 81, 81), (out, lse, *grads))
@@ -187,12 +180,12 @@ def test_packed_qkv_slices(gen):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_padding_with_seqlens(causal, gen):
+def test_padding_with_seqlens(causal, generator):
     b, sq, skv, h, d = 3, 100, 90, 4, 64
     lens_q, lens_kv = [100, 37, 1], [90, 0, 53]  # one sequence sees no key at all
-    q = randn(b, sq, h, d, dtype=torch.bfloat16, gen=gen)
-    k, v = randn(b, skv, 2, d, dtype=torch.bfloat16, gen=gen), randn(b, skv, 2, d, dtype=torch.bfloat16, gen=gen)
-    dout = randn(b, sq, h, d, dtype=torch.bfloat16, gen=gen)
+    q = randn(b, sq, h, d, dtype=torch.bfloat16, generator=generator)
+    k, v = randn(b, skv, 2, d, dtype=torch.bfloat16, generator=generator), randn(b, skv, 2, d, dtype=torch.bfloat16, generator=generator)
+    dout = randn(b, sq, h, d, dtype=torch.bfloat16, generator=generator)
     lq, lk = (torch.tensor(x, dtype=torch.int32, device=CUDA) for x in (lens_q, lens_kv))
     out, lse = attn_fwd(q, k, v, lens_q=lq, lens_kv=lk, causal=causal)
     grads = attn_bwd(dout, q, k, v, out, lse, lens_q=lq, lens_kv=lk, causal=causal)
@@ -204,12 +197,12 @@ def test_padding_with_seqlens(causal, gen):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_packed_thd_with_cu_seqlens(causal, head_dim, gen):
+def test_packed_thd_with_cu_seqlens(causal, head_dim, generator):
     lens_q, lens_kv = [5, 0, 130, 64, 1], [7, 3, 129, 64, 0]
     tq, tkv = sum(lens_q) + 9, sum(lens_kv) + 4  # trailing tokens belong to no sequence
-    q = randn(1, tq, 4, head_dim, dtype=torch.bfloat16, gen=gen)
-    k, v = randn(1, tkv, 2, head_dim, dtype=torch.bfloat16, gen=gen), randn(1, tkv, 2, head_dim, dtype=torch.bfloat16, gen=gen)
-    dout = randn(1, tq, 4, head_dim, dtype=torch.bfloat16, gen=gen)
+    q = randn(1, tq, 4, head_dim, dtype=torch.bfloat16, generator=generator)
+    k, v = randn(1, tkv, 2, head_dim, dtype=torch.bfloat16, generator=generator), randn(1, tkv, 2, head_dim, dtype=torch.bfloat16, generator=generator)
+    dout = randn(1, tq, 4, head_dim, dtype=torch.bfloat16, generator=generator)
     cu_q = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32, device=CUDA)
     cu_kv = torch.tensor(np.cumsum([0] + lens_kv), dtype=torch.int32, device=CUDA)
     out, lse = attn_fwd(q, k, v, cu_q=cu_q, cu_kv=cu_kv, causal=causal)
@@ -221,8 +214,8 @@ def test_packed_thd_with_cu_seqlens(causal, head_dim, gen):
     assert (out[0, -9:] == 0).all() and (grads[1][0, -4:] == 0).all() and (grads[2][0, -4:] == 0).all()
 
 
-def test_no_keys_gives_zeros_and_minus_inf(gen):
-    q = randn(2, 33, 2, 64, dtype=torch.float16, gen=gen)
+def test_no_keys_gives_zeros_and_minus_inf(generator):
+    q = randn(2, 33, 2, 64, dtype=torch.float16, generator=generator)
     k = v = torch.empty(2, 0, 2, 64, dtype=torch.float16, device=CUDA)
     out, lse = attn_fwd(q, k, v)
     assert (out == 0).all() and (lse == -math.inf).all()
@@ -235,17 +228,17 @@ def test_no_keys_gives_zeros_and_minus_inf(gen):
 
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_inputs_match_dequantized_reference(out_dtype, causal, gen):
+def test_fp8_inputs_match_dequantized_reference(out_dtype, causal, generator):
     b, s, h, d = 2, 75, 4, 128
     scales = [0.5, 2.0, 0.125]
-    data = [randn(b, s, h, d, dtype=torch.float32, gen=gen) * 3 for _ in range(3)]
+    data = [randn(b, s, h, d, dtype=torch.float32, generator=generator) * 3 for _ in range(3)]
     fp8 = [(x / sc).to(torch.float8_e4m3fn) for x, sc in zip(data, scales)]
     descales = tuple(torch.tensor([sc], dtype=torch.float32, device=CUDA) for sc in scales)
     deq = [t.float() * sc for t, sc in zip(fp8, scales)]  # what the kernel must attend over
     out, lse = attn_fwd(*fp8, causal=causal, descales=descales, out_dtype=out_dtype)
     expect_dtype = torch.float32 if out_dtype is None else out_dtype
     assert out.dtype == expect_dtype
-    dout = randn(b, s, h, d, dtype=expect_dtype, gen=gen)
+    dout = randn(b, s, h, d, dtype=expect_dtype, generator=generator)
     grads = attn_bwd(dout, *fp8, out, lse, causal=causal, descales=descales)
     assert all(g.dtype == expect_dtype for g in grads)
     # The kernel multiplies bfloat16/float16 MMA operands: compare with torch in bfloat16.
@@ -298,10 +291,10 @@ def test_dropout_mask_is_the_shared_philox(seed, offset):
     assert max_err(out[out != 0], torch.full_like(out[out != 0], expected)) <= expected * 2**-8
 
 
-def test_dropout_gradients_match_masked_reference(gen):
+def test_dropout_gradients_match_masked_reference(generator):
     """dV, dK, dQ with dropout equal float64 autograd through the explicit keep mask."""
     b, s, h, d, p, seed, offset = 1, 67, 2, 64, 0.2, 99, 5
-    q, k, v, dout = (randn(b, s, h, d, dtype=torch.bfloat16, gen=gen) for _ in range(4))
+    q, k, v, dout = (randn(b, s, h, d, dtype=torch.bfloat16, generator=generator) for _ in range(4))
     out, lse = attn_fwd(q, k, v, causal=True, dropout_p=p, seed=seed, offset=offset)
     grads = attn_bwd(dout, q, k, v, out, lse, causal=True, dropout_p=p, seed=seed, offset=offset)
     keep = reference_keep_mask(seed, offset, p, b, h, s, s).to(CUDA)
@@ -322,15 +315,15 @@ def test_dropout_gradients_match_masked_reference(gen):
 @pytest.mark.skipif(not _has_attention_kernel("CPU"), reason="needs te_fuser's CPU attention")
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("packed", [False, True])
-def test_cpu_and_cuda_agree(dropout_p, packed, gen):
+def test_cpu_and_cuda_agree(dropout_p, packed, generator):
     d = 64
     if packed:
         lens = [19, 0, 70]
         cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32)
-        q, k, v, dout = (randn(1, sum(lens), 4, d, dtype=torch.bfloat16, gen=gen) for _ in range(4))
+        q, k, v, dout = (randn(1, sum(lens), 4, d, dtype=torch.bfloat16, generator=generator) for _ in range(4))
         extra = dict(cu_q=cu, cu_kv=cu)
     else:
-        q, k, v, dout = (randn(2, 75, 4, d, dtype=torch.bfloat16, gen=gen) for _ in range(4))
+        q, k, v, dout = (randn(2, 75, 4, d, dtype=torch.bfloat16, generator=generator) for _ in range(4))
         extra = {}
     common = dict(causal=True, dropout_p=dropout_p, seed=7, offset=123)
     cpu_args = [t.cpu() for t in (q, k, v)]
