@@ -2,12 +2,6 @@
 // the same argument checks, then the launchers of csrc/cuda/ops on the current
 // stream of the input's device. FP8 scales are read on the device: nothing waits.
 
-// torch's C shim declares its CUDA entry points (the current stream) only under
-// USE_CUDA, so it is set before any torch header.
-#if !defined(USE_CUDA)
-#define USE_CUDA
-#endif
-
 #include <optional>
 #include <vector>
 
@@ -33,12 +27,6 @@ Matrix as_matrix(const Tensor& t, const char* arg) {
   check_contiguous(t, arg);
   const int64_t cols = t.size(t.dim() - 1);
   return {cols == 0 ? 0 : t.numel() / cols, cols};
-}
-
-void* stream_of(const Tensor& t) {
-  void* stream = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream));
-  return stream;
 }
 
 void check_vector(const Tensor& v, int64_t n, const Tensor& like, const char* arg) {
@@ -117,7 +105,7 @@ Tensor bias_act_forward_impl(const Tensor& x, const std::optional<Tensor>& bias,
   const DeviceGuard guard(x.get_device_index());
   Output y = make_output(x, x.sizes(), x.scalar_type(), fp8_dtype, scale, amax);
   check_status(tf_bias_act_forward_cuda(x.const_data_ptr(), dtype, bias ? bias->const_data_ptr() : nullptr,
-                                        bias_dtype, m.rows, m.cols, act, &y.desc, stream_of(x)),
+                                        bias_dtype, m.rows, m.cols, act, &y.desc, current_cuda_stream(x, "x")),
                "bias_act_forward");
   return y.tensor;
 }
@@ -157,7 +145,7 @@ std::tuple<Tensor, Tensor> act_bias_backward_cuda(Tensor grad, Tensor x, std::op
                                          bias ? bias->const_data_ptr() : nullptr, bias_dtype, m.rows, m.cols, act,
                                          &dx.desc, compute_dbias ? partials.mutable_data_ptr<float>() : nullptr,
                                          compute_dbias ? dbias.mutable_data_ptr() : nullptr,
-                                         to_tf_dtype(dbias_type, "dbias"), stream_of(x)),
+                                         to_tf_dtype(dbias_type, "dbias"), current_cuda_stream(x, "x")),
                "act_bias_backward");
   return std::make_tuple(dx.tensor, dbias);
 }
@@ -171,7 +159,7 @@ Tensor swiglu_forward_impl(const Tensor& x, const std::optional<ScalarType>& fp8
   sizes.back() /= 2;
   const DeviceGuard guard(x.get_device_index());
   Output y = make_output(x, sizes, x.scalar_type(), fp8_dtype, scale, amax);
-  check_status(tf_swiglu_forward_cuda(x.const_data_ptr(), dtype, m.rows, m.cols / 2, &y.desc, stream_of(x)),
+  check_status(tf_swiglu_forward_cuda(x.const_data_ptr(), dtype, m.rows, m.cols / 2, &y.desc, current_cuda_stream(x, "x")),
                "swiglu_forward");
   return y.tensor;
 }
@@ -193,7 +181,7 @@ Tensor swiglu_backward_cuda(Tensor grad, Tensor x) {
   const DeviceGuard guard(x.get_device_index());
   Tensor dx = torch::stable::new_empty(x, x.sizes(), grad.scalar_type());
   check_status(tf_swiglu_backward_cuda(grad.const_data_ptr(), dy_dtype, x.const_data_ptr(), dtype, g.rows, g.cols,
-                                       dx.mutable_data_ptr(), stream_of(x)),
+                                       dx.mutable_data_ptr(), current_cuda_stream(x, "x")),
                "swiglu_backward");
   return dx;
 }
@@ -221,7 +209,7 @@ std::tuple<Tensor, std::optional<Tensor>, Tensor> norm_forward(
                                     beta ? beta->const_data_ptr() : nullptr, pdtype, zero_centered_gamma,
                                     static_cast<float>(eps), m.rows, m.cols, &y.desc,
                                     mean ? mean->mutable_data_ptr<float>() : nullptr,
-                                    rstd.mutable_data_ptr<float>(), stream_of(x)),
+                                    rstd.mutable_data_ptr<float>(), current_cuda_stream(x, "x")),
                "norm_forward");
   return std::make_tuple(y.tensor, mean, rstd);
 }
@@ -267,7 +255,7 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> norm_backward(const Tensor& gr
                                      weight.const_data_ptr(), pdtype, zero_centered_gamma, m.rows, m.cols,
                                      dx.mutable_data_ptr(), partials.mutable_data_ptr<float>(),
                                      dweight.mutable_data_ptr(), dbias ? dbias->mutable_data_ptr() : nullptr,
-                                     stream_of(x)),
+                                     current_cuda_stream(x, "x")),
                "norm_backward");
   return std::make_tuple(dx, dweight, dbias);
 }
