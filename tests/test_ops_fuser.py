@@ -128,14 +128,20 @@ def test_plan_cache_refound_only_on_key_change():
     (recipe.Float8CurrentScaling(), False),  # scale needs the output: the linear quantizes
 ])
 def test_fp8_handover_between_ops(monkeypatch, fp8_recipe, expect_fp8_input):
-    seen = []
+    seen, seen_grads = [], []
     original = BasicLinear.forward_gemm
+    original_backward = BasicLinear.op_backward
 
     def spy(self, ctx, x, *args):
         seen.append(isinstance(x, Float8Tensor))
         return original(self, ctx, x, *args)
 
+    def spy_backward(self, ctx, grad_output):
+        seen_grads.append(isinstance(grad_output, Float8Tensor))
+        return original_backward(self, ctx, grad_output)
+
     monkeypatch.setattr(BasicLinear, "forward_gemm", spy)
+    monkeypatch.setattr(BasicLinear, "op_backward", spy_backward)
     model = CHAINS["ln_mlp_gelu"]()
     x = torch.randn(32, 64, requires_grad=True)
     with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
@@ -143,6 +149,9 @@ def test_fp8_handover_between_ops(monkeypatch, fp8_recipe, expect_fp8_input):
     out.sum().backward()
     # LayerNorm -> first linear and Bias+GELU -> second linear.
     assert seen == [expect_fp8_input, expect_fp8_input]
+    # Backward: the second linear's dgrad is high precision (the Bias after it takes it),
+    # the one-pass dGELU+dbias kernel writes E5M2 for the first linear.
+    assert seen_grads == [False, expect_fp8_input]
 
 
 @pytest.mark.parametrize("fp8_recipe", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()])

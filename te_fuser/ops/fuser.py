@@ -88,7 +88,7 @@ class _Plan:
 class _BackwardState:
     """Everything the backward needs besides the saved tensors; dropped once backward ran."""
 
-    __slots__ = ("fuser", "plan", "op_ctxs", "tensor_objects", "save_ranges", "num_params")
+    __slots__ = ("plan", "op_ctxs", "tensor_objects", "save_ranges", "num_params")
 
 
 class _FuserFunction(torch.autograd.Function):
@@ -116,7 +116,7 @@ class _FuserFunction(torch.autograd.Function):
         tensors, objects = prepare_for_saving(*to_save)
         func_ctx.save_for_backward(*tensors)
         state = _BackwardState()
-        state.fuser, state.plan, state.op_ctxs = fuser, plan, ctxs
+        state.plan, state.op_ctxs = plan, ctxs
         state.tensor_objects, state.save_ranges, state.num_params = objects, ranges, len(params)
         func_ctx.state = state
         func_ctx.backward_done = False

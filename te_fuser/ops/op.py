@@ -106,6 +106,9 @@ class BasicOperation(torch.nn.Module):
             self._fp8_recipe = recipe
             self._fp8_states = (make_recipe_state(recipe, self.num_forward_quantizers, True, device),
                                 make_recipe_state(recipe, self.num_backward_quantizers, False, device))
+        for state in self._fp8_states:
+            if hasattr(state, "amax") and state.amax.device != torch.device(device):
+                state.to(device)  # the module moved: its scaling state follows
         self._forward_quantizers = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
         self._backward_quantizers = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []
 

@@ -11,10 +11,10 @@ class ActivationBiasGrad(FusedOperation):
 
     def __init__(self, bias: Bias, activation: _BiasActivation):
         super().__init__((bias, activation))
-        self.bias, self.activation = bias, activation
 
     def fuser_backward(self, ctxs, grad_output):
         bias_ctx, act_ctx = ctxs
-        dx, dbias = self.activation.backward_with_bias(act_ctx, grad_output, bias_ctx.bias_requires_grad,
+        activation: _BiasActivation = self._basic_ops[1]
+        dx, dbias = activation.backward_with_bias(act_ctx, grad_output, bias_ctx.bias_requires_grad,
                                                        bias_ctx.grad_input_quantizer)
         return dx, [(dbias,), ()]

@@ -20,7 +20,18 @@ class LinearBiasActivation(FusedOperation):
 
     def __init__(self, linear: BasicLinear, bias: Bias, activation: Optional[_BiasActivation] = None):
         super().__init__((linear, bias) if activation is None else (linear, bias, activation))
-        self.linear, self.bias, self.activation = linear, bias, activation
+
+    @property
+    def linear(self) -> BasicLinear:
+        return self._basic_ops[0]
+
+    @property
+    def bias(self) -> Bias:
+        return self._basic_ops[1]
+
+    @property
+    def activation(self) -> Optional[_BiasActivation]:
+        return self._basic_ops[2] if len(self._basic_ops) == 3 else None
 
     @staticmethod
     def applies_to(linear: BasicLinear) -> bool:
