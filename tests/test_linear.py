@@ -118,10 +118,13 @@ def test_fp8_current_scaling_within_derived_bound(device, fmt):
         # ... and the bound is not vacuous: FP8 really is less precise than float32.
         assert err.max() > 1e-4
     torch.testing.assert_close(layer.bias.grad.double(), ref_db, rtol=1e-5, atol=1e-5)
+    op = layer._ops[0]
+    assert [q.fp8_dtype for q in op._forward_quantizers] == [torch.float8_e4m3fn] * 2
+    expect_grad = torch.float8_e5m2 if fmt == "HYBRID" else torch.float8_e4m3fn
+    assert op._backward_quantizers[0].fp8_dtype == expect_grad
 
 
 def test_fp8_gemm_equals_dequantize_then_float32_matmul():
-    from te_fuser.kernels import fp8 as fp8k
     from te_fuser.ops.gemm import fp8_gemm_nt
 
     a = torch.randn(32, 48)
@@ -132,7 +135,6 @@ def test_fp8_gemm_equals_dequantize_then_float32_matmul():
     # Independent dequantization: torch's float8 -> float32 conversion times scale_inv.
     ref = (qa._data.float() * qa._scale_inv) @ (qb._data.float() * qb._scale_inv).T
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    del fp8k
 
 
 def test_fp8_dims_not_divisible_by_16_raise_naming_the_dim():

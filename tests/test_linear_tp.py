@@ -99,6 +99,23 @@ def _case(rank, parallel_mode, sequence_parallel, fp8):
             torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def _amax_reduction_case(rank):
+    """Delayed scaling under fp8_group: each rank's input amax differs, the reduced history does not."""
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    layer = te_fuser.Linear(IN, OUT, parallel_mode="row", tp_group=group, device="cpu")
+    x = torch.randn(SEQ, BATCH, IN // WORLD) * (rank + 1)
+    with te_fuser.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=4), fp8_group=group):
+        layer(x)
+    history = layer._ops[0]._fp8_states[0].amax_history[0].clone()
+    gathered = [torch.empty_like(history) for _ in range(WORLD)]
+    dist.all_gather(gathered, history, group=group)
+    assert torch.equal(gathered[0], gathered[1]), gathered
+    local = torch.tensor([x.abs().max().item()])
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    assert history[0].item() == local.item()  # the input amax, reduced with MAX
+
+
 def _worker(rank, port, cases, errors):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -107,7 +124,7 @@ def _worker(rank, port, cases, errors):
     try:
         for case in cases:
             try:
-                _case(rank, *case)
+                _case(rank, *case) if case != "amax_reduction" else _amax_reduction_case(rank)
             except Exception:  # reported to the parent, which fails the test
                 errors.put((rank, case, traceback.format_exc()))
     finally:
@@ -115,6 +132,7 @@ def _worker(rank, port, cases, errors):
 
 
 CASES = [(mode, sp, fp8) for mode in ("column", "row") for sp in (False, True) for fp8 in (False, True)]
+CASES.append("amax_reduction")
 
 
 def test_tensor_parallel_matches_single_process():
