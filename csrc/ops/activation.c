@@ -2,8 +2,6 @@
 
 #include "ops_tile.h"
 
-#include <math.h>
-
 #define GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
 #define GELU_K1 0.044715f
 
@@ -11,7 +9,7 @@ static void act_forward_tile(tf_activation act, int64_t n, float *restrict v) {
   if (act == TF_ACT_GELU_TANH) {
     for (int64_t i = 0; i < n; ++i) {
       const float x = v[i];
-      v[i] = 0.5f * x * (1.0f + tanhf(GELU_K0 * (x + GELU_K1 * x * x * x)));
+      v[i] = 0.5f * x * (1.0f + tf_ops_tanhf(GELU_K0 * (x + GELU_K1 * x * x * x)));
     }
   } else if (act == TF_ACT_RELU) {
     for (int64_t i = 0; i < n; ++i) v[i] = v[i] > 0.0f ? v[i] : 0.0f;
@@ -24,7 +22,7 @@ static void act_backward_tile(tf_activation act, int64_t n, const float *restric
   if (act == TF_ACT_GELU_TANH) {
     for (int64_t i = 0; i < n; ++i) {
       const float xi = x[i];
-      const float t = tanhf(GELU_K0 * (xi + GELU_K1 * xi * xi * xi));
+      const float t = tf_ops_tanhf(GELU_K0 * (xi + GELU_K1 * xi * xi * xi));
       const float du = GELU_K0 * (1.0f + 3.0f * GELU_K1 * xi * xi);
       g[i] *= 0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * du;
     }
@@ -105,7 +103,7 @@ tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x,
   return TF_OK;
 }
 
-static float silu(float a) { return a / (1.0f + expf(-a)); }
+static float silu(float a) { return a / (1.0f + tf_ops_expf(-a)); }
 
 tf_status tf_swiglu_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
                             int64_t row_begin, int64_t row_end, const tf_ops_output *y,
@@ -152,7 +150,7 @@ tf_status tf_swiglu_backward(const void *dy, tf_dtype dy_dtype, const void *x, t
       tf_ops_load(x, dtype, 2 * r * cols + c0, n, a);
       tf_ops_load(x, dtype, 2 * r * cols + cols + c0, n, g);
       for (int64_t i = 0; i < n; ++i) {
-        const float sig = 1.0f / (1.0f + expf(-a[i]));
+        const float sig = 1.0f / (1.0f + tf_ops_expf(-a[i]));
         const float s_a = a[i] * sig;
         const float dsilu = sig * (1.0f + a[i] * (1.0f - sig));
         a[i] = d[i] * g[i] * dsilu; /* gradient of the silu half */
