@@ -170,6 +170,9 @@ def test_delayed_scaling_updates_scale_and_extra_state_round_trips():
         assert torch.equal(clone.get_extra_state()["forward"][key], value)
     with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
         assert torch.equal(clone(x), layer(x))
+    clone.set_extra_state(torch.empty(0))  # TE's "no FP8 state"
+    with pytest.raises(ValueError, match="serialized FP8 state"):
+        clone.set_extra_state(torch.ones(8, dtype=torch.uint8))
 
 
 def test_is_first_microbatch_caches_the_fp8_weight():

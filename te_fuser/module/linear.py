@@ -192,6 +192,12 @@ class Linear(torch.nn.Module):
         return self._ops[0].fp8_extra_state()
 
     def set_extra_state(self, state) -> None:
+        if isinstance(state, torch.Tensor):
+            # TransformerEngine serializes its FP8 state into a byte tensor; an empty one means none.
+            if state.numel() == 0:
+                return
+            raise ValueError("te_fuser.Linear cannot load TransformerEngine's serialized FP8 state; "
+                             "load the checkpoint without '_extra_state' (strict=False) to start fresh scales")
         self._ops[0].load_fp8_extra_state(state, self._weight_list()[0].device)
 
     # -- forward ------------------------------------------------------------------------
