@@ -360,3 +360,19 @@ def test_torch_compile():
         eager = model(x)
         compiled = torch.compile(model)(x)
     torch.testing.assert_close(compiled, eager)
+
+
+def test_rng_state_tracker_forks_around_init():
+    import contextlib
+
+    forks = []
+
+    class Tracker:
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            forks.append(name)
+            yield
+
+    te_fuser.Linear(8, 8, get_rng_state_tracker=Tracker, rng_tracker_name="tp-rng", device="cpu")
+    te_fuser.Linear(8, 8, get_rng_state_tracker=Tracker, device="cpu")
+    assert forks == ["tp-rng", "model-parallel-rng"]
