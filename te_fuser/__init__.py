@@ -1,1 +1,2 @@
 from . import _extension  # noqa: F401
+from . import memory  # noqa: F401
