@@ -99,3 +99,29 @@ class StageFunction(torch.autograd.Function):
         hidden = ctx.context["hidden"]
         grad_pre = grad * 2 * hidden / hidden.numel() * (1 - hidden.square())
         return grad_pre @ w.t(), x.t() @ grad_pre
+
+
+class TeFuserQuantizedLinearFunction(torch.autograd.Function):
+    """The same pattern with te_fuser's own Float8Tensor and saved-tensor helpers."""
+
+    @staticmethod
+    def forward(ctx, x, w, clear_tensor_objects):
+        import te_fuser
+
+        quantizer = te_fuser.Float8CurrentScalingQuantizer(torch.float8_e4m3fn, columnwise=True)
+        qx, qw = quantizer(x), quantizer(w)
+        out = qx.dequantize() @ qw.dequantize()
+        tensors, objects = te_fuser.prepare_for_saving(qx, qw)
+        ctx.save_for_backward(*tensors)
+        ctx.tensor_objects = objects
+        ctx.clear_tensor_objects = clear_tensor_objects
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        import te_fuser
+
+        qx, qw = te_fuser.restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
+        if ctx.clear_tensor_objects:
+            ctx.tensor_objects = None  # the fix
+        return grad @ qw.dequantize().t(), qx.dequantize().t() @ grad, None

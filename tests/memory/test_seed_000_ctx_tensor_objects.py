@@ -1,13 +1,14 @@
 """Seed 000 / 001 (TransformerEngine op fuser, FP8 attention): quantized tensor objects kept
 on ``ctx.tensor_objects`` survive backward until the graph dies (the next iteration), so a
 training loop holds one extra step of fp8 copies at its peak. The fix clears the attribute
-right after restore_from_saved. Generic version with Float8TensorLike objects; the op-fuser
-and attention versions live next to those modules.
+right after restore_from_saved. Shown with a generic quantized-tensor-like object and with
+te_fuser.Float8Tensor and its saved-tensor helpers; the op-fuser and attention versions live
+next to those modules.
 """
 
 import pytest
 import torch
-from memory_patterns import Float8TensorLike, QuantizedLinearFunction
+from memory_patterns import Float8TensorLike, QuantizedLinearFunction, TeFuserQuantizedLinearFunction
 
 from te_fuser.memory import MemoryTracker, audit_autograd
 
@@ -17,7 +18,10 @@ KIB = 1024
 QUANTIZED_BYTES = 2 * TOKENS * IN + 2 * IN * OUT + 2 * 4
 
 
-def _training_loop(clear, steps=3):
+FUNCTIONS = [QuantizedLinearFunction, TeFuserQuantizedLinearFunction]
+
+
+def _training_loop(function, clear, steps=3):
     """Like a real loop: ``loss`` of step k is only dropped when step k+1 assigns it."""
     torch.manual_seed(0)
     w = torch.randn(IN, OUT, requires_grad=True)
@@ -27,7 +31,7 @@ def _training_loop(clear, steps=3):
         for _ in range(steps):
             w.grad = None
             tracker.sample()  # what the step's forward starts with
-            loss = QuantizedLinearFunction.apply(x, w, clear).square().mean()
+            loss = function.apply(x, w, clear).square().mean()
             loss.backward()
     return tracker, loss, w
 
@@ -37,9 +41,10 @@ def test_quantized_object_bytes_match_the_pattern():
     assert q.nbytes() == 2 * TOKENS * IN + 4
 
 
-def test_tensor_objects_kept_on_ctx_are_caught():
-    buggy, loss, _ = _training_loop(clear=False)
-    fixed, _, _ = _training_loop(clear=True)
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_tensor_objects_kept_on_ctx_are_caught(function):
+    buggy, loss, _ = _training_loop(function, clear=False)
+    fixed, _, _ = _training_loop(function, clear=True)
     # every later step's forward starts with the previous step's fp8 copies still allocated
     starts = [b["cpu"] - f["cpu"] for b, f in zip(buggy.samples, fixed.samples)]
     assert starts == [0, QUANTIZED_BYTES, QUANTIZED_BYTES]
@@ -51,8 +56,9 @@ def test_tensor_objects_kept_on_ctx_are_caught():
 
 
 @pytest.mark.limit_retained_memory(f"{(IN * OUT * 4 + 64) // KIB + 1} KiB", device="cpu")
-def test_clearing_tensor_objects_after_restore_frees_them():
-    fixed, loss, w = _training_loop(clear=True)
+@pytest.mark.parametrize("function", FUNCTIONS)
+def test_clearing_tensor_objects_after_restore_frees_them(function):
+    fixed, loss, w = _training_loop(function, clear=True)
     assert audit_autograd(loss).clean
     # what stays: w.grad and the loss scalar
     assert fixed.retained_bytes == w.grad.numel() * 4 + 4
