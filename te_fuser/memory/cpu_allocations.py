@@ -20,8 +20,13 @@ Nesting: there is one profiler session for all active watchers. Whenever a watch
 samples or stops, the session is stopped, its events are fed in order to every active
 watcher, and a new session starts if any watcher is still active; a watcher therefore sees
 the frees of blocks allocated in an earlier session.
+
+Quiet: kineto prints a "profiler_start"/"profiler_stop" line to stderr for every session.
+Unless KINETO_LOG_LEVEL is already set, the first session sets it to 6 (above kineto's
+highest level), which kineto reads when it first starts; set it yourself to keep its logs.
 """
 
+import os
 import threading
 
 import torch
@@ -100,6 +105,7 @@ class _Recorder:
                     "(profile_memory=True), but another torch profiler is already running; "
                     "stop it, or track a CUDA device only"
                 )
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
             config = _memory_config()
             _ag._prepare_profiler(config, _ACTIVITIES)
             _ag._enable_profiler(config, _ACTIVITIES)
