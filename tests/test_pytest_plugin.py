@@ -2,7 +2,6 @@
 
 import json
 import os
-import textwrap
 
 import pytest
 
@@ -13,7 +12,9 @@ import torch  # noqa: F401
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = ("-p", "te_fuser.testing.pytest_plugin")
+# Unrelated third-party plugins are kept out of the inner runs: pytester drops what an inner
+# run imported, so each run would import them again.
+PLUGIN = ("-p", "te_fuser.testing.pytest_plugin", "-p", "no:hypothesispytest", "-p", "no:benchmark")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # 4 MiB float32 buffers; device="cpu" so that the probes behave the same on GPU machines
