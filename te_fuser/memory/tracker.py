@@ -129,6 +129,10 @@ class MemoryTracker(contextlib.ContextDecorator):
     device: None (CPU, plus the current CUDA device when available), "cpu", "cuda",
     "cuda:N", or a list of those. gc_collect: run ``gc.collect()`` before the exit
     reading so that garbage in reference cycles is not counted as retained.
+
+    CPU tracking runs torch's profiler (see cpu_allocations): it sees the thread that
+    entered the tracker and the threads torch hands its work to, costs some speed while
+    active, and cannot run beside another torch profiler. Use trackers from one thread.
     """
 
     def __init__(self, device=None, *, gc_collect=True):
