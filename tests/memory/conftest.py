@@ -3,15 +3,16 @@
 import pytest
 import torch
 
-PLUGIN = "te_fuser.testing.pytest_plugin"
+import te_fuser.testing.pytest_plugin as memory_plugin
+
 MARKERS = ("limit_peak_memory", "limit_retained_memory")
 
 
 @pytest.fixture(autouse=True)
 def _memory_plugin_loaded(request):
     if any(request.node.get_closest_marker(name) for name in MARKERS):
-        if not request.config.pluginmanager.has_plugin(PLUGIN):
-            pytest.fail(f"this test's memory limits need the plugin: run pytest with -p {PLUGIN}", pytrace=False)
+        if not request.config.pluginmanager.is_registered(memory_plugin):
+            pytest.fail(f"this test's memory limits need the plugin: run pytest with -p {memory_plugin.__name__}", pytrace=False)
 
 
 @pytest.fixture(autouse=True, scope="module")
