@@ -1,7 +1,7 @@
 """Allocated memory over training steps, with and without each memory fix, as CSV and PNG.
 
     python benchmarks/memory_timeline.py [--device cpu|cuda] [--steps 4] [--microbatches 16]
-        [--csv memory_timeline.csv] [--png docs/memory_timeline.png]
+        [--csv docs/memory_timeline.csv] [--png docs/memory_timeline.png]
 
 Three small training loops, each run with the seed bug and with its fix:
   ctx.tensor_objects  FP8 linear layers (te_fuser.Float8Tensor) whose custom Function keeps the
@@ -135,7 +135,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=16)
-    parser.add_argument("--csv", default="memory_timeline.csv")
+    parser.add_argument("--csv", default=os.path.join("docs", "memory_timeline.csv"))
     parser.add_argument("--png", default=os.path.join("docs", "memory_timeline.png"))
     args = parser.parse_args(argv)
     results = {}
