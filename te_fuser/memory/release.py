@@ -11,8 +11,9 @@ After the release, every tensor on that storage still has its shape but no bytes
   * on CUDA builds that provide ``torch._C._set_storage_access_error_msg`` (what
     torch's cudagraph trees use), every data access raises RuntimeError;
   * on a CPU-only torch some read kernels (``v.sum()``, ``v + 1``) are not checked and
-    dereference the storage's null data pointer: the process crashes (SIGSEGV) instead of
-    reading freed memory. Do not touch released tensors.
+    read at the view's byte offset from the storage's null data pointer: the process
+    crashes (SIGSEGV, checked for offsets up to 16 MiB) instead of reading freed memory.
+    torch offers no CPU-build switch to make those reads raise. Do not touch released tensors.
 The release is final: the storage cannot be resized back.
 """
 
