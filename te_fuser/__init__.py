@@ -21,6 +21,7 @@ __all__ = [
     "recipe",
     "restore_from_saved",
 ]
+from . import memory  # noqa: F401
 
 # te_fuser.Linear and the op fuser (issue 3)
 from . import ops  # noqa: E402
