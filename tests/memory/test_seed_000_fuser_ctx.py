@@ -133,3 +133,30 @@ def test_second_backward_without_retain_graph_also_raises():
     out.sum().backward()
     with pytest.raises(RuntimeError):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_te_fuser_memory_tools_see_the_fix(recipe_name, monkeypatch):
+    """The same claim through te_fuser.memory: audit_autograd finds no tensor on the fuser's
+    ctx after backward, and a loop that keeps each step's output until the next step (like
+    a logged loss) peaks lower than the same loop with clearing off."""
+    from te_fuser.memory import MemoryTracker, audit_autograd
+
+    def loop(clear):
+        monkeypatch.setattr(fuser_module, "_CLEAR_CTX_AFTER_BACKWARD", clear)
+        model = _linear_stack()
+        x = torch.randn(TOKENS, HIDDEN)
+        out = None
+        with MemoryTracker("cpu") as tracker:
+            for _ in range(3):
+                model.zero_grad(set_to_none=True)
+                out = _forward(model, x, RECIPES[recipe_name])
+                out.sum().backward()
+        return tracker.peak_bytes, audit_autograd(out).total_bytes
+
+    peak, held = loop(True)
+    peak_leaky, held_leaky = loop(False)
+    assert held == 0
+    # Left on ctx without clearing: at least the FP8 transposes of the FFN activation.
+    assert held_leaky >= TOKENS * FFN
+    assert peak_leaky >= peak + TOKENS * FFN
