@@ -1,0 +1,201 @@
+/*
+ * Standalone test of the fused-op C core (csrc/ops, no torch): bias+GELU/ReLU,
+ * the one-pass activation + bias gradient, SwiGLU, RMSNorm and LayerNorm against
+ * double-precision references, band independence of the partial sums, FP8
+ * output against the FP8 encoder, and every size, overflow and pointer check.
+ * Run by tests/c/run_ops.sh under ASan and UBSan.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "ops/activation.h"
+#include "ops/norm.h"
+
+static int passed;
+static int failed;
+
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (cond) {                                            \
+      ++passed;                                            \
+    } else {                                               \
+      ++failed;                                            \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fputc('\n', stderr);                                 \
+    }                                                      \
+  } while (0)
+
+static uint64_t rng_state = 0x243F6A8885A308D3ull;
+static float rand_f(float scale) {
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  const uint32_t bits = (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 40);
+  return ((float)bits / (float)(1u << 24) * 2.0f - 1.0f) * scale;
+}
+
+static double gelu_ref(double x) { return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
+
+static double dgelu_ref(double x) {
+  const double t = tanh(0.7978845608028654 * (x + 0.044715 * x * x * x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+static tf_ops_output f32_out(float *data) {
+  tf_ops_output o = {data, TF_FLOAT32, 0, TF_FP8_E4M3, 1.0f};
+  return o;
+}
+
+enum { R = 37, C = 600 };
+
+static void test_bias_gelu_and_grad(void) {
+  static float x[R * C], b[C], y[R * C], dy[R * C], dx[R * C], part[3 * C], db[C];
+  for (int i = 0; i < R * C; ++i) x[i] = rand_f(6.0f), dy[i] = rand_f(1.0f);
+  for (int c = 0; c < C; ++c) b[c] = rand_f(1.0f);
+  uint32_t amax = 0;
+  const tf_ops_output out = f32_out(y);
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, b, TF_FLOAT32, R, C, 0, R, TF_ACT_GELU_TANH, &out, &amax) == TF_OK,
+        "forward");
+  double worst = 0.0;
+  for (int i = 0; i < R * C; ++i) worst = fmax(worst, fabs(y[i] - gelu_ref((double)x[i] + b[i % C])));
+  CHECK(worst < 2e-6, "gelu error %g", worst);
+  CHECK(amax == 0, "no amax for a non-FP8 output");
+
+  /* Three bands, summed in order, give the dbias of the whole matrix. */
+  const tf_ops_output gout = f32_out(dx);
+  const int64_t cut[4] = {0, 10, 11, R};
+  for (int k = 0; k < 3; ++k)
+    CHECK(tf_act_bias_backward(dy, TF_FLOAT32, x, TF_FLOAT32, b, TF_FLOAT32, R, C, cut[k], cut[k + 1],
+                               TF_ACT_GELU_TANH, &gout, part + k * C, &amax) == TF_OK, "backward band %d", k);
+  CHECK(tf_ops_sum_partials(part, 3, C, 0, C, db, TF_FLOAT32) == TF_OK, "sum partials");
+  double worst_dx = 0.0, worst_db = 0.0;
+  for (int c = 0; c < C; ++c) {
+    double ref_db = 0.0;
+    for (int r = 0; r < R; ++r) {
+      const double g = dy[r * C + c] * dgelu_ref((double)x[r * C + c] + b[c]);
+      worst_dx = fmax(worst_dx, fabs(dx[r * C + c] - g));
+      ref_db += g;
+    }
+    worst_db = fmax(worst_db, fabs(db[c] - ref_db));
+  }
+  CHECK(worst_dx < 2e-6, "dgelu error %g", worst_dx);
+  CHECK(worst_db < 1e-4, "dbias error %g", worst_db);
+}
+
+static void test_fp8_output(void) {
+  static float x[R * C];
+  static uint8_t y[R * C];
+  for (int i = 0; i < R * C; ++i) x[i] = rand_f(3.0f);
+  const tf_ops_output out = {y, TF_FLOAT32, 1, TF_FP8_E5M2, 8.0f};
+  uint32_t amax = 0;
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, NULL, TF_FLOAT32, R, C, 0, R, TF_ACT_RELU, &out, &amax) == TF_OK,
+        "fp8 forward");
+  int mismatches = 0;
+  float expect_amax = 0.0f;
+  for (int i = 0; i < R * C; ++i) {
+    const float v = x[i] > 0.0f ? x[i] : 0.0f;
+    expect_amax = v > expect_amax ? v : expect_amax;
+    mismatches += y[i] != tf_fp8_e5m2_encode(v * 8.0f);
+  }
+  CHECK(mismatches == 0, "%d FP8 codes differ from the encoder", mismatches);
+  CHECK(amax == tf_f32_bits(expect_amax), "amax bits");
+}
+
+static void test_swiglu(void) {
+  static float x[R * 2 * C], y[R * C], dy[R * C], dx[R * 2 * C];
+  for (int i = 0; i < R * 2 * C; ++i) x[i] = rand_f(8.0f);
+  for (int i = 0; i < R * C; ++i) dy[i] = rand_f(1.0f);
+  uint32_t amax = 0;
+  const tf_ops_output out = f32_out(y), gout = f32_out(dx);
+  CHECK(tf_swiglu_forward(x, TF_FLOAT32, R, C, 0, R, &out, &amax) == TF_OK, "swiglu");
+  CHECK(tf_swiglu_backward(dy, TF_FLOAT32, x, TF_FLOAT32, R, C, 0, R, &gout, &amax) == TF_OK, "swiglu bwd");
+  double worst = 0.0, worst_g = 0.0;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const double a = x[r * 2 * C + c], g = x[r * 2 * C + C + c], s = 1.0 / (1.0 + exp(-a));
+      worst = fmax(worst, fabs(y[r * C + c] - a * s * g) / fmax(1.0, fabs(a * s * g)));
+      const double d = dy[r * C + c];
+      worst_g = fmax(worst_g, fabs(dx[r * 2 * C + c] - d * g * s * (1.0 + a * (1.0 - s))) / fmax(1.0, fabs(d * g)));
+      worst_g = fmax(worst_g, fabs(dx[r * 2 * C + C + c] - d * a * s) / fmax(1.0, fabs(d * a)));
+    }
+  CHECK(worst < 2e-6 && worst_g < 2e-6, "swiglu error %g, grad %g", worst, worst_g);
+}
+
+static void test_layernorm(void) {
+  static float x[R * C], w[C], b[C], y[R * C], mean[R], rstd[R], dy[R * C], dx[R * C], pg[C], pb[C];
+  for (int i = 0; i < R * C; ++i) x[i] = rand_f(2.0f) + 3.0f, dy[i] = rand_f(1.0f);
+  for (int c = 0; c < C; ++c) w[c] = rand_f(1.0f), b[c] = rand_f(1.0f);
+  uint32_t amax = 0;
+  const tf_ops_output out = f32_out(y);
+  CHECK(tf_layernorm_forward(x, TF_FLOAT32, w, b, TF_FLOAT32, 0, 1e-5f, R, C, 0, R, &out, mean, rstd, &amax) ==
+        TF_OK, "layernorm");
+  CHECK(tf_layernorm_backward(dy, TF_FLOAT32, x, TF_FLOAT32, mean, rstd, w, TF_FLOAT32, 0, R, C, 0, R, dx,
+                              TF_FLOAT32, pg, pb) == TF_OK, "layernorm bwd");
+  double worst = 0.0, worst_dx = 0.0;
+  for (int r = 0; r < R; ++r) {
+    double mu = 0.0, var = 0.0, sg = 0.0, sgx = 0.0;
+    for (int c = 0; c < C; ++c) mu += x[r * C + c];
+    mu /= C;
+    for (int c = 0; c < C; ++c) var += (x[r * C + c] - mu) * (x[r * C + c] - mu);
+    const double rs = 1.0 / sqrt(var / C + 1e-5);
+    for (int c = 0; c < C; ++c) {
+      const double xh = (x[r * C + c] - mu) * rs, g = (double)dy[r * C + c] * w[c];
+      worst = fmax(worst, fabs(y[r * C + c] - (xh * w[c] + b[c])));
+      sg += g, sgx += g * xh;
+    }
+    for (int c = 0; c < C; ++c) {
+      const double xh = (x[r * C + c] - mu) * rs, g = (double)dy[r * C + c] * w[c];
+      worst_dx = fmax(worst_dx, fabs(dx[r * C + c] - rs * (g - sg / C - xh * sgx / C)));
+    }
+  }
+  CHECK(worst < 1e-5 && worst_dx < 1e-4, "layernorm error %g, dx %g", worst, worst_dx);
+}
+
+static void test_checks(void) {
+  float x[4] = {0}, y[4], part[2];
+  uint32_t amax = 0;
+  const tf_ops_output out = f32_out(y);
+  const tf_ops_output bad_out = {y, (tf_dtype)7, 0, TF_FP8_E4M3, 1.0f};
+  const tf_ops_output null_out = f32_out(NULL);
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, NULL, TF_FLOAT32, -1, 2, 0, 0, TF_ACT_NONE, &out, &amax) ==
+        TF_ERR_BAD_SIZE, "negative rows");
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, NULL, TF_FLOAT32, 2, 2, 1, 3, TF_ACT_NONE, &out, &amax) ==
+        TF_ERR_BAD_SIZE, "row range past the end");
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, NULL, TF_FLOAT32, INT64_MAX / 2, 3, 0, 0, TF_ACT_NONE, &out, &amax) ==
+        TF_ERR_OVERFLOW, "rows * cols overflows");
+  CHECK(tf_swiglu_forward(x, TF_FLOAT32, 1, INT64_MAX / 2 + 1, 0, 0, &out, &amax) == TF_ERR_OVERFLOW,
+        "2 * cols overflows");
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, NULL, TF_FLOAT32, 2, 2, 0, 2, (tf_activation)9, &out, &amax) ==
+        TF_ERR_BAD_ARGUMENT, "unknown activation");
+  CHECK(tf_bias_act_forward(x, (tf_dtype)5, NULL, TF_FLOAT32, 2, 2, 0, 2, TF_ACT_NONE, &out, &amax) ==
+        TF_ERR_BAD_DTYPE, "unknown dtype");
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, NULL, TF_FLOAT32, 2, 2, 0, 2, TF_ACT_NONE, &bad_out, &amax) ==
+        TF_ERR_BAD_DTYPE, "unknown output dtype");
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, NULL, TF_FLOAT32, 2, 2, 0, 2, TF_ACT_NONE, &null_out, &amax) ==
+        TF_ERR_NULL_POINTER, "null output");
+  CHECK(tf_bias_act_forward(x, TF_FLOAT32, NULL, TF_FLOAT32, 2, 2, 0, 2, TF_ACT_NONE, &out, NULL) ==
+        TF_ERR_NULL_POINTER, "null amax");
+  CHECK(tf_bias_act_forward(NULL, TF_FLOAT32, NULL, TF_FLOAT32, 2, 2, 1, 1, TF_ACT_NONE, &out, &amax) == TF_OK,
+        "an empty band needs no data");
+  CHECK(tf_ops_sum_partials(part, -1, 2, 0, 2, y, TF_FLOAT32) == TF_ERR_BAD_SIZE, "negative parts");
+  CHECK(tf_ops_sum_partials(part, 1, 2, 1, 3, y, TF_FLOAT32) == TF_ERR_BAD_SIZE, "column range");
+  CHECK(tf_rmsnorm_forward(x, TF_FLOAT32, x, TF_FLOAT32, 0, -1.0f, 2, 2, 0, 2, &out, part, &amax) ==
+        TF_ERR_BAD_ARGUMENT, "negative eps");
+  CHECK(tf_rmsnorm_forward(x, TF_FLOAT32, x, TF_FLOAT32, 0, NAN, 2, 2, 0, 2, &out, part, &amax) ==
+        TF_ERR_BAD_ARGUMENT, "NaN eps");
+  CHECK(tf_layernorm_backward(x, TF_FLOAT32, x, TF_FLOAT32, NULL, part, x, TF_FLOAT32, 0, 2, 2, 0, 2, y,
+                              TF_FLOAT32, part, part) == TF_ERR_NULL_POINTER, "layernorm backward without mean");
+}
+
+int main(void) {
+  test_bias_gelu_and_grad();
+  test_fp8_output();
+  test_swiglu();
+  test_layernorm();
+  test_checks();
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed != 0;
+}
