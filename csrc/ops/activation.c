@@ -2,15 +2,9 @@
 
 #include "ops_tile.h"
 
-#define GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
-#define GELU_K1 0.044715f
-
 static void act_forward_tile(tf_activation act, int64_t n, float *restrict v) {
   if (act == TF_ACT_GELU_TANH) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = v[i];
-      v[i] = 0.5f * x * (1.0f + tf_ops_tanhf(GELU_K0 * (x + GELU_K1 * x * x * x)));
-    }
+    for (int64_t i = 0; i < n; ++i) v[i] = tf_ops_gelu(v[i]);
   } else if (act == TF_ACT_RELU) {
     for (int64_t i = 0; i < n; ++i) v[i] = v[i] > 0.0f ? v[i] : 0.0f;
   }
@@ -20,12 +14,7 @@ static void act_forward_tile(tf_activation act, int64_t n, float *restrict v) {
 static void act_backward_tile(tf_activation act, int64_t n, const float *restrict x,
                               float *restrict g) {
   if (act == TF_ACT_GELU_TANH) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float xi = x[i];
-      const float t = tf_ops_tanhf(GELU_K0 * (xi + GELU_K1 * xi * xi * xi));
-      const float du = GELU_K0 * (1.0f + 3.0f * GELU_K1 * xi * xi);
-      g[i] *= 0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * du;
-    }
+    for (int64_t i = 0; i < n; ++i) g[i] *= tf_ops_dgelu(x[i]);
   } else if (act == TF_ACT_RELU) {
     for (int64_t i = 0; i < n; ++i) g[i] = x[i] > 0.0f ? g[i] : 0.0f;
   }
@@ -103,8 +92,6 @@ tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x,
   return TF_OK;
 }
 
-static float silu(float a) { return a / (1.0f + tf_ops_expf(-a)); }
-
 tf_status tf_swiglu_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
                             int64_t row_begin, int64_t row_end, const tf_ops_output *y,
                             uint32_t *amax_bits) {
@@ -122,7 +109,7 @@ tf_status tf_swiglu_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t
       const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
       tf_ops_load(x, dtype, 2 * r * cols + c0, n, a);
       tf_ops_load(x, dtype, 2 * r * cols + cols + c0, n, g);
-      for (int64_t i = 0; i < n; ++i) a[i] = silu(a[i]) * g[i];
+      for (int64_t i = 0; i < n; ++i) a[i] = a[i] * tf_ops_sigmoid(a[i]) * g[i];
       tf_ops_store(y, r * cols + c0, n, a, amax_bits);
     }
   }
@@ -150,7 +137,7 @@ tf_status tf_swiglu_backward(const void *dy, tf_dtype dy_dtype, const void *x, t
       tf_ops_load(x, dtype, 2 * r * cols + c0, n, a);
       tf_ops_load(x, dtype, 2 * r * cols + cols + c0, n, g);
       for (int64_t i = 0; i < n; ++i) {
-        const float sig = 1.0f / (1.0f + tf_ops_expf(-a[i]));
+        const float sig = tf_ops_sigmoid(a[i]);
         const float s_a = a[i] * sig;
         const float dsilu = sig * (1.0f + a[i] * (1.0f - sig));
         a[i] = d[i] * g[i] * dsilu; /* gradient of the silu half */

@@ -16,6 +16,7 @@
 #include "../common/tf_checks.h"
 #include "../common/tf_status.h"
 #include "ops_io.h"
+#include "ops_math.h"
 
 #define TF_OPS_TILE 512
 
@@ -79,34 +80,6 @@ static inline void tf_ops_store_dtype(void *restrict x, tf_dtype dtype, int64_t 
   const tf_ops_output out = {x, dtype, 0, TF_FP8_E4M3, 1.0f};
   uint32_t unused = 0;
   tf_ops_store(&out, offset, n, v, &unused);
-}
-
-/*
- * exp(x) in float32 from arithmetic only (no libm call), so loops using it
- * vectorize: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
- * polynomial (truncation < 2^-24 relative), times 2^n built from bits. Inputs
- * are clamped to [-87, 88], where 2^n stays a normal float.
- */
-static inline float tf_ops_expf(float x) {
-  x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-  const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-  const float n = (x * 1.44269504f + shifter) - shifter;
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln2 split hi + lo */
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  return p * tf_f32_from_bits((uint32_t)((int32_t)n + 127) << 23);
-}
-
-/* tanh(u) = sign(u) (1 - 2 / (exp(2|u|) + 1)); absolute error ~1e-7. */
-static inline float tf_ops_tanhf(float u) {
-  const float a = u < 0.0f ? -u : u;
-  const float t = 1.0f - 2.0f / (tf_ops_expf(2.0f * a) + 1.0f);
-  return u < 0.0f ? -t : t;
 }
 
 /* Checks of a rows x cols problem handled for rows [row_begin, row_end). */

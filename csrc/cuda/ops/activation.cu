@@ -5,23 +5,18 @@
 namespace tf_ops_cuda {
 namespace {
 
-constexpr float kGeluK0 = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kGeluK1 = 0.044715f;
-
+// The activations are the CPU's (csrc/ops/ops_math.h), compiled for the device.
 __device__ __forceinline__ float act_forward(tf_activation act, float x) {
-  if (act == TF_ACT_GELU_TANH) return 0.5f * x * (1.0f + tanhf(kGeluK0 * (x + kGeluK1 * x * x * x)));
+  if (act == TF_ACT_GELU_TANH) return tf_ops_gelu(x);
   if (act == TF_ACT_RELU) return x > 0.0f ? x : 0.0f;
   return x;
 }
 
-__device__ __forceinline__ float act_derivative(tf_activation act, float x) {
-  if (act == TF_ACT_GELU_TANH) {
-    const float t = tanhf(kGeluK0 * (x + kGeluK1 * x * x * x));
-    const float du = kGeluK0 * (1.0f + 3.0f * kGeluK1 * x * x);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
-  }
-  if (act == TF_ACT_RELU) return x > 0.0f ? 1.0f : 0.0f;
-  return 1.0f;
+// g * act'(x), with ReLU as a select so signs of zero and non-finite g match the CPU.
+__device__ __forceinline__ float act_grad(tf_activation act, float x, float g) {
+  if (act == TF_ACT_GELU_TANH) return g * tf_ops_dgelu(x);
+  if (act == TF_ACT_RELU) return x > 0.0f ? g : 0.0f;
+  return g;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -39,7 +34,7 @@ __global__ void __launch_bounds__(kThreads)
   if (y.fp8) fold_amax(amax_bits, y.amax);
 }
 
-// Block (column block, row band): each thread walks one column down the band's rows,
+// Block (column block, row band), see band_block: each thread walks one column down the band's rows,
 // so dbias partial sums are formed in row order and warps read whole row segments.
 __global__ void __launch_bounds__(kThreads)
     act_bias_backward_kernel(const void *__restrict__ dy, tf_dtype dy_dtype, const void *__restrict__ x,
@@ -47,8 +42,8 @@ __global__ void __launch_bounds__(kThreads)
                              int64_t cols, tf_activation act, Output dx, float *__restrict__ partials) {
   const float scale = dx.fp8 ? *dx.scale : 1.0f;
   uint32_t amax_bits = 0;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t band = blockIdx.y;
+  int64_t c = 0, band = 0;
+  band_block(cols, &c, &band);
   const int64_t r0 = band * TF_OPS_CUDA_BAND_ROWS;
   const int64_t r1 = rows - r0 < TF_OPS_CUDA_BAND_ROWS ? rows : r0 + TF_OPS_CUDA_BAND_ROWS;
   if (c < cols) {
@@ -57,7 +52,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t i = r * cols + c;
       float g = load(dy, dy_dtype, i);
-      if (act != TF_ACT_NONE) g *= act_derivative(act, load(x, dtype, i) + b);
+      if (act != TF_ACT_NONE) g = act_grad(act, load(x, dtype, i) + b, g);
       store_out(dx, scale, i, g, amax_bits);
       acc += g;
     }
@@ -65,8 +60,6 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (dx.fp8) fold_amax(amax_bits, dx.amax);
 }
-
-__device__ __forceinline__ float sigmoid(float a) { return 1.0f / (1.0f + expf(-a)); }
 
 __global__ void __launch_bounds__(kThreads)
     swiglu_forward_kernel(const void *__restrict__ x, tf_dtype dtype, int64_t rows, int64_t cols, Output y) {
@@ -78,7 +71,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = i / cols, c = i % cols;
     const float a = load(x, dtype, 2 * r * cols + c);
     const float g = load(x, dtype, 2 * r * cols + cols + c);
-    store_out(y, scale, i, a * sigmoid(a) * g, amax_bits);
+    store_out(y, scale, i, a * tf_ops_sigmoid(a) * g, amax_bits);
   }
   if (y.fp8) fold_amax(amax_bits, y.amax);
 }
@@ -94,9 +87,10 @@ __global__ void __launch_bounds__(kThreads)
     const float d = load(dy, dy_dtype, i);
     const float a = load(x, dtype, ia);
     const float g = load(x, dtype, ig);
-    const float sig = sigmoid(a);
-    store(dx, dy_dtype, ia, d * g * sig * (1.0f + a * (1.0f - sig)));
-    store(dx, dy_dtype, ig, d * a * sig);
+    const float sig = tf_ops_sigmoid(a);
+    const float dsilu = sig * (1.0f + a * (1.0f - sig));
+    store(dx, dy_dtype, ia, d * g * dsilu);  // the CPU's operation order
+    store(dx, dy_dtype, ig, d * (a * sig));
   }
 }
 
@@ -136,8 +130,7 @@ extern "C" tf_status tf_act_bias_backward_cuda(const void *dy, tf_dtype dy_dtype
   const int64_t bands = tf_ops_cuda_bands(rows);
   if (rows > 0) {
     if (!dy || !x || !output_ok(dx)) return TF_ERR_NULL_POINTER;
-    const dim3 grid(grid_for(cols), static_cast<unsigned int>(bands));
-    act_bias_backward_kernel<<<grid, kThreads, 0, st>>>(dy, dy_dtype, x, dtype, bias, bias_dtype, rows, cols,
+    act_bias_backward_kernel<<<band_grid(rows, cols), kThreads, 0, st>>>(dy, dy_dtype, x, dtype, bias, bias_dtype, rows, cols,
                                                         act, make_output(dx), dbias ? partials : nullptr);
   }
   if (dbias) launch_sum_bands(partials, bands, cols, dbias, dbias_dtype, st);

@@ -3,8 +3,9 @@
  * (the CUDA twins of csrc/ops/activation.h and csrc/ops/norm.h).
  *
  * Matrices are row-major rows x cols, device pointers on the current device.
- * Math is float32 as on the CPU; transcendental functions (tanhf, expf) may
- * differ from the CPU's by a few float32 ulps. Reductions over rows (dbias,
+ * Math is float32 with the CPU's activation functions (csrc/ops/ops_math.h);
+ * results may differ from the CPU's by float32 rounding (FMA contraction,
+ * reduction order of the row statistics, sqrt). Reductions over rows (dbias,
  * dgamma, dbeta) are deterministic: fixed bands of TF_OPS_CUDA_BAND_ROWS rows
  * each summed in row order into `partials` (a float32 workspace of
  * tf_ops_cuda_bands(rows) x cols), then the bands summed in order.
@@ -27,6 +28,7 @@ extern "C" {
 #include "../../common/tf_status.h"
 #include "../../fp8/fp8_format.h"
 #include "../../ops/activation.h"
+#include "../../ops/ops_math.h"
 
 #define TF_OPS_CUDA_BAND_ROWS 64
 

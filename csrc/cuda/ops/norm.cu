@@ -76,9 +76,9 @@ __global__ void __launch_bounds__(kThreads)
     norm_dparams_kernel(const void *__restrict__ dy, tf_dtype dy_dtype, const void *__restrict__ x, tf_dtype dtype,
                         const float *__restrict__ mean, const float *__restrict__ rstd, int64_t rows, int64_t cols,
                         float *__restrict__ dgamma_partials, float *__restrict__ dbeta_partials) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  int64_t c = 0, band = 0;
+  band_block(cols, &c, &band);
   if (c >= cols) return;
-  const int64_t band = blockIdx.y;
   const int64_t r0 = band * TF_OPS_CUDA_BAND_ROWS;
   const int64_t r1 = rows - r0 < TF_OPS_CUDA_BAND_ROWS ? rows : r0 + TF_OPS_CUDA_BAND_ROWS;
   float dg = 0.0f, db = 0.0f;
@@ -133,8 +133,7 @@ extern "C" tf_status tf_norm_backward_cuda(const void *dy, tf_dtype dy_dtype, co
     if (!dy || !x || !rstd || !gamma || !dx) return TF_ERR_NULL_POINTER;
     norm_dx_kernel<<<row_blocks(rows), kThreads, 0, st>>>(dy, dy_dtype, x, dtype, mean, rstd, gamma, param_dtype,
                                                           zero_centered_gamma, rows, cols, dx);
-    const dim3 grid(grid_for(cols), static_cast<unsigned int>(bands));
-    norm_dparams_kernel<<<grid, kThreads, 0, st>>>(dy, dy_dtype, x, dtype, mean, rstd, rows, cols,
+    norm_dparams_kernel<<<band_grid(rows, cols), kThreads, 0, st>>>(dy, dy_dtype, x, dtype, mean, rstd, rows, cols,
                                                    dgamma_partials, dbeta_partials);
   }
   launch_sum_bands(dgamma_partials, bands, cols, dgamma, param_dtype, st);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdint.h>
 
 #include "fused_ops_cuda.h"
@@ -57,8 +58,8 @@ __device__ __forceinline__ void store_out(const Output &o, float scale, int64_t 
 // Block-wide max of amax bits folded into *amax (an unsigned max on the bits of non-negative floats).
 __device__ __forceinline__ void fold_amax(uint32_t bits, float *amax) {
   __shared__ uint32_t warp_max[kThreads / 32];
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const uint32_t other = __shfl_down_sync(0xFFFFFFFFu, bits, offset);
+  for (int mask = 16; mask > 0; mask /= 2) {
+    const uint32_t other = __shfl_xor_sync(0xFFFFFFFFu, bits, mask);
     bits = other > bits ? other : bits;
   }
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
@@ -74,7 +75,7 @@ __device__ __forceinline__ void fold_amax(uint32_t bits, float *amax) {
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float warp_sum[kThreads / 32];
   __shared__ float total;
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xFFFFFFFFu, v, offset);
+  for (int mask = 16; mask > 0; mask /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, mask);
   if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = v;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -104,28 +105,33 @@ inline bool output_ok(const tf_ops_cuda_output *o) {
   return dtype_ok(o->dtype);
 }
 
-// rows x cols with every index below 2^62 and the column grid of the band kernels in range.
+// Blocks of kThreads columns each.
+inline int64_t column_blocks(int64_t cols) { return cols / kThreads + (cols % kThreads != 0); }
+
+// rows x cols with every index below 2^62, and the (column block x band) grid of
+// the band kernels within a 1-D grid's 2^31 - 1 blocks.
 inline tf_status check_shape(int64_t rows, int64_t cols) {
   if (rows < 0 || cols < 0) return TF_ERR_BAD_SIZE;
   if (cols > 0 && rows > (INT64_C(1) << 62) / cols) return TF_ERR_OVERFLOW;
-  if (cols / kThreads + 1 > kMaxBlocks || tf_ops_cuda_bands(rows) > kMaxBlocks) return TF_ERR_OVERFLOW;
+  const int64_t bands = tf_ops_cuda_bands(rows);
+  if (bands > 0 && column_blocks(cols) > INT32_MAX / bands) return TF_ERR_OVERFLOW;
+  if (column_blocks(cols) > kMaxBlocks) return TF_ERR_OVERFLOW;
   return TF_OK;
 }
 
-// out[c] = sum over bands b (in order) of partials[b * cols + c].
-__global__ void __launch_bounds__(kThreads)
-    sum_bands_kernel(const float *__restrict__ partials, int64_t bands, int64_t cols, void *out,
-                     tf_dtype out_dtype) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (c >= cols) return;
-  float acc = 0.0f;
-  for (int64_t b = 0; b < bands; ++b) acc += partials[b * cols + c];
-  store(out, out_dtype, c, acc);
+// Block b of a band kernel covers column block b % column_blocks and band b / column_blocks.
+__device__ __forceinline__ void band_block(int64_t cols, int64_t *col, int64_t *band) {
+  const int64_t blocks = cols / kThreads + (cols % kThreads != 0);
+  *col = (static_cast<int64_t>(blockIdx.x) % blocks) * kThreads + threadIdx.x;
+  *band = static_cast<int64_t>(blockIdx.x) / blocks;
 }
 
-inline void launch_sum_bands(const float *partials, int64_t bands, int64_t cols, void *out,
-                             tf_dtype out_dtype, cudaStream_t stream) {
-  sum_bands_kernel<<<grid_for(cols), kThreads, 0, stream>>>(partials, bands, cols, out, out_dtype);
+inline unsigned int band_grid(int64_t rows, int64_t cols) {
+  return static_cast<unsigned int>(column_blocks(cols) * tf_ops_cuda_bands(rows));
 }
+
+// out[c] = sum over bands b, in order, of partials[b * cols + c] (reduce_bands.cu).
+void launch_sum_bands(const float *partials, int64_t bands, int64_t cols, void *out, tf_dtype out_dtype,
+                      cudaStream_t stream);
 
 }  // namespace tf_ops_cuda
