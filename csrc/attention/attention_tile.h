@@ -1,0 +1,147 @@
+/*
+ * Register-blocked tile kernels of the CPU attention: a small GEMM and the
+ * row operations of the softmax, on 16-float vectors (GCC vector extensions,
+ * which the compiler maps to whatever vector ISA the calling function is
+ * built for -- see TF_ATTN_MULTIVERSION).
+ *
+ * Everything is always_inline so it is compiled inside the multiversioned
+ * unit functions with their ISA.
+ */
+#ifndef TF_ATTENTION_TILE_H
+#define TF_ATTENTION_TILE_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define TF_ATTN_INLINE static inline __attribute__((always_inline))
+
+/* One clone per x86-64 level, picked at load time; plain builds elsewhere. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TF_ATTN_MULTIVERSION \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TF_ATTN_MULTIVERSION
+#endif
+
+/*
+ * The vector helpers are always inlined, so no vector crosses a real call
+ * boundary and the ABI note GCC gives for 64-byte vectors does not apply;
+ * it stays off for the rest of the including file, where the calls are.
+ */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+typedef float tf_v16 __attribute__((vector_size(64)));
+typedef uint32_t tf_v16u __attribute__((vector_size(64)));
+typedef int32_t tf_v16i __attribute__((vector_size(64)));
+
+TF_ATTN_INLINE tf_v16 tf_v16_load(const float *p) {
+  tf_v16 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+TF_ATTN_INLINE void tf_v16_store(float *p, tf_v16 v) { memcpy(p, &v, sizeof v); }
+
+TF_ATTN_INLINE tf_v16 tf_v16_splat(float x) {
+  const tf_v16 zero = {0};
+  return zero + x;
+}
+
+/* Lanes of a where mask is all-ones, of b elsewhere. */
+TF_ATTN_INLINE tf_v16 tf_v16_select(tf_v16i mask, tf_v16 a, tf_v16 b) {
+  const tf_v16u m = (tf_v16u)mask;
+  return (tf_v16)(((tf_v16u)a & m) | ((tf_v16u)b & ~m));
+}
+
+TF_ATTN_INLINE tf_v16 tf_v16_max(tf_v16 a, tf_v16 b) { return tf_v16_select(a > b, a, b); }
+
+TF_ATTN_INLINE float tf_v16_hmax(tf_v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+TF_ATTN_INLINE float tf_v16_hsum(tf_v16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+/*
+ * 2^x for x <= 0 (small positive x is fine too), relative error about 1e-7;
+ * x < -126 (including -inf) gives exactly 0. Round-to-nearest splits x into
+ * an integer and f in [-0.5, 0.5]; a degree-7 Taylor polynomial gives 2^f.
+ */
+TF_ATTN_INLINE tf_v16 tf_v16_exp2(tf_v16 x) {
+  const tf_v16i normal = x >= -126.0f;
+  const tf_v16 xc = tf_v16_select(normal, x, tf_v16_splat(0.0f));
+  const tf_v16 r = (xc + 12582912.0f) - 12582912.0f;
+  const tf_v16 f = xc - r;
+  tf_v16 poly = f * 1.525273380405984e-05f + 1.5403530393381606e-04f;
+  poly = poly * f + 1.3333558146428443e-03f;
+  poly = poly * f + 9.618129107628477e-03f;
+  poly = poly * f + 5.550410866482158e-02f;
+  poly = poly * f + 2.402265069591007e-01f;
+  poly = poly * f + 6.931471805599453e-01f;
+  poly = poly * f + 1.0f;
+  const tf_v16u bits = ((tf_v16u)__builtin_convertvector(r, tf_v16i) + 127u) << 23;
+  const tf_v16 y = poly * (tf_v16)bits;
+  return (tf_v16)((tf_v16u)y & (tf_v16u)normal);
+}
+
+/*
+ * C[M x N] (row stride ldc) = (accumulate ? C : 0) + A B, where A[r][k] is
+ * A[r * a_rs + k * a_cs] and B is K x N with row stride ldb. M must be a
+ * multiple of 4 and N of 16; the K loop keeps a 4 x 32 block of C in registers.
+ */
+TF_ATTN_INLINE void tf_attn_gemm(float *restrict C, int64_t ldc, const float *restrict A,
+                                 int64_t a_rs, int64_t a_cs, const float *restrict B, int64_t ldb,
+                                 int64_t M, int64_t N, int64_t K, int accumulate) {
+  for (int64_t r = 0; r < M; r += 4) {
+    const float *a0 = A + r * a_rs, *a1 = a0 + a_rs, *a2 = a1 + a_rs, *a3 = a2 + a_rs;
+    float *c0 = C + r * ldc, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
+    int64_t n = 0;
+    for (; n + 32 <= N; n += 32) {
+      tf_v16 x00 = {0}, x01 = {0}, x10 = {0}, x11 = {0}, x20 = {0}, x21 = {0}, x30 = {0}, x31 = {0};
+      if (accumulate) {
+        x00 = tf_v16_load(c0 + n), x01 = tf_v16_load(c0 + n + 16);
+        x10 = tf_v16_load(c1 + n), x11 = tf_v16_load(c1 + n + 16);
+        x20 = tf_v16_load(c2 + n), x21 = tf_v16_load(c2 + n + 16);
+        x30 = tf_v16_load(c3 + n), x31 = tf_v16_load(c3 + n + 16);
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        const tf_v16 b0 = tf_v16_load(B + k * ldb + n), b1 = tf_v16_load(B + k * ldb + n + 16);
+        const float v0 = a0[k * a_cs], v1 = a1[k * a_cs], v2 = a2[k * a_cs], v3 = a3[k * a_cs];
+        x00 += v0 * b0, x01 += v0 * b1;
+        x10 += v1 * b0, x11 += v1 * b1;
+        x20 += v2 * b0, x21 += v2 * b1;
+        x30 += v3 * b0, x31 += v3 * b1;
+      }
+      tf_v16_store(c0 + n, x00), tf_v16_store(c0 + n + 16, x01);
+      tf_v16_store(c1 + n, x10), tf_v16_store(c1 + n + 16, x11);
+      tf_v16_store(c2 + n, x20), tf_v16_store(c2 + n + 16, x21);
+      tf_v16_store(c3 + n, x30), tf_v16_store(c3 + n + 16, x31);
+    }
+    if (n < N) {
+      tf_v16 x0 = {0}, x1 = {0}, x2 = {0}, x3 = {0};
+      if (accumulate) {
+        x0 = tf_v16_load(c0 + n), x1 = tf_v16_load(c1 + n);
+        x2 = tf_v16_load(c2 + n), x3 = tf_v16_load(c3 + n);
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        const tf_v16 b = tf_v16_load(B + k * ldb + n);
+        x0 += a0[k * a_cs] * b, x1 += a1[k * a_cs] * b;
+        x2 += a2[k * a_cs] * b, x3 += a3[k * a_cs] * b;
+      }
+      tf_v16_store(c0 + n, x0), tf_v16_store(c1 + n, x1);
+      tf_v16_store(c2 + n, x2), tf_v16_store(c3 + n, x3);
+    }
+  }
+}
+
+/* Sets s[j] = -inf for j in [limit, TF_ATTN_BLOCK_K) (limit may be <= 0). */
+TF_ATTN_INLINE void tf_attn_mask_tail(float *s, int64_t limit, int64_t width) {
+  for (int64_t j = limit < 0 ? 0 : limit; j < width; ++j) s[j] = -__builtin_inff();
+}
+
+#endif /* TF_ATTENTION_TILE_H */
