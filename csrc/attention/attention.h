@@ -45,7 +45,7 @@
 #include "../common/tf_status.h"
 
 /* Query rows and keys per tile. */
-#define TF_ATTN_BLOCK_Q 64
+#define TF_ATTN_BLOCK_Q 128
 #define TF_ATTN_BLOCK_K 64
 
 /* Element type of an operand; E4M3 bytes are dequantized with the operand's descale. */

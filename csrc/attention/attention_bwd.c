@@ -9,6 +9,9 @@
  *   mask), dS = P * (dP - delta), dQ += scale dS K, dK += scale dS^T Q,
  * with delta = rowsum(dO * O) from tf_attn_bwd_rowdot.
  */
+/* ISO C mode turns off a*b+c contraction; the tile kernels rely on FMA. */
+#pragma GCC optimize("fp-contract=fast")
+
 #include <math.h>
 
 #include "../common/tf_checks.h"
@@ -134,7 +137,7 @@ static void bwd_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
     const int64_t first = p->causal ? k0 / BQ * BQ : 0;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t r0 = first; r0 < qs.valid; r0 += BQ) {
-        const int64_t nv = min64(BQ, qs.valid - r0), mp = (nv + 3) / 4 * 4;
+        const int64_t nv = min64(BQ, qs.valid - r0), mp = (nv + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
         for (int64_t i = 0; i < nv; ++i) {
           const int64_t row = qs.start + r0 + i;
           tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, row, h), D, qscale, t.q + i * dp);

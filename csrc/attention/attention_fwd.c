@@ -3,6 +3,9 @@
  * online softmax, in the log2 domain (q is pre-scaled by softmax_scale *
  * log2(e) so probabilities are 2^(s - m)).
  */
+/* ISO C mode turns off a*b+c contraction; the tile kernels rely on FMA. */
+#pragma GCC optimize("fp-contract=fast")
+
 #include <math.h>
 
 #include "../common/tf_checks.h"
@@ -114,7 +117,7 @@ static void fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q, const t
   if (rows == 0) return;
 
   const fwd_scratch t = split_scratch(scratch, dp);
-  const int64_t mp = (rows + 3) / 4 * 4;
+  const int64_t mp = (rows + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
   const int64_t hk = h / (H / p->heads_kv);
   memset(t.q, 0, (size_t)(mp * dp) * sizeof(float));
   memset(t.o, 0, (size_t)(mp * dp) * sizeof(float));

@@ -92,50 +92,37 @@ TF_ATTN_INLINE tf_v16 tf_v16_exp2(tf_v16 x) {
 /*
  * C[M x N] (row stride ldc) = (accumulate ? C : 0) + A B, where A[r][k] is
  * A[r * a_rs + k * a_cs] and B is K x N with row stride ldb. M must be a
- * multiple of 4 and N of 16; the K loop keeps a 4 x 32 block of C in registers.
+ * multiple of TF_ATTN_GEMM_ROWS and N of 16; the K loop keeps a
+ * TF_ATTN_GEMM_ROWS x 32 block of C in registers (x 16 for a last odd 16 columns).
  */
+#define TF_ATTN_GEMM_ROWS 8
+
+#define TF_ATTN_GEMM_BLOCK(COLS)                                                     \
+  do {                                                                               \
+    tf_v16 x[TF_ATTN_GEMM_ROWS][COLS];                                               \
+    for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)                                      \
+      for (int c = 0; c < COLS; ++c)                                                 \
+        x[i][c] = accumulate ? tf_v16_load(C + (r + i) * ldc + n + 16 * c)           \
+                             : tf_v16_splat(0.0f);                                   \
+    for (int64_t kk = 0; kk < K; ++kk) {                                             \
+      tf_v16 b[COLS];                                                                \
+      for (int c = 0; c < COLS; ++c) b[c] = tf_v16_load(B + kk * ldb + n + 16 * c);  \
+      for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {                                  \
+        const float a = A[(r + i) * a_rs + kk * a_cs];                               \
+        for (int c = 0; c < COLS; ++c) x[i][c] += a * b[c];                          \
+      }                                                                              \
+    }                                                                                \
+    for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)                                      \
+      for (int c = 0; c < COLS; ++c) tf_v16_store(C + (r + i) * ldc + n + 16 * c, x[i][c]); \
+  } while (0)
+
 TF_ATTN_INLINE void tf_attn_gemm(float *restrict C, int64_t ldc, const float *restrict A,
                                  int64_t a_rs, int64_t a_cs, const float *restrict B, int64_t ldb,
                                  int64_t M, int64_t N, int64_t K, int accumulate) {
-  for (int64_t r = 0; r < M; r += 4) {
-    const float *a0 = A + r * a_rs, *a1 = a0 + a_rs, *a2 = a1 + a_rs, *a3 = a2 + a_rs;
-    float *c0 = C + r * ldc, *c1 = c0 + ldc, *c2 = c1 + ldc, *c3 = c2 + ldc;
+  for (int64_t r = 0; r < M; r += TF_ATTN_GEMM_ROWS) {
     int64_t n = 0;
-    for (; n + 32 <= N; n += 32) {
-      tf_v16 x00 = {0}, x01 = {0}, x10 = {0}, x11 = {0}, x20 = {0}, x21 = {0}, x30 = {0}, x31 = {0};
-      if (accumulate) {
-        x00 = tf_v16_load(c0 + n), x01 = tf_v16_load(c0 + n + 16);
-        x10 = tf_v16_load(c1 + n), x11 = tf_v16_load(c1 + n + 16);
-        x20 = tf_v16_load(c2 + n), x21 = tf_v16_load(c2 + n + 16);
-        x30 = tf_v16_load(c3 + n), x31 = tf_v16_load(c3 + n + 16);
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        const tf_v16 b0 = tf_v16_load(B + k * ldb + n), b1 = tf_v16_load(B + k * ldb + n + 16);
-        const float v0 = a0[k * a_cs], v1 = a1[k * a_cs], v2 = a2[k * a_cs], v3 = a3[k * a_cs];
-        x00 += v0 * b0, x01 += v0 * b1;
-        x10 += v1 * b0, x11 += v1 * b1;
-        x20 += v2 * b0, x21 += v2 * b1;
-        x30 += v3 * b0, x31 += v3 * b1;
-      }
-      tf_v16_store(c0 + n, x00), tf_v16_store(c0 + n + 16, x01);
-      tf_v16_store(c1 + n, x10), tf_v16_store(c1 + n + 16, x11);
-      tf_v16_store(c2 + n, x20), tf_v16_store(c2 + n + 16, x21);
-      tf_v16_store(c3 + n, x30), tf_v16_store(c3 + n + 16, x31);
-    }
-    if (n < N) {
-      tf_v16 x0 = {0}, x1 = {0}, x2 = {0}, x3 = {0};
-      if (accumulate) {
-        x0 = tf_v16_load(c0 + n), x1 = tf_v16_load(c1 + n);
-        x2 = tf_v16_load(c2 + n), x3 = tf_v16_load(c3 + n);
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        const tf_v16 b = tf_v16_load(B + k * ldb + n);
-        x0 += a0[k * a_cs] * b, x1 += a1[k * a_cs] * b;
-        x2 += a2[k * a_cs] * b, x3 += a3[k * a_cs] * b;
-      }
-      tf_v16_store(c0 + n, x0), tf_v16_store(c1 + n, x1);
-      tf_v16_store(c2 + n, x2), tf_v16_store(c3 + n, x3);
-    }
+    for (; n + 32 <= N; n += 32) TF_ATTN_GEMM_BLOCK(2);
+    if (n < N) TF_ATTN_GEMM_BLOCK(1);
   }
 }
 
