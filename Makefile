@@ -1,0 +1,43 @@
+# The two set-up commands of the README: `make demo` (the main job) and `make test`.
+# Each installs what it needs: the pinned CPU torch when no torch is present, then te_fuser.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+NVCC ?= nvcc
+CUDA_ARCH_FLAGS = -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,code=sm_90a
+CUDA_CHECK_DIR ?= build/cuda-check
+TORCH_INCLUDES = $(shell $(PYTHON) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-isystem' + p for p in include_paths()))")
+
+.PHONY: install demo test c-check cuda-check bench
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
+	$(PYTHON) -m pip install -q pytest numpy tqdm matplotlib
+	$(PYTHON) -m pip install -q --no-build-isolation -e .
+
+demo: install
+	$(PYTHON) -m te_fuser.examples.quantize_demo
+
+test: install c-check
+	$(PYTHON) -m pytest -q tests
+
+# The C core on its own, under AddressSanitizer and UndefinedBehaviorSanitizer.
+c-check:
+	@if [ -f tests/c/run.sh ]; then bash tests/c/run.sh; fi
+
+# Every CUDA source compiles for sm_80 and sm_90a, and the CUDA binding files
+# compile against the stable ABI headers, although no GPU is here.
+cuda-check:
+	@mkdir -p $(CUDA_CHECK_DIR)
+	@set -e; for f in $$(find csrc/cuda -name '*.cu' | sort); do \
+	  echo "nvcc $$f"; \
+	  $(NVCC) -std=c++17 -O3 -Werror=all-warnings $(CUDA_ARCH_FLAGS) -Icsrc -c $$f \
+	    -o $(CUDA_CHECK_DIR)/$$(echo $$f | tr / _).o; \
+	done
+	@set -e; for f in $$(find csrc/binding -name '*_cuda.cpp' | sort); do \
+	  echo "c++ -fsyntax-only $$f"; \
+	  c++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -Icsrc $(TORCH_INCLUDES) \
+	    -DTORCH_TARGET_VERSION=0x020a000000000000 -DTE_FUSER_WITH_CUDA $$f; \
+	done
+
+bench: install
+	$(PYTHON) benchmarks/bench_quantize.py

@@ -1,0 +1,1 @@
+"""Runnable examples: `python -m te_fuser.examples.<name>`."""

@@ -1,0 +1,169 @@
+"""Train the example GPT on te_fuser's byte corpus: the main job.
+
+    python -m te_fuser.examples.train                       # one process, CPU or CUDA, FP8 on
+    python -m te_fuser.examples.train --no-fp8              # the same in high precision
+    torchrun --nproc-per-node 2 -m te_fuser.examples.train --tp 2 --sequence-parallel
+    torchrun --nproc-per-node 2 -m te_fuser.examples.train --fsdp
+
+Each step accumulates gradients over microbatches, logs losses through
+te_fuser.memory.LossLog (detached: no microbatch's graph outlives its
+backward), and reports loss, tokens/s and memory (current, peak, retained).
+The run ends by writing a PNG of loss and memory over the steps.
+"""
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import te_fuser as te
+from te_fuser.examples.checkpointing import load_checkpoint, save_checkpoint
+from te_fuser.examples.corpus import load_tokens, sample_batch
+from te_fuser.examples.gpt import GPT, GPTConfig, Parallel
+from te_fuser.examples.plot import plot_history
+from te_fuser.memory import LossLog, MemoryTracker
+from te_fuser.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train a small GPT with te_fuser (FP8, fused attention, op fuser).")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--microbatches", type=int, default=2, help="gradient accumulation steps per optimizer step")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per microbatch")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-fp8", action="store_true", help="train in high precision")
+    p.add_argument("--recipe", choices=["delayed", "current"], default="delayed")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="shard blocks with FSDP2 fully_shard (data parallel)")
+    p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--save", type=Path, help="write a checkpoint here at the end")
+    p.add_argument("--resume", type=Path, help="resume from this checkpoint")
+    p.add_argument("--plot", type=Path, default=Path("train_loss_memory.png"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait for another rank")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def init_distributed(args, device):
+    """Joins the torchrun job, if any. Returns (rank, world_size)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        if args.tp > 1 or args.fsdp:
+            raise SystemExit("--tp > 1 and --fsdp need several processes: launch with torchrun --nproc-per-node N")
+        return 0, 1
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    if args.tp > 1 and world != args.tp:
+        raise SystemExit(f"--tp {args.tp} needs exactly {args.tp} processes, got {world}")
+    return dist.get_rank(), world
+
+
+def make_recipe(args):
+    if args.recipe == "current":
+        return Float8CurrentScaling(fp8_format=Format.HYBRID)
+    return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+
+
+def sync_replicated_grads(model, group):
+    """Sequence parallelism leaves each rank a partial gradient of the replicated parameters: sum them."""
+    for p in model.parameters():
+        if p.grad is not None and not getattr(p, "tensor_model_parallel", False):
+            dist.all_reduce(p.grad, group=group)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device if args.device != "cuda" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
+    rank, world = init_distributed(args, device)
+    try:
+        return train(args, device, rank, world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args, device, rank, world):
+    torch.manual_seed(args.seed)  # same initial weights on every rank
+    tp_group = dist.group.WORLD if args.tp > 1 else None
+    par = Parallel(tp_group=tp_group, tp_size=args.tp, sequence_parallel=args.sequence_parallel and args.tp > 1)
+    cfg = GPTConfig(seq_len=args.seq_len, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
+                    ffn_hidden_size=4 * args.hidden)
+    model = GPT(cfg, par, device=device, checkpoint_blocks=args.checkpoint_activations)
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    tokens = load_tokens()
+    # Data: tensor-parallel ranks read the same batch; data-parallel (FSDP) ranks read their own.
+    gen = torch.Generator().manual_seed(args.seed + 1000 * (rank if args.fsdp else 0))
+    start_step = load_checkpoint(args.resume, model, optimizer, gen) if args.resume else 0
+    recipe = make_recipe(args)
+    fp8 = not args.no_fp8
+    history = []
+    progress = None
+    if rank == 0 and not args.quiet:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.steps, initial=0, desc="train", unit="step", file=sys.stdout)
+    for step in range(start_step, start_step + args.steps):
+        losses = LossLog()
+        t0 = time.perf_counter()
+        with MemoryTracker(device=device) as mem:
+            for _ in range(args.microbatches):
+                x, y = sample_batch(tokens, args.batch_size, args.seq_len, gen)
+                x, y = x.to(device), y.to(device)
+                if par.sequence_parallel:
+                    y = y.chunk(args.tp, dim=0)[rank]
+                with te.fp8_autocast(enabled=fp8, fp8_recipe=recipe, fp8_group=tp_group):
+                    logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                losses.append(loss)
+                (loss / (args.microbatches * (args.tp if par.sequence_parallel else 1))).backward()
+            if par.sequence_parallel:
+                sync_replicated_grads(model, tp_group)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_loss = losses.mean()
+        if par.sequence_parallel:  # each rank saw a slice of the sequence: average the slices
+            t = torch.tensor([step_loss])
+            dist.all_reduce(t, group=tp_group)
+            step_loss = t.item() / args.tp
+        seconds = time.perf_counter() - t0
+        record = dict(step=step, loss=step_loss, tokens_per_s=args.microbatches * args.batch_size * args.seq_len / seconds,
+                      current=mem.current, peak=mem.peak, retained=mem.retained)
+        history.append(record)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{step_loss:.3f}")
+            progress.write(f"step {step:4d}  loss {step_loss:.4f}  {record['tokens_per_s']:8.0f} tok/s  "
+                           f"mem current {mem.current / 2**20:7.2f} MiB  peak {mem.peak / 2**20:7.2f} MiB  "
+                           f"retained {mem.retained / 2**20:+.2f} MiB")
+    if progress is not None:
+        progress.close()
+    if args.save:
+        save_checkpoint(args.save, model, optimizer, start_step + args.steps, gen)
+    if rank == 0 and args.plot:
+        plot_history(history, args.plot, title=f"te_fuser GPT ({'FP8' if fp8 else 'high precision'}, {device.type})")
+        print(f"wrote {args.plot}")
+    return history
+
+
+if __name__ == "__main__":
+    main()

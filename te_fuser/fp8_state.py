@@ -1,0 +1,218 @@
+"""fp8_autocast / autocast, and the per-module recipe state they drive.
+
+Inside the context, te_fuser modules take their quantizers from a recipe
+state. Delayed-scaling states record amaxes while tensors are cast; when the
+outermost context exits, the recorded amaxes are all-reduced (MAX) over the
+amax reduction group, when one is given, and the scales are updated.
+Backward runs after the context has exited, so backward amaxes are folded in
+at the exit of the next context, as in TransformerEngine.
+"""
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.utils.checkpoint
+
+from .kernels import fp8 as fp8_kernels
+from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
+from .recipe import DelayedScaling, Float8CurrentScaling
+
+
+@dataclass
+class _Context:
+    enabled: bool
+    calibrating: bool
+    recipe: object
+    group: object
+    replay: bool = False  # an activation-checkpoint recompute: no amax recording, no update
+
+
+class FP8GlobalState:
+    """What the innermost fp8_autocast says, and the states waiting for an update."""
+
+    _stack: List[_Context] = []
+    _pending: List["DelayedScalingState"] = []
+    _live_states: "weakref.WeakSet[DelayedScalingState]" = weakref.WeakSet()
+
+    @classmethod
+    def is_enabled(cls) -> bool:
+        return bool(cls._stack) and cls._stack[-1].enabled
+
+    @classmethod
+    def is_calibrating(cls) -> bool:
+        return bool(cls._stack) and cls._stack[-1].calibrating
+
+    @classmethod
+    def get_recipe(cls):
+        return cls._stack[-1].recipe if cls._stack else None
+
+    @classmethod
+    def get_group(cls):
+        return cls._stack[-1].group if cls._stack else None
+
+    @classmethod
+    def mark_pending(cls, state: "DelayedScalingState") -> None:
+        if cls._stack and cls._stack[-1].replay:
+            return
+        if not any(s is state for s in cls._pending):
+            cls._pending.append(state)
+
+    @classmethod
+    def update_pending(cls) -> None:
+        pending, cls._pending = cls._pending, []
+        for state in pending:
+            state.update()
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None):
+    """Run te_fuser modules in FP8 (TransformerEngine's name and arguments).
+
+    calibrating=True runs in high precision while still recording amaxes.
+    """
+    recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(f"fp8_recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))
+    try:
+        yield
+    finally:
+        FP8GlobalState._stack.pop()
+        if not FP8GlobalState._stack:
+            FP8GlobalState.update_pending()
+
+
+def checkpoint(function, *args, **kwargs):
+    """Activation checkpointing (non-reentrant) that recomputes in the same FP8 state as the forward.
+
+    The recompute runs during backward, after fp8_autocast has exited and updated
+    the delayed scales. To give the same values as the forward, the recompute
+    re-enters the forward's autocast settings with the forward's scales and
+    records no amax, so it neither changes nor double-counts the scaling state.
+    """
+    kwargs.pop("use_reentrant", None)
+
+    def context_fn():
+        return contextlib.nullcontext(), _replay(_snapshot())
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _snapshot():
+    top = FP8GlobalState._stack[-1] if FP8GlobalState._stack else _Context(False, False, None, None)
+    scales = {state: (state.scale.clone(), state.scale_inv.clone())
+              for state in list(FP8GlobalState._live_states) if state.forward}
+    return top, scales
+
+
+@contextlib.contextmanager
+def _replay(snapshot):
+    top, scales = snapshot
+    current = {state: (state.scale.clone(), state.scale_inv.clone(), state.amax.clone()) for state in scales}
+    for state, (scale, scale_inv) in scales.items():
+        state.scale.copy_(scale)
+        state.scale_inv.copy_(scale_inv)
+    FP8GlobalState._stack.append(_Context(top.enabled, top.calibrating, top.recipe, top.group, replay=True))
+    try:
+        yield
+    finally:
+        FP8GlobalState._stack.pop()
+        for state, (scale, scale_inv, amax) in current.items():
+            state.scale.copy_(scale)
+            state.scale_inv.copy_(scale_inv)
+            state.amax.copy_(amax)
+
+
+def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
+    """The newer TransformerEngine name for fp8_autocast."""
+    return fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_reduction_group)
+
+
+class DelayedScalingState:
+    """Scaling state of `num_quantizers` tensors that share a delayed-scaling recipe.
+
+    Buffers: amax_history (history_len, n), amax (n), scale (n), scale_inv (n).
+    `forward=True` uses the recipe's forward format, else its backward format.
+    """
+
+    def __init__(self, recipe: DelayedScaling, num_quantizers: int, forward: bool = True, device=None):
+        self.recipe = recipe
+        self.forward = forward
+        self.fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, device=device)
+        self.amax = torch.zeros(num_quantizers, device=device)
+        self.scale = torch.ones(num_quantizers, device=device)
+        self.scale_inv = torch.ones(num_quantizers, device=device)
+        self.group = None
+        FP8GlobalState._live_states.add(self)
+
+    def quantizers(self, group=None) -> List[Float8Quantizer]:
+        """One quantizer per tensor, writing into this state's buffers; marks the state for update."""
+        self.group = group
+        FP8GlobalState.mark_pending(self)
+        return [Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype)
+                for i in range(self.amax.numel())]
+
+    def update(self) -> None:
+        """All-reduce amaxes over the group (if any), roll the history and update the scales."""
+        if self.group is not None and self.recipe.reduce_amax and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(self.amax, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        fp8_kernels.delayed_scaling_update(self.amax_history, self.amax, self.scale, self.scale_inv,
+                                           fp8_kernels.fp8_max(self.fp8_dtype), self.recipe.margin,
+                                           self.recipe.amax_compute_algo)
+
+    def to(self, device) -> "DelayedScalingState":
+        for name in ("amax_history", "amax", "scale", "scale_inv"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def state_dict(self) -> dict:
+        return {name: getattr(self, name).detach().cpu().clone()
+                for name in ("amax_history", "amax", "scale", "scale_inv")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("amax_history", "amax", "scale", "scale_inv"):
+            if name not in state:
+                raise KeyError(f"FP8 recipe state is missing '{name}'")
+            mine, theirs = getattr(self, name), state[name]
+            if tuple(theirs.shape) != tuple(mine.shape):
+                raise ValueError(f"FP8 recipe state '{name}' has shape {tuple(theirs.shape)}, "
+                                 f"this module expects {tuple(mine.shape)}")
+            mine.copy_(theirs)
+
+
+class CurrentScalingState:
+    """Current scaling needs no history: fresh quantizers per tensor."""
+
+    def __init__(self, recipe: Float8CurrentScaling, num_quantizers: int, forward: bool = True, device=None):
+        self.recipe = recipe
+        self.forward = forward
+        self.fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
+        self.num_quantizers = num_quantizers
+        self.device = device
+
+    def quantizers(self, group=None) -> List[Float8CurrentScalingQuantizer]:
+        del group  # each tensor's own amax: nothing to reduce
+        return [Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device,
+                                              force_pow_2_scales=self.recipe.force_pow_2_scales,
+                                              amax_epsilon=self.recipe.amax_epsilon)
+                for _ in range(self.num_quantizers)]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        del state
+
+
+def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=None):
+    """The state type that goes with a recipe."""
+    if isinstance(recipe, DelayedScaling):
+        return DelayedScalingState(recipe, num_quantizers, forward, device)
+    if isinstance(recipe, Float8CurrentScaling):
+        return CurrentScalingState(recipe, num_quantizers, forward, device)
+    raise TypeError(f"unknown FP8 recipe {type(recipe).__name__}")

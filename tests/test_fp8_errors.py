@@ -1,0 +1,97 @@
+"""Bad input gets a TypeError or ValueError that names the argument; never a crash."""
+
+import pytest
+import torch
+
+import te_fuser
+from te_fuser.kernels import fp8 as k
+
+ONE = torch.ones(1)
+ZERO = torch.zeros(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.complex64, torch.float64])
+def test_bad_input_dtype(dtype):
+    x = torch.ones(8, dtype=dtype)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        k.quantize(x, ONE, ZERO.clone(), torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        k.compute_amax(x)
+
+
+def test_unknown_fp8_dtype():
+    for bad in (torch.float16, torch.float8_e4m3fnuz, "e4m3", None):
+        with pytest.raises(ValueError, match="fp8_dtype must be one of"):
+            k.quantize(torch.ones(4), ONE, ZERO.clone(), bad)
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        te_fuser.Float8Quantizer(ONE, ZERO.clone(), torch.bfloat16)
+
+
+@pytest.mark.parametrize("scale", [torch.ones(2), torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.bfloat16),
+                                   torch.ones(()).int(), 1.0])
+def test_bad_scale(scale):
+    with pytest.raises(TypeError, match="scale must be"):
+        k.quantize(torch.ones(4), scale, ZERO.clone(), torch.float8_e4m3fn)
+
+
+def test_bad_amax():
+    with pytest.raises(TypeError, match="amax must be a float32 tensor with one element"):
+        k.quantize(torch.ones(4), ONE, torch.zeros(3), torch.float8_e4m3fn)
+
+
+def test_mismatched_devices():
+    with pytest.raises(ValueError, match="scale is on meta but x is on cpu"):
+        k.quantize(torch.ones(4), torch.ones(1, device="meta"), ZERO.clone(), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale_inv is on meta"):
+        k.dequantize(torch.ones(4).to(torch.float8_e4m3fn), torch.ones(1, device="meta"))
+
+
+def test_non_contiguous_input():
+    x = torch.ones(8, 8).t()
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        k.quantize(x, ONE, ZERO.clone(), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        k.cast_transpose(x, ONE, ZERO.clone(), torch.float8_e4m3fn)
+
+
+def test_dequantize_bad_arguments():
+    with pytest.raises(TypeError, match="data must have dtype"):
+        k.dequantize(torch.ones(4), ONE)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        k.dequantize(torch.ones(4).to(torch.float8_e5m2), ONE, torch.int8)
+
+
+def test_cast_transpose_needs_a_matrix():
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        k.cast_transpose(torch.ones(4), ONE, ZERO.clone(), torch.float8_e4m3fn)
+
+
+def test_scaling_update_bad_arguments():
+    h, a, s, si = torch.zeros(4, 2), torch.zeros(2), torch.ones(2), torch.ones(2)
+    with pytest.raises(ValueError, match="amax_compute_algo"):
+        k.delayed_scaling_update(h, a, s, si, 448.0, 0, "mean")
+    with pytest.raises(ValueError, match="amax must have"):
+        k.delayed_scaling_update(h, torch.zeros(3), s, si, 448.0, 0)
+    with pytest.raises(ValueError, match="amax_history must be 2-D"):
+        k.delayed_scaling_update(torch.zeros(4), a, s, si, 448.0, 0)
+    with pytest.raises(TypeError, match="scale must have dtype"):
+        k.delayed_scaling_update(h, a, s.double(), si, 448.0, 0)
+    with pytest.raises(ValueError, match="margin"):
+        k.delayed_scaling_update(h, a, s, si, 448.0, 500)
+    with pytest.raises(ValueError, match="epsilon"):
+        k.current_scale(ONE, 448.0, epsilon=-1.0)
+
+
+def test_raw_ops_reject_bad_input_without_crashing():
+    """The torch.ops entry points check too (RuntimeError from the binding)."""
+    ops = torch.ops.te_fuser
+    with pytest.raises(RuntimeError, match="input must be float32, bfloat16 or float16"):
+        ops.fp8_quantize(torch.ones(4, dtype=torch.int32), ONE, ZERO.clone(), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="scale must be a float32 tensor with one element"):
+        ops.fp8_quantize(torch.ones(4), torch.ones(2), ZERO.clone(), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="input must be contiguous"):
+        ops.fp8_quantize(torch.ones(4, 4).t(), ONE, ZERO.clone(), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="fp8_dtype must be"):
+        ops.fp8_quantize(torch.ones(4), ONE, ZERO.clone(), torch.float16)
+    with pytest.raises(RuntimeError, match="amax_compute_algo|argument"):
+        ops.fp8_delayed_scaling_update(torch.zeros(2, 1), torch.zeros(1), torch.ones(1), torch.ones(1), 448.0, 0, 7)

@@ -1,0 +1,148 @@
+"""FP8 quantizer kernels against torch's own float8 casts and plain-Python formulas."""
+
+import pytest
+import torch
+
+from te_fuser.kernels import fp8 as k
+from fp8_reference import (
+    FLOAT_DTYPES, FP8_DTYPES, all_16bit_patterns, edge_values, fp8_max, random_decades,
+    reference_amax, reference_quantize,
+)
+
+
+def as_bytes(t):
+    return t.view(torch.uint8)
+
+
+def quantize(x, scale, fp8_dtype):
+    amax = torch.zeros(1, device=x.device)
+    data = k.quantize(x, scale, amax, fp8_dtype)
+    return data, amax
+
+
+def scales(generator):
+    """1, a power of two, and a random non-power-of-two scale."""
+    return [1.0, 2.0**-7, float(torch.empty(1).uniform_(0.1, 10.0, generator=generator))]
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_encoding_bit_exact_random_and_edges(device, generator, dtype, fp8_dtype):
+    x = torch.cat([random_decades(100_003, dtype, generator), edge_values(fp8_dtype, dtype)]).to(device)
+    for s in scales(generator):
+        scale = torch.tensor([s], device=device)
+        data, _ = quantize(x, scale, fp8_dtype)
+        assert data.dtype == fp8_dtype and data.shape == x.shape
+        torch.testing.assert_close(as_bytes(data), as_bytes(reference_quantize(x, scale, fp8_dtype)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_encoding_bit_exact_every_16bit_value(device, dtype, fp8_dtype):
+    x = all_16bit_patterns(dtype).to(device)
+    for s in (1.0, 0.5, 3.0):
+        scale = torch.tensor([s], device=device)
+        data, _ = quantize(x, scale, fp8_dtype)
+        torch.testing.assert_close(as_bytes(data), as_bytes(reference_quantize(x, scale, fp8_dtype)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_encoding_bit_exact_random_float32_bits(device, generator, fp8_dtype):
+    """Random bit patterns reach every float32 exponent, float32 subnormals and NaN payloads."""
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=generator, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32).to(device)
+    scale = torch.ones(1, device=device)
+    data, _ = quantize(x, scale, fp8_dtype)
+    torch.testing.assert_close(as_bytes(data), as_bytes(reference_quantize(x, scale, fp8_dtype)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_saturation_inf_and_nan(device, dtype):
+    nan_bits = {torch.float32: 0xFFC00000, torch.bfloat16: 0xFFC0, torch.float16: 0xFE00}[dtype]
+    negative_nan = torch.tensor([nan_bits], dtype=torch.int64).to(
+        {torch.float32: torch.int32}.get(dtype, torch.int16)).view(dtype)
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, 1e4, -1e4], dtype=dtype)
+    x[3] = negative_nan[0]
+    x = x.to(device)
+    data, _ = quantize(x, torch.ones(1, device=device), torch.float8_e4m3fn)
+    assert as_bytes(data).tolist() == [0x7E, 0xFE, 0x7F, 0xFF, 0x7E, 0xFE]
+    data, _ = quantize(x, torch.ones(1, device=device), torch.float8_e5m2)
+    # E5M2 has an Inf, but satfinite gives the largest finite value (0x7B = 57344); 1e4 is in range.
+    assert as_bytes(data).tolist()[:4] == [0x7B, 0xFB, 0x7F, 0xFF]
+    assert data.float()[4:].tolist() == [10240.0, -10240.0]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_amax_is_max_abs_and_accumulates(device, generator, dtype):
+    x = random_decades(70_001, dtype, generator, low=-5, high=3).to(device)
+    scale = torch.ones(1, device=device)
+    amax = torch.zeros(1, device=device)
+    k.quantize(x, scale, amax, torch.float8_e4m3fn)
+    assert amax.item() == reference_amax(x).item()
+    k.quantize(x / 4, scale, amax, torch.float8_e4m3fn)  # a smaller tensor keeps the running max
+    assert amax.item() == reference_amax(x).item()
+    assert k.compute_amax(x).item() == reference_amax(x).item()
+
+
+@pytest.mark.parametrize("special", [float("inf"), float("nan")])
+def test_amax_sees_inf_and_nan(device, generator, special):
+    x = torch.randn(100_000, generator=generator).to(device)
+    x[77_777] = special
+    amax = k.compute_amax(x)
+    if special != special:
+        assert amax.isnan().item()
+    else:
+        assert amax.item() == float("inf")
+    quant_amax = torch.zeros(1, device=device)
+    k.quantize(x, torch.ones(1, device=device), quant_amax, torch.float8_e5m2)
+    torch.testing.assert_close(quant_amax, amax, equal_nan=True)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dequantize_matches_reference(device, generator, dtype, fp8_dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype)
+    random_codes = torch.randint(0, 256, (50_001,), generator=generator, dtype=torch.int32).to(torch.uint8).view(fp8_dtype)
+    data = torch.cat([codes, random_codes]).to(device)
+    for s_inv in (1.0, 2.0**-10, float(torch.empty(1).uniform_(0.01, 100, generator=generator))):
+        scale_inv = torch.tensor([s_inv], device=device)
+        out = k.dequantize(data, scale_inv, dtype)
+        expected = (data.float() * scale_inv).to(dtype)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (33, 65), (64, 512), (3, 70, 31), (2049, 7)])
+def test_cast_transpose(device, generator, dtype, fp8_dtype, shape):
+    x = (torch.randn(shape, generator=generator) * 50).to(dtype).to(device)
+    x.view(-1)[0] = float("inf")
+    scale = torch.tensor([1.7], device=device)
+    amax = torch.zeros(1, device=device)
+    data, data_t = k.cast_transpose(x, scale, amax, fp8_dtype)
+    expected = reference_quantize(x, scale, fp8_dtype)
+    torch.testing.assert_close(as_bytes(data), as_bytes(expected), rtol=0, atol=0)
+    as_matrix = as_bytes(expected).reshape(-1, shape[-1])
+    torch.testing.assert_close(as_bytes(data_t), as_matrix.t().contiguous(), rtol=0, atol=0)
+    assert amax.item() == float("inf")
+
+
+def test_empty_tensors_work(device):
+    for shape in [(0,), (0, 16), (16, 0)]:
+        x = torch.empty(shape, device=device)
+        scale = torch.ones(1, device=device)
+        amax = torch.zeros(1, device=device)
+        assert k.quantize(x, scale, amax, torch.float8_e4m3fn).shape == shape
+        assert amax.item() == 0.0
+        assert k.compute_amax(x).item() == 0.0
+        if len(shape) == 2:
+            data, data_t = k.cast_transpose(x, scale, amax, torch.float8_e4m3fn)
+            assert data.shape == shape and data_t.shape == (shape[1], shape[0] if shape[1] else 0)
+        data = k.quantize(x, scale, amax, torch.float8_e5m2)
+        assert k.dequantize(data, scale, torch.bfloat16).shape == shape
+
+
+def test_fp8_max_values():
+    assert k.fp8_max(torch.float8_e4m3fn) == 448.0
+    assert k.fp8_max(torch.float8_e5m2) == 57344.0
