@@ -58,7 +58,7 @@ class FusedAttentionFunction(torch.autograd.Function):
                 seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal,
                 dropout_p=dropout_p, seed=seed, offset=offset)
             out = from_kernel_layout(out, qkv_format)
-            saved, objects = prepare_for_saving(q, k, v, out, lse, *lengths)
+            saved, objects = (q, k, v, out, lse, *lengths), None
         else:
             q8, k8, v8 = (quantizer(t) for quantizer, t in zip(quantizers, (q, k, v)))
             (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, qkv_format) for t in (q8, k8, v8))
@@ -69,7 +69,8 @@ class FusedAttentionFunction(torch.autograd.Function):
             out = from_kernel_layout(out, qkv_format)
             saved, objects = prepare_for_saving(q8, k8, v8, out, lse, *lengths)
         ctx.save_for_backward(*saved)
-        ctx.tensor_objects = objects  # shells and Nones only: prepare_for_saving emptied the Float8Tensors
+        # FP8: the Float8Tensor shells (prepare_for_saving handed their buffers to save_for_backward).
+        ctx.tensor_objects = objects
         ctx.qkv_format = qkv_format
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
@@ -80,19 +81,20 @@ class FusedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
         fmt = ctx.qkv_format
         descales = {}
-        if isinstance(q, Float8Tensor):
+        if ctx.tensor_objects is None:
+            q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = ctx.saved_tensors
+            q, k, v = (to_kernel_layout(t, fmt) for t in (q, k, v))
+        else:
+            q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
             (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, fmt) for t in (q, k, v))
             descales = dict(q_descale=qs, k_descale=ks, v_descale=vs)
             for t in (q, k, v):
                 t.clear()
             q, k, v = qd, kd, vd
-        else:
-            q, k, v = (to_kernel_layout(t, fmt) for t in (q, k, v))
-        # The shells are no longer needed: nothing may outlive backward on ctx.
-        ctx.tensor_objects = None
+            # The shells are no longer needed: nothing may outlive backward on ctx.
+            ctx.tensor_objects = None
         dout = _last_dim_contiguous(to_kernel_layout(dout, fmt)).to(out.dtype)
         dq, dk, dv = attn_kernels.attention_bwd(
             dout, q, k, v, to_kernel_layout(out, fmt), lse, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
