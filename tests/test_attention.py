@@ -397,7 +397,7 @@ def allocated_bytes(fn):
     """Total bytes torch's CPU allocator hands out while fn runs (every allocation counted, frees ignored)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0 and e.cpu_parent is None)
+    return sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
 
 
 def test_forward_memory_is_linear_in_sequence_length():
@@ -405,7 +405,8 @@ def test_forward_memory_is_linear_in_sequence_length():
     q, k, v = (torch.randn(1, s, 1, d) for _ in range(3))
     score_matrix = s * s * 4
     ours = allocated_bytes(lambda: attn_kernels.attention_fwd(q, k, v, causal=True))
-    # out (1 MiB) + lse (16 KiB) + per-thread tile scratch: far below one s x s float32 matrix (64 MiB).
+    # out (1 MiB) + lse (16 KiB) + per-thread tile scratch (~130 KiB each): far below one s x s float32 matrix.
+    assert ours > s * d * 4, ours  # the measurement does see the output
     assert ours < score_matrix / 16, ours
     # The same measurement sees the s x s matrix of an implementation that materializes it.
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
