@@ -9,8 +9,11 @@
  *   mask), dS = P * (dP - delta), dQ += scale dS K, dK += scale dS^T Q,
  * with delta = rowsum(dO * O) from tf_attn_bwd_rowdot.
  */
-/* ISO C mode turns off a*b+c contraction; the tile kernels rely on FMA. */
-#pragma GCC optimize("fp-contract=fast")
+/*
+ * ISO C mode turns off a*b+c contraction; the tile kernels rely on FMA. Tile
+ * row copies stay inline loops instead of becoming memcpy calls.
+ */
+#pragma GCC optimize("fp-contract=fast", "no-tree-loop-distribute-patterns")
 
 #include <math.h>
 

@@ -3,8 +3,11 @@
  * online softmax, in the log2 domain (q is pre-scaled by softmax_scale *
  * log2(e) so probabilities are 2^(s - m)).
  */
-/* ISO C mode turns off a*b+c contraction; the tile kernels rely on FMA. */
-#pragma GCC optimize("fp-contract=fast")
+/*
+ * ISO C mode turns off a*b+c contraction; the tile kernels rely on FMA. Tile
+ * row copies stay inline loops instead of becoming memcpy calls.
+ */
+#pragma GCC optimize("fp-contract=fast", "no-tree-loop-distribute-patterns")
 
 #include <math.h>
 
@@ -17,6 +20,8 @@
 #define BK TF_ATTN_BLOCK_K
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+/* Strided k/v rows are prefetched this many rows ahead of their load. */
+#define TF_ATTN_PREFETCH_ROWS 8
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
@@ -44,6 +49,10 @@ TF_ATTN_INLINE void load_kv_tile(const tf_attn_operand *k, const tf_attn_operand
                                  int64_t D, int64_t dp, const fwd_scratch *t) {
   for (int64_t j = 0; j < nk; ++j) {
     const int64_t row = ks.start + k0 + j;
+    if (j + TF_ATTN_PREFETCH_ROWS < nk) {
+      tf_attn_prefetch_row(k, tf_attn_row_offset(k, ks.batch, row + TF_ATTN_PREFETCH_ROWS, hk), D);
+      tf_attn_prefetch_row(v, tf_attn_row_offset(v, ks.batch, row + TF_ATTN_PREFETCH_ROWS, hk), D);
+    }
     tf_attn_load_row(k, tf_attn_row_offset(k, ks.batch, row, hk), D, 1.0f, t->row);
     for (int64_t d = 0; d < D; ++d) t->kt[d * BK + j] = t->row[d];
     tf_attn_load_row(v, tf_attn_row_offset(v, ks.batch, row, hk), D, 1.0f, t->v + j * dp);

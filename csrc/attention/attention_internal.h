@@ -94,6 +94,13 @@ static inline void tf_attn_store_row(const tf_attn_operand *op, int64_t offset, 
   }
 }
 
+/* Asks for the n elements of the row at offset to be brought into cache (a hint only). */
+static inline void tf_attn_prefetch_row(const tf_attn_operand *op, int64_t offset, int64_t n) {
+  const int64_t size = op->elem == TF_ATTN_F32 ? 4 : op->elem == TF_ATTN_E4M3 ? 1 : 2;
+  const char *row = (const char *)op->data + offset * size;
+  for (int64_t byte = 0; byte < n * size; byte += 64) __builtin_prefetch(row + byte);
+}
+
 /* Zeroes n elements of the row at offset. */
 static inline void tf_attn_zero_row(const tf_attn_operand *op, int64_t offset, int64_t n) {
   const int64_t size = op->elem == TF_ATTN_F32 ? 4 : 2;

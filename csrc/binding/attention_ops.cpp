@@ -154,17 +154,26 @@ void check_stats(const Tensor& lse, const Tensor& q, const tf_attn_problem& p) {
   check_same_device(lse, q, "lse", "q");
 }
 
-// Runs fn(begin, end, scratch) -> tf_status over [0, units) on the thread pool,
-// one float scratch per chunk; statuses are checked after the parallel region.
+// Runs fn(begin, end, scratch) -> tf_status over the units [0, units), split in
+// one contiguous range per thread. The scratch of every range is one row of a
+// tensor allocated here (so torch's memory accounting sees it); statuses are
+// checked after the parallel region so nothing throws inside it.
 template <class F>
-void parallel_units(int64_t units, int64_t scratch_floats, const char* what, const F& fn) {
+void parallel_units(const Tensor& like, int64_t units, int64_t scratch_floats, const char* what,
+                    const F& fn) {
   if (units == 0) return;
-  std::vector<int> status(static_cast<size_t>(units), TF_OK);
-  torch::stable::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> scratch(static_cast<size_t>(scratch_floats));
-    status[u0] = fn(u0, u1, scratch.data());
+  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  const int64_t chunks = units < threads ? units : (threads > 0 ? threads : 1);
+  Tensor scratch = torch::stable::new_empty(like, {chunks, scratch_floats > 0 ? scratch_floats : 1},
+                                            ScalarType::Float);
+  float* base = scratch.mutable_data_ptr<float>();
+  const int64_t row = scratch.size(1);
+  std::vector<int> status(static_cast<size_t>(chunks), TF_OK);
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      status[c] = fn(units * c / chunks, units * (c + 1) / chunks, base + c * row);
   });
-  for (int64_t u = 0; u < units; ++u) check_status(static_cast<tf_status>(status[u]), what);
+  for (int64_t c = 0; c < chunks; ++c) check_status(static_cast<tf_status>(status[c]), what);
 }
 
 std::tuple<Tensor, Tensor> attention_fwd_cpu(Tensor q, Tensor k, Tensor v, OptTensor cu_seqlens_q,
@@ -191,7 +200,7 @@ std::tuple<Tensor, Tensor> attention_fwd_cpu(Tensor q, Tensor k, Tensor v, OptTe
   const tf_attn_operand oq = operand(q, "q", r.descale[0]), ok = operand(k, "k", r.descale[1]),
                         ov = operand(v, "v", r.descale[2]), oo = operand(out, "out");
   float* lse_data = lse.mutable_data_ptr<float>();
-  parallel_units(tf_attn_fwd_units(&r.p), tf_attn_fwd_scratch_floats(&r.p), "attention_fwd",
+  parallel_units(q, tf_attn_fwd_units(&r.p), tf_attn_fwd_scratch_floats(&r.p), "attention_fwd",
                  [&](int64_t u0, int64_t u1, float* scratch) {
                    return tf_attn_fwd(&r.p, &oq, &ok, &ov, &oo, lse_data, u0, u1, scratch);
                  });
@@ -233,11 +242,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
                         oacc = operand(dq_accum, "dq_accum");
   float* delta_data = delta.mutable_data_ptr<float>();
   const float* lse_data = lse.const_data_ptr<float>();
-  parallel_units(tf_attn_fwd_units(&r.p), 0, "attention_bwd",
+  parallel_units(q, tf_attn_fwd_units(&r.p), 0, "attention_bwd",
                  [&](int64_t u0, int64_t u1, float*) {
                    return tf_attn_bwd_rowdot(&r.p, &odo, &oout, delta_data, u0, u1);
                  });
-  parallel_units(tf_attn_bwd_units(&r.p), tf_attn_bwd_scratch_floats(&r.p), "attention_bwd",
+  parallel_units(q, tf_attn_bwd_units(&r.p), tf_attn_bwd_scratch_floats(&r.p), "attention_bwd",
                  [&](int64_t u0, int64_t u1, float* scratch) {
                    return tf_attn_bwd(&r.p, &odo, &oq, &ok, &ov, lse_data, delta_data, &oacc,
                                       &odq, &odk, &odv, u0, u1, scratch);
