@@ -47,6 +47,8 @@
 /* Query rows and keys per tile. */
 #define TF_ATTN_BLOCK_Q 128
 #define TF_ATTN_BLOCK_K 64
+/* Largest head dim accepted (any size up to it; 256 and below are the usual ones). */
+#define TF_ATTN_MAX_HEAD_DIM 65536
 
 /* Element type of an operand; E4M3 bytes are dequantized with the operand's descale. */
 typedef enum tf_attn_elem {

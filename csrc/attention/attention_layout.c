@@ -27,6 +27,8 @@ tf_status tf_attn_check(const tf_attn_problem *p) {
       p->head_dim <= 0)
     return TF_ERR_BAD_SIZE;
   if (p->heads_q % p->heads_kv) return TF_ERR_BAD_SIZE;
+  /* Keeps the tile scratch sizes (a few tiles of head_dim x 128 floats) far from overflow. */
+  if (p->head_dim > TF_ATTN_MAX_HEAD_DIM) return TF_ERR_BAD_SIZE;
   /* lse is [B, Hq, Sq]; keys and rows are indexed as uint32 by the dropout RNG. */
   if (!tf_mul_fits(p->batch, p->heads_q) || !tf_mul_fits(p->batch * p->heads_q, p->seq_q))
     return TF_ERR_OVERFLOW;
@@ -44,6 +46,11 @@ tf_status tf_attn_check(const tf_attn_problem *p) {
              !seqlens_ok(p->seqlens_kv, p->batch, p->seq_kv)) {
     return TF_ERR_BAD_SIZE;
   }
+  /* Work units: segments x heads x query tiles. */
+  const int64_t segments = is_packed(p) ? p->num_seqs + 1 : p->batch;
+  if (!tf_mul_fits(segments, p->heads_q) ||
+      !tf_mul_fits(segments * p->heads_q, p->seq_q / TF_ATTN_BLOCK_Q + 1))
+    return TF_ERR_OVERFLOW;
   if (!isfinite(p->softmax_scale)) return TF_ERR_BAD_ARGUMENT;
   if (!(p->dropout_p >= 0.0f && p->dropout_p < 1.0f)) return TF_ERR_BAD_ARGUMENT;
   return TF_OK;
