@@ -1,5 +1,6 @@
 """te_fuser.DotProductAttention and the attention kernels against float64 torch SDPA."""
 
+import contextlib
 import math
 
 import pytest
@@ -300,6 +301,39 @@ def test_module_dropout_seeded_and_only_in_training():
     assert torch.equal(a, c) and not torch.equal(a, b)
     module.eval()
     torch.testing.assert_close(module(q, k, v), te_fuser.DotProductAttention(2, 8)(q, k, v), atol=0, rtol=0)
+
+
+def test_module_dropout_uses_the_rng_state_tracker_fork():
+    """With get_rng_state_tracker, the dropout seed is drawn inside tracker().fork(), from the forked RNG state."""
+    class Tracker:
+        def __init__(self):
+            self.forks = 0
+            self.state = torch.Generator().manual_seed(77).get_state()
+
+        @contextlib.contextmanager
+        def fork(self):
+            self.forks += 1
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.state)
+            try:
+                yield
+            finally:
+                self.state = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    q, k, v = make_inputs("sbhd", 1, 16, 16, 2, 2, 8, torch.float32, requires_grad=False)
+    outs = []
+    for _ in range(2):
+        tracker = Tracker()
+        module = te_fuser.DotProductAttention(2, 8, attention_dropout=0.3, get_rng_state_tracker=lambda: tracker)
+        torch.manual_seed(0)
+        outer_state = torch.get_rng_state()
+        outs.append(module(q, k, v))
+        assert tracker.forks == 1
+        assert torch.equal(torch.get_rng_state(), outer_state), "the default generator must not advance"
+    assert torch.equal(outs[0], outs[1])  # same tracker stream, same mask
+    tracker.state = torch.Generator().manual_seed(78).get_state()
+    assert not torch.equal(module(q, k, v), outs[0])  # another tracker stream, another mask
 
 
 # torch.compile ----------------------------------------------------------------------------------------------------
