@@ -55,31 +55,6 @@ TF_ATTN_INLINE tf_v16 tf_v16_select(tf_v16i mask, tf_v16 a, tf_v16 b) {
 
 TF_ATTN_INLINE tf_v16 tf_v16_max(tf_v16 a, tf_v16 b) { return tf_v16_select(a > b, a, b); }
 
-/* Horizontal max and sum as a tree of lane shuffles (short dependency chains). */
-#define TF_ATTN_REDUCE16(v, OP)                                                               \
-  do {                                                                                        \
-    const tf_v16i swap8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};               \
-    const tf_v16i swap4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};               \
-    const tf_v16i swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};               \
-    const tf_v16i swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};               \
-    v = OP(v, __builtin_shuffle(v, swap8));                                                   \
-    v = OP(v, __builtin_shuffle(v, swap4));                                                   \
-    v = OP(v, __builtin_shuffle(v, swap2));                                                   \
-    v = OP(v, __builtin_shuffle(v, swap1));                                                   \
-  } while (0)
-
-TF_ATTN_INLINE tf_v16 tf_v16_add(tf_v16 a, tf_v16 b) { return a + b; }
-
-TF_ATTN_INLINE float tf_v16_hmax(tf_v16 v) {
-  TF_ATTN_REDUCE16(v, tf_v16_max);
-  return v[0];
-}
-
-TF_ATTN_INLINE float tf_v16_hsum(tf_v16 v) {
-  TF_ATTN_REDUCE16(v, tf_v16_add);
-  return v[0];
-}
-
 /*
  * 2^x for x <= 0 (small positive x is fine too), relative error about 1e-7;
  * x < -126 (including -inf) gives exactly 0. Round-to-nearest splits x into
