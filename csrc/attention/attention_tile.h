@@ -57,12 +57,12 @@ TF_ATTN_INLINE tf_v16 tf_v16_max(tf_v16 a, tf_v16 b) { return tf_v16_select(a > 
 
 /*
  * 2^x for x <= 0 (small positive x is fine too), relative error about 1e-7;
- * x < -126 (including -inf) gives exactly 0. Round-to-nearest splits x into
- * an integer and f in [-0.5, 0.5]; a degree-7 Taylor polynomial gives 2^f.
+ * x <= -127 (including -inf and NaN) gives exactly 0. Round-to-nearest splits
+ * x into an integer r and f in [-0.5, 0.5]; a degree-7 Taylor polynomial gives
+ * 2^f, and 2^r is built in the exponent bits (r = -127 builds +0).
  */
 TF_ATTN_INLINE tf_v16 tf_v16_exp2(tf_v16 x) {
-  const tf_v16i normal = x >= -126.0f;
-  const tf_v16 xc = tf_v16_select(normal, x, tf_v16_splat(0.0f));
+  const tf_v16 xc = tf_v16_max(x, tf_v16_splat(-127.0f));
   const tf_v16 r = (xc + 12582912.0f) - 12582912.0f;
   const tf_v16 f = xc - r;
   tf_v16 poly = f * 1.525273380405984e-05f + 1.5403530393381606e-04f;
@@ -73,8 +73,7 @@ TF_ATTN_INLINE tf_v16 tf_v16_exp2(tf_v16 x) {
   poly = poly * f + 6.931471805599453e-01f;
   poly = poly * f + 1.0f;
   const tf_v16u bits = ((tf_v16u)__builtin_convertvector(r, tf_v16i) + 127u) << 23;
-  const tf_v16 y = poly * (tf_v16)bits;
-  return (tf_v16)((tf_v16u)y & (tf_v16u)normal);
+  return poly * (tf_v16)bits;
 }
 
 /*
