@@ -28,13 +28,21 @@
  * Dropout (p in [0, 1)) drops probability elements by attention_dropout.h.
  * GQA/MQA: query head h uses kv head h / (Hq / Hkv).
  *
+ * Outputs of the ops: out, dq, dk, dv have the shapes of q, q, k, v with dims
+ * 0..2 laid out in the order of the matching input's strides (an sbhd view in,
+ * an sbhd-dense tensor out; te_fuser/kernels/attention.py's fake kernels say the
+ * same). out has q's dtype, or out_dtype (default float32) for float8_e4m3fn
+ * inputs, which need the three one-element float32 descales; the gradients
+ * have dout's dtype.
+ *
  * Work is split into independent units so the caller can spread them over
  * threads without races:
  *   forward and the backward row-dot pre-pass: one unit per (sequence, query head, query tile);
  *   backward: one unit per (sequence, kv head); it owns dK/dV of that kv head
  *   and dQ of the query heads sharing it, and walks key tiles outer, query tiles inner.
- * Every unit needs a private float scratch of tf_attn_*_scratch_floats(); all
- * buffers are of tile size, so memory stays O(sequence length).
+ * Every unit needs a private float scratch of tf_attn_*_scratch_floats(), of
+ * tile size; the backward also takes a float32 dQ accumulator of dq's size,
+ * so memory stays O(sequence length).
  */
 #ifndef TF_ATTENTION_H
 #define TF_ATTENTION_H
