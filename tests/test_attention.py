@@ -181,6 +181,25 @@ def test_strided_qkv_views_need_no_copy():
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("shape, perm", [((2, 5, 3, 8), (0, 1, 2, 3)), ((5, 2, 3, 8), (1, 0, 2, 3)),
+                                         ((5, 1, 3, 8), (1, 0, 2, 3)), ((3, 1, 1, 8), (2, 1, 0, 3))])
+def test_outputs_follow_the_input_dim_order_like_the_fake_kernels(shape, perm):
+    """out/dq/dk/dv keep q/k/v's dim order (an sbhd view gives sbhd-dense results), with the fake kernels' strides."""
+    q = torch.randn(shape).permute(perm)
+    out, lse = attn_kernels.attention_fwd(q, q, q)
+    grads = attn_kernels.attention_bwd(torch.ones_like(out), q, q, q, out, lse)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        f_out, f_lse = torch.ops.te_fuser.attention_fwd(fq, fq, fq, None, None, None, None, 0.3, False, 0.0, 0, 0,
+                                                         None, None, None, None)
+        f_grads = torch.ops.te_fuser.attention_bwd(f_out, fq, fq, fq, f_out, f_lse, None, None, None, None, 0.3,
+                                                   False, 0.0, 0, 0, None, None, None)
+    assert out.stride() == f_out.stride() and lse.shape == f_lse.shape
+    assert all(g.stride() == f.stride() for g, f in zip(grads, f_grads))
+    order = sorted(range(3), key=lambda d: -q.stride(d))
+    assert out.permute(*order, 3).is_contiguous()
+
+
 # FP8 --------------------------------------------------------------------------------------------------------------
 
 def quantize_e4m3(t):

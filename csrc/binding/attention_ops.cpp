@@ -37,10 +37,10 @@ tf_attn_operand operand(const Tensor& t, const char* arg, float descale = 1.0f) 
 // An empty tensor of `like`'s sizes whose dims 0..2 are laid out in the order
 // of like's strides (last dim innermost), so an sbhd view gets an sbhd output.
 Tensor empty_in_order_of(const Tensor& like, ScalarType dtype) {
-  int64_t order[3] = {0, 1, 2};  // outermost first
-  for (int i = 0; i < 3; ++i)
-    for (int j = i + 1; j < 3; ++j)
-      if (like.stride(order[j]) > like.stride(order[i])) std::swap(order[i], order[j]);
+  int64_t order[3] = {0, 1, 2};  // outermost first: a stable sort by decreasing stride
+  for (int i = 1; i < 3; ++i)
+    for (int j = i; j > 0 && like.stride(order[j]) > like.stride(order[j - 1]); --j)
+      std::swap(order[j], order[j - 1]);
   std::vector<int64_t> sizes = {like.size(order[0]), like.size(order[1]), like.size(order[2]),
                                 like.size(3)};
   Tensor t = torch::stable::new_empty(like, sizes, dtype);

@@ -169,11 +169,7 @@ def _lse_shape(q, cu_seqlens_q):
 
 def _empty_in_order_of(like, dtype):
     """An empty tensor of like's shape with dims 0..2 in the order of like's strides, as the kernels allocate."""
-    order = [0, 1, 2]
-    for i in range(3):
-        for j in range(i + 1, 3):
-            if like.stride(order[j]) > like.stride(order[i]):
-                order[i], order[j] = order[j], order[i]
+    order = sorted(range(3), key=lambda d: -like.stride(d))  # stable: ties keep their dim order
     t = like.new_empty([like.shape[o] for o in order] + [like.shape[3]], dtype=dtype)
     return t.permute([order.index(d) for d in range(3)] + [3])
 
