@@ -137,6 +137,28 @@ def test_half_dtypes(dtype, mask_type):
         assert_close(t.grad, g, gatol, rtol, f"d{name}")
 
 
+@pytest.mark.parametrize("threads", [1, 4])
+def test_mqa_backward_both_thread_splits(threads):
+    """One (sequence, kv head) unit: 1 thread runs the fused backward, 4 threads the two-pass split."""
+    torch.manual_seed(13)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v = make_inputs("bshd", 1, 150, 140, 4, 1, 24, torch.bfloat16)
+        lens_q, lens_kv = torch.tensor([147], dtype=torch.int32), torch.tensor([133], dtype=torch.int32)
+        out, lse = attn_kernels.attention_fwd(q.detach(), k.detach(), v.detach(), seqlens_q=lens_q,
+                                              seqlens_kv=lens_kv, causal=True)
+        dout = torch.randn_like(out)
+        grads = attn_kernels.attention_bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, seqlens_q=lens_q,
+                                           seqlens_kv=lens_kv, causal=True)
+    finally:
+        torch.set_num_threads(previous)
+    _, ref = reference(q, k, v, "bshd", True, 1 / math.sqrt(24), lens_q, lens_kv, dout=dout)
+    atol, gatol, rtol = TOLERANCES[torch.bfloat16]
+    for name, g, r in zip("qkv", grads, ref):
+        assert_close(g, r, gatol, rtol, f"d{name}")
+
+
 def test_edge_values_and_fully_masked_rows():
     """Large scores (no overflow in exp), zero-length kv sequences (output 0, no NaN, zero grads)."""
     torch.manual_seed(5)

@@ -39,7 +39,8 @@
  * threads without races:
  *   forward and the backward row-dot pre-pass: one unit per (sequence, query head, query tile);
  *   backward: one unit per (sequence, kv head); it owns dK/dV of that kv head
- *   and dQ of the query heads sharing it, and walks key tiles outer, query tiles inner.
+ *   and dQ of the query heads sharing it, and walks key tiles outer, query tiles inner
+ *   (or, with few such units, the two-pass split declared at the end).
  * Every unit needs a private float scratch of tf_attn_*_scratch_floats(), of
  * tile size; the backward also takes a float32 dQ accumulator of dq's size,
  * so memory stays O(sequence length).
@@ -126,5 +127,23 @@ tf_status tf_attn_bwd(const tf_attn_problem *p, const tf_attn_operand *dout,
                       const tf_attn_operand *dq, const tf_attn_operand *dk,
                       const tf_attn_operand *dv, int64_t unit_begin, int64_t unit_end,
                       float *scratch);
+
+/*
+ * The backward in two passes, for when there are fewer (sequence, kv head)
+ * units than threads: dK and dV per (sequence, kv head, key tile) unit, then
+ * dQ per forward unit (sequence, query head, query tile), which recomputes the
+ * scores once more but needs no dQ accumulator. Both after tf_attn_bwd_rowdot.
+ */
+int64_t tf_attn_bwd_dkdv_units(const tf_attn_problem *p);
+tf_status tf_attn_bwd_dkdv(const tf_attn_problem *p, const tf_attn_operand *dout,
+                           const tf_attn_operand *q, const tf_attn_operand *k,
+                           const tf_attn_operand *v, const float *lse, const float *delta,
+                           const tf_attn_operand *dk, const tf_attn_operand *dv,
+                           int64_t unit_begin, int64_t unit_end, float *scratch);
+tf_status tf_attn_bwd_dq(const tf_attn_problem *p, const tf_attn_operand *dout,
+                         const tf_attn_operand *q, const tf_attn_operand *k,
+                         const tf_attn_operand *v, const float *lse, const float *delta,
+                         const tf_attn_operand *dq, int64_t unit_begin, int64_t unit_end,
+                         float *scratch);
 
 #endif /* TF_ATTENTION_H */

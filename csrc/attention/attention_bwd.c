@@ -105,6 +105,89 @@ TF_ATTN_INLINE void block_grads(const tf_attn_problem *p, const bwd_scratch *t, 
   }
 }
 
+/* Query rows [r0, r0 + nv) of head h: q (scaled), dout, lse (log2 units) and delta; rows up to mp are padding. */
+TF_ATTN_INLINE void load_q_tile(const tf_attn_problem *p, const tf_attn_operand *q,
+                                const tf_attn_operand *dout, const float *lse, const float *delta,
+                                tf_attn_segment qs, int64_t h, int64_t r0, int64_t nv, int64_t mp,
+                                int64_t D, int64_t dp, const bwd_scratch *t) {
+  const float qscale = p->softmax_scale * LOG2E;
+  for (int64_t i = 0; i < nv; ++i) {
+    const int64_t row = qs.start + r0 + i;
+    tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, row, h), D, qscale, t->q + i * dp);
+    tf_attn_load_row(dout, tf_attn_row_offset(dout, qs.batch, row, h), D, 1.0f, t->dout + i * dp);
+    const float l = lse[tf_attn_stat_index(p, qs.batch, h, row)];
+    t->lse[i] = l == -INFINITY ? INFINITY : l * LOG2E; /* a row without keys has P = 0 */
+    t->delta[i] = delta[tf_attn_stat_index(p, qs.batch, h, row)];
+  }
+  for (int64_t i = nv; i < mp; ++i) {
+    memset(t->q + i * dp, 0, (size_t)dp * sizeof(float));
+    memset(t->dout + i * dp, 0, (size_t)dp * sizeof(float));
+    t->lse[i] = INFINITY;
+    t->delta[i] = 0.0f;
+  }
+}
+
+/* Padding columns of the k, q and dout tiles stay zero for a whole unit. */
+static void clear_padding(const bwd_scratch *t, int64_t dp) {
+  memset(t->k, 0, (size_t)(BK * dp) * sizeof(float));
+  memset(t->q, 0, (size_t)(BQ * dp) * sizeof(float));
+  memset(t->dout, 0, (size_t)(BQ * dp) * sizeof(float));
+}
+
+/*
+ * dK and dV of keys [k0, k0 + nk) of kv head hk, summed over the query heads
+ * sharing it and the query tiles that see the keys; stores them. When acc is
+ * not NULL, also adds dS k of every block into acc's rows (unscaled dQ).
+ */
+TF_ATTN_INLINE void key_tile_grads(const tf_attn_problem *p, const tf_attn_operand *dout,
+                                   const tf_attn_operand *q, const tf_attn_operand *k,
+                                   const tf_attn_operand *v, const float *lse, const float *delta,
+                                   const tf_attn_operand *acc, const tf_attn_operand *dk,
+                                   const tf_attn_operand *dv, int64_t seg, int64_t hk, int64_t k0,
+                                   int64_t nk, const bwd_scratch *t) {
+  const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t group = p->heads_q / p->heads_kv;
+  const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
+  load_kv_tile(k, v, ks, hk, k0, nk, D, dp, t);
+  memset(t->dk, 0, (size_t)(BK * dp) * sizeof(float));
+  memset(t->dv, 0, (size_t)(BK * dp) * sizeof(float));
+  const int64_t first = p->causal ? k0 / BQ * BQ : 0;
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    for (int64_t r0 = first; r0 < qs.valid; r0 += BQ) {
+      const int64_t nv = min64(BQ, qs.valid - r0);
+      const int64_t mp = (nv + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
+      load_q_tile(p, q, dout, lse, delta, qs, h, r0, nv, mp, D, dp, t);
+      block_grads(p, t, nv, mp, nk, seg, h, r0, k0, D, dp);
+      tf_attn_gemm(t->dv, dp, t->p, 1, BK, t->dout, dp, BK, dp, nv, 1);
+      tf_attn_gemm(t->dk, dp, t->dp, 1, BK, t->q, dp, BK, dp, nv, 1);
+      if (!acc) continue;
+      tf_attn_gemm(t->dq, dp, t->dp, BK, 1, t->k, dp, mp, dp, nk, 0);
+      for (int64_t i = 0; i < nv; ++i) {
+        float *restrict a =
+            (float *)acc->data + tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i, h);
+        const float *restrict g = t->dq + i * dp;
+        for (int64_t d = 0; d < D; ++d) a[d] += g[d];
+      }
+    }
+  }
+  /* q was scaled by softmax_scale * log2(e): dK = scale dS^T q = ln(2) dS^T (scaled q). */
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t row = ks.start + k0 + j;
+    tf_attn_store_row(dk, tf_attn_row_offset(dk, ks.batch, row, hk), D, LN2, t->dk + j * dp);
+    tf_attn_store_row(dv, tf_attn_row_offset(dv, ks.batch, row, hk), D, 1.0f, t->dv + j * dp);
+  }
+}
+
+/* Zeroes dk and dv rows [j0, j1) of a kv segment (keys past its valid length). */
+static void zero_key_rows(const tf_attn_operand *dk, const tf_attn_operand *dv, tf_attn_segment ks,
+                          int64_t hk, int64_t j0, int64_t j1, int64_t D) {
+  for (int64_t j = j0; j < j1; ++j) {
+    tf_attn_zero_row(dk, tf_attn_row_offset(dk, ks.batch, ks.start + j, hk), D);
+    tf_attn_zero_row(dv, tf_attn_row_offset(dv, ks.batch, ks.start + j, hk), D);
+  }
+}
+
+/* Fused backward of one (sequence, kv head): dK, dV, and dQ of the query heads sharing it. */
 TF_ATTN_MULTIVERSION
 static void bwd_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
                      const tf_attn_operand *q, const tf_attn_operand *k,
@@ -117,64 +200,16 @@ static void bwd_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
   const int64_t seg = unit / p->heads_kv, hk = unit % p->heads_kv;
   const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
   const bwd_scratch t = split_scratch(scratch, dp);
-  const float qscale = p->softmax_scale * LOG2E;
 
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
     for (int64_t i = 0; i < qs.span; ++i)
       memset((float *)acc->data + tf_attn_row_offset(acc, qs.batch, qs.start + i, h), 0,
              (size_t)D * sizeof(float));
-  for (int64_t j = ks.valid; j < ks.span; ++j) {
-    tf_attn_zero_row(dk, tf_attn_row_offset(dk, ks.batch, ks.start + j, hk), D);
-    tf_attn_zero_row(dv, tf_attn_row_offset(dv, ks.batch, ks.start + j, hk), D);
-  }
-  /* Padding columns stay zero for the whole unit. */
-  memset(t.k, 0, (size_t)(BK * dp) * sizeof(float));
-  memset(t.q, 0, (size_t)(BQ * dp) * sizeof(float));
-  memset(t.dout, 0, (size_t)(BQ * dp) * sizeof(float));
-
-  for (int64_t k0 = 0; k0 < ks.valid; k0 += BK) {
-    const int64_t nk = min64(BK, ks.valid - k0);
-    load_kv_tile(k, v, ks, hk, k0, nk, D, dp, &t);
-    memset(t.dk, 0, (size_t)(BK * dp) * sizeof(float));
-    memset(t.dv, 0, (size_t)(BK * dp) * sizeof(float));
-    const int64_t first = p->causal ? k0 / BQ * BQ : 0;
-    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      for (int64_t r0 = first; r0 < qs.valid; r0 += BQ) {
-        const int64_t nv = min64(BQ, qs.valid - r0), mp = (nv + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
-        for (int64_t i = 0; i < nv; ++i) {
-          const int64_t row = qs.start + r0 + i;
-          tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, row, h), D, qscale, t.q + i * dp);
-          tf_attn_load_row(dout, tf_attn_row_offset(dout, qs.batch, row, h), D, 1.0f,
-                           t.dout + i * dp);
-          const float l = lse[tf_attn_stat_index(p, qs.batch, h, row)];
-          t.lse[i] = l == -INFINITY ? INFINITY : l * LOG2E; /* a row without keys has P = 0 */
-          t.delta[i] = delta[tf_attn_stat_index(p, qs.batch, h, row)];
-        }
-        for (int64_t i = nv; i < mp; ++i) {
-          memset(t.q + i * dp, 0, (size_t)dp * sizeof(float));
-          memset(t.dout + i * dp, 0, (size_t)dp * sizeof(float));
-          t.lse[i] = INFINITY;
-          t.delta[i] = 0.0f;
-        }
-        block_grads(p, &t, nv, mp, nk, seg, h, r0, k0, D, dp);
-        tf_attn_gemm(t.dv, dp, t.p, 1, BK, t.dout, dp, BK, dp, nv, 1);
-        tf_attn_gemm(t.dk, dp, t.dp, 1, BK, t.q, dp, BK, dp, nv, 1);
-        tf_attn_gemm(t.dq, dp, t.dp, BK, 1, t.k, dp, mp, dp, nk, 0);
-        for (int64_t i = 0; i < nv; ++i) {
-          float *restrict a =
-              (float *)acc->data + tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i, h);
-          const float *restrict g = t.dq + i * dp;
-          for (int64_t d = 0; d < D; ++d) a[d] += g[d];
-        }
-      }
-    }
-    /* q was scaled by softmax_scale * log2(e): dK = scale dS^T q = ln(2) dS^T (scaled q). */
-    for (int64_t j = 0; j < nk; ++j) {
-      const int64_t row = ks.start + k0 + j;
-      tf_attn_store_row(dk, tf_attn_row_offset(dk, ks.batch, row, hk), D, LN2, t.dk + j * dp);
-      tf_attn_store_row(dv, tf_attn_row_offset(dv, ks.batch, row, hk), D, 1.0f, t.dv + j * dp);
-    }
-  }
+  zero_key_rows(dk, dv, ks, hk, ks.valid, ks.span, D);
+  clear_padding(&t, dp);
+  for (int64_t k0 = 0; k0 < ks.valid; k0 += BK)
+    key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0,
+                   min64(BK, ks.valid - k0), &t);
 
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
     for (int64_t i = 0; i < qs.span; ++i) {
@@ -188,20 +223,122 @@ static void bwd_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
     }
 }
 
+/* Split backward, first pass: dK and dV of one (sequence, kv head, key tile). */
+TF_ATTN_MULTIVERSION
+static void dkdv_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
+                      const tf_attn_operand *q, const tf_attn_operand *k,
+                      const tf_attn_operand *v, const float *lse, const float *delta,
+                      const tf_attn_operand *dk, const tf_attn_operand *dv, int64_t unit,
+                      int64_t tiles, float *scratch) {
+  const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t seg = unit / (p->heads_kv * tiles), hk = unit / tiles % p->heads_kv;
+  const int64_t k0 = unit % tiles * BK;
+  const tf_attn_segment ks = tf_attn_kv_segment(p, seg);
+  if (k0 >= ks.span) return;
+  const int64_t end = min64(k0 + BK, ks.span), nk = min64(end, ks.valid) - k0;
+  zero_key_rows(dk, dv, ks, hk, nk > 0 ? k0 + nk : k0, end, D);
+  if (nk <= 0) return;
+  const bwd_scratch t = split_scratch(scratch, dp);
+  clear_padding(&t, dp);
+  key_tile_grads(p, dout, q, k, v, lse, delta, NULL, dk, dv, seg, hk, k0, nk, &t);
+}
+
+/* Split backward, second pass: dQ of one (sequence, query head, query tile), summed over its key tiles. */
+TF_ATTN_MULTIVERSION
+static void dq_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
+                    const tf_attn_operand *q, const tf_attn_operand *k, const tf_attn_operand *v,
+                    const float *lse, const float *delta, const tf_attn_operand *dq,
+                    int64_t unit, int64_t tiles, float *scratch) {
+  const int64_t H = p->heads_q, D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t seg = unit / (H * tiles), h = unit / tiles % H, r0 = unit % tiles * BQ;
+  const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
+  if (r0 >= qs.span) return;
+  const int64_t nr = min64(BQ, qs.span - r0);
+  const int64_t nv = qs.valid - r0 < 0 ? 0 : min64(nr, qs.valid - r0);
+  const int64_t kv_end = nv == 0 ? 0 : p->causal ? min64(ks.valid, r0 + nv) : ks.valid;
+  const int64_t rows = kv_end > 0 ? nv : 0;
+  for (int64_t i = rows; i < nr; ++i)
+    tf_attn_zero_row(dq, tf_attn_row_offset(dq, qs.batch, qs.start + r0 + i, h), D);
+  if (rows == 0) return;
+  const bwd_scratch t = split_scratch(scratch, dp);
+  const int64_t mp = (rows + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
+  const int64_t hk = h / (H / p->heads_kv);
+  clear_padding(&t, dp);
+  load_q_tile(p, q, dout, lse, delta, qs, h, r0, rows, mp, D, dp, &t);
+  memset(t.dq, 0, (size_t)(mp * dp) * sizeof(float));
+  for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
+    const int64_t nk = min64(BK, kv_end - k0);
+    load_kv_tile(k, v, ks, hk, k0, nk, D, dp, &t);
+    block_grads(p, &t, rows, mp, nk, seg, h, r0, k0, D, dp);
+    tf_attn_gemm(t.dq, dp, t.dp, BK, 1, t.k, dp, mp, dp, nk, 1);
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    tf_attn_store_row(dq, tf_attn_row_offset(dq, qs.batch, qs.start + r0 + i, h), D,
+                      p->softmax_scale, t.dq + i * dp);
+}
+
+/* The operand checks every backward entry point shares. */
+static tf_status check_bwd_inputs(const tf_attn_problem *p, const tf_attn_operand *dout,
+                                  const tf_attn_operand *q, const tf_attn_operand *k,
+                                  const tf_attn_operand *v) {
+  tf_status st = tf_attn_check(p);
+  if (st != TF_OK) return st;
+  if ((st = tf_attn_check_operand(p, dout, p->seq_q, p->heads_q, 0)) != TF_OK ||
+      (st = tf_attn_check_operand(p, q, p->seq_q, p->heads_q, 0)) != TF_OK ||
+      (st = tf_attn_check_operand(p, k, p->seq_kv, p->heads_kv, 0)) != TF_OK ||
+      (st = tf_attn_check_operand(p, v, p->seq_kv, p->heads_kv, 0)) != TF_OK)
+    return st;
+  return TF_OK;
+}
+
+int64_t tf_attn_bwd_dkdv_units(const tf_attn_problem *p) {
+  return tf_attn_num_segments(p) * p->heads_kv * ((tf_attn_max_kv_span(p) + BK - 1) / BK);
+}
+
+tf_status tf_attn_bwd_dkdv(const tf_attn_problem *p, const tf_attn_operand *dout,
+                           const tf_attn_operand *q, const tf_attn_operand *k,
+                           const tf_attn_operand *v, const float *lse, const float *delta,
+                           const tf_attn_operand *dk, const tf_attn_operand *dv,
+                           int64_t unit_begin, int64_t unit_end, float *scratch) {
+  tf_status st = check_bwd_inputs(p, dout, q, k, v);
+  if (st != TF_OK) return st;
+  if ((st = tf_attn_check_operand(p, dk, p->seq_kv, p->heads_kv, 1)) != TF_OK ||
+      (st = tf_attn_check_operand(p, dv, p->seq_kv, p->heads_kv, 1)) != TF_OK)
+    return st;
+  if (!tf_range_ok(unit_begin, unit_end, tf_attn_bwd_dkdv_units(p))) return TF_ERR_BAD_SIZE;
+  if (unit_end > unit_begin && (!lse || !delta || !scratch)) return TF_ERR_NULL_POINTER;
+  const int64_t tiles = (tf_attn_max_kv_span(p) + BK - 1) / BK;
+  for (int64_t u = unit_begin; u < unit_end; ++u)
+    dkdv_unit(p, dout, q, k, v, lse, delta, dk, dv, u, tiles, scratch);
+  return TF_OK;
+}
+
+tf_status tf_attn_bwd_dq(const tf_attn_problem *p, const tf_attn_operand *dout,
+                         const tf_attn_operand *q, const tf_attn_operand *k,
+                         const tf_attn_operand *v, const float *lse, const float *delta,
+                         const tf_attn_operand *dq, int64_t unit_begin, int64_t unit_end,
+                         float *scratch) {
+  tf_status st = check_bwd_inputs(p, dout, q, k, v);
+  if (st != TF_OK) return st;
+  if ((st = tf_attn_check_operand(p, dq, p->seq_q, p->heads_q, 1)) != TF_OK) return st;
+  if (!tf_range_ok(unit_begin, unit_end, tf_attn_fwd_units(p))) return TF_ERR_BAD_SIZE;
+  if (unit_end > unit_begin && (!lse || !delta || !scratch)) return TF_ERR_NULL_POINTER;
+  const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
+  for (int64_t u = unit_begin; u < unit_end; ++u)
+    dq_unit(p, dout, q, k, v, lse, delta, dq, u, tiles, scratch);
+  return TF_OK;
+}
+
 tf_status tf_attn_bwd(const tf_attn_problem *p, const tf_attn_operand *dout,
                       const tf_attn_operand *q, const tf_attn_operand *k, const tf_attn_operand *v,
                       const float *lse, const float *delta, const tf_attn_operand *dq_accum,
                       const tf_attn_operand *dq, const tf_attn_operand *dk,
                       const tf_attn_operand *dv, int64_t unit_begin, int64_t unit_end,
                       float *scratch) {
-  tf_status st = tf_attn_check(p);
-  if (st != TF_OK) return st;
   const int64_t sq = p->seq_q, skv = p->seq_kv, hq = p->heads_q, hkv = p->heads_kv;
-  if ((st = tf_attn_check_operand(p, dout, sq, hq, 0)) != TF_OK ||
-      (st = tf_attn_check_operand(p, q, sq, hq, 0)) != TF_OK ||
-      (st = tf_attn_check_operand(p, k, skv, hkv, 0)) != TF_OK ||
-      (st = tf_attn_check_operand(p, v, skv, hkv, 0)) != TF_OK ||
-      (st = tf_attn_check_operand(p, dq_accum, sq, hq, 1)) != TF_OK ||
+  tf_status st = check_bwd_inputs(p, dout, q, k, v);
+  if (st != TF_OK) return st;
+  if ((st = tf_attn_check_operand(p, dq_accum, sq, hq, 1)) != TF_OK ||
       (st = tf_attn_check_operand(p, dq, sq, hq, 1)) != TF_OK ||
       (st = tf_attn_check_operand(p, dk, skv, hkv, 1)) != TF_OK ||
       (st = tf_attn_check_operand(p, dv, skv, hkv, 1)) != TF_OK)

@@ -46,10 +46,11 @@ tf_status tf_attn_check(const tf_attn_problem *p) {
              !seqlens_ok(p->seqlens_kv, p->batch, p->seq_kv)) {
     return TF_ERR_BAD_SIZE;
   }
-  /* Work units: segments x heads x query tiles. */
+  /* Work units: segments x query heads x query tiles, segments x kv heads x key tiles. */
   const int64_t segments = is_packed(p) ? p->num_seqs + 1 : p->batch;
   if (!tf_mul_fits(segments, p->heads_q) ||
-      !tf_mul_fits(segments * p->heads_q, p->seq_q / TF_ATTN_BLOCK_Q + 1))
+      !tf_mul_fits(segments * p->heads_q, p->seq_q / TF_ATTN_BLOCK_Q + 1) ||
+      !tf_mul_fits(segments * p->heads_kv, p->seq_kv / TF_ATTN_BLOCK_K + 1))
     return TF_ERR_OVERFLOW;
   if (!isfinite(p->softmax_scale)) return TF_ERR_BAD_ARGUMENT;
   if (!(p->dropout_p >= 0.0f && p->dropout_p < 1.0f)) return TF_ERR_BAD_ARGUMENT;
@@ -113,6 +114,16 @@ int64_t tf_attn_max_q_span(const tf_attn_problem *p) {
   int64_t m = 0;
   for (int64_t s = 0; s <= p->num_seqs; ++s) {
     const int64_t span = tf_attn_q_segment(p, s).span;
+    m = span > m ? span : m;
+  }
+  return m;
+}
+
+int64_t tf_attn_max_kv_span(const tf_attn_problem *p) {
+  if (!is_packed(p)) return p->seq_kv;
+  int64_t m = 0;
+  for (int64_t s = 0; s <= p->num_seqs; ++s) {
+    const int64_t span = tf_attn_kv_segment(p, s).span;
     m = span > m ? span : m;
   }
   return m;

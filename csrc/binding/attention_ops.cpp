@@ -232,24 +232,40 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
   Tensor dk = empty_in_order_of(k, grad_dtype);
   Tensor dv = empty_in_order_of(v, grad_dtype);
   Tensor delta = empty_stats(q, r.p);
-  // dQ is accumulated in float32: in dq itself when it is float32.
-  Tensor dq_accum = grad_dtype == ScalarType::Float ? dq : empty_in_order_of(q, ScalarType::Float);
-
   const tf_attn_operand odo = operand(dout, "dout"), oout = operand(out, "out");
   const tf_attn_operand oq = operand(q, "q", r.descale[0]), ok = operand(k, "k", r.descale[1]),
                         ov = operand(v, "v", r.descale[2]);
-  const tf_attn_operand odq = operand(dq, "dq"), odk = operand(dk, "dk"), odv = operand(dv, "dv"),
-                        oacc = operand(dq_accum, "dq_accum");
+  const tf_attn_operand odq = operand(dq, "dq"), odk = operand(dk, "dk"), odv = operand(dv, "dv");
   float* delta_data = delta.mutable_data_ptr<float>();
   const float* lse_data = lse.const_data_ptr<float>();
   parallel_units(q, tf_attn_fwd_units(&r.p), 0, "attention_bwd",
                  [&](int64_t u0, int64_t u1, float*) {
                    return tf_attn_bwd_rowdot(&r.p, &odo, &oout, delta_data, u0, u1);
                  });
-  parallel_units(q, tf_attn_bwd_units(&r.p), tf_attn_bwd_scratch_floats(&r.p), "attention_bwd",
-                 [&](int64_t u0, int64_t u1, float* scratch) {
+  const int64_t scratch = tf_attn_bwd_scratch_floats(&r.p);
+  const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
+  if (tf_attn_bwd_units(&r.p) < threads) {
+    // Too few (sequence, kv head) units to keep every thread busy: dK/dV per
+    // key tile, then dQ per query tile.
+    parallel_units(q, tf_attn_bwd_dkdv_units(&r.p), scratch, "attention_bwd",
+                   [&](int64_t u0, int64_t u1, float* buf) {
+                     return tf_attn_bwd_dkdv(&r.p, &odo, &oq, &ok, &ov, lse_data, delta_data,
+                                             &odk, &odv, u0, u1, buf);
+                   });
+    parallel_units(q, tf_attn_fwd_units(&r.p), scratch, "attention_bwd",
+                   [&](int64_t u0, int64_t u1, float* buf) {
+                     return tf_attn_bwd_dq(&r.p, &odo, &oq, &ok, &ov, lse_data, delta_data, &odq,
+                                           u0, u1, buf);
+                   });
+    return std::make_tuple(dq, dk, dv);
+  }
+  // dQ is accumulated in float32: in dq itself when it is float32.
+  Tensor dq_accum = grad_dtype == ScalarType::Float ? dq : empty_in_order_of(q, ScalarType::Float);
+  const tf_attn_operand oacc = operand(dq_accum, "dq_accum");
+  parallel_units(q, tf_attn_bwd_units(&r.p), scratch, "attention_bwd",
+                 [&](int64_t u0, int64_t u1, float* buf) {
                    return tf_attn_bwd(&r.p, &odo, &oq, &ok, &ov, lse_data, delta_data, &oacc,
-                                      &odq, &odk, &odv, u0, u1, scratch);
+                                      &odq, &odk, &odv, u0, u1, buf);
                  });
   return std::make_tuple(dq, dk, dv);
 }

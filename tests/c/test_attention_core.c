@@ -191,6 +191,16 @@ static void check_against_reference(const char *name, tf_attn_problem p) {
   const int64_t bunits = tf_attn_bwd_units(&p);
   CHECK(tf_attn_bwd(&p, &dout.op, &q.op, &k.op, &v.op, lse, delta, &dq.op, &dq.op, &dk.op, &dv.op, 0, bunits,
                     scratch) == TF_OK, "%s bwd", name);
+  /* The two-pass backward, into its own (poisoned) buffers. */
+  buffer dq2 = make_buffer(B, Sq, H, D, 0.0), dk2 = make_buffer(B, Skv, Hk, D, 0.0), dv2 = make_buffer(B, Skv, Hk, D, 0.0);
+  for (int64_t i = 0; i < B * Sq * H * D; ++i) dq2.data[i] = NAN;
+  for (int64_t i = 0; i < B * Skv * Hk * D; ++i) dk2.data[i] = dv2.data[i] = NAN;
+  const int64_t kunits = tf_attn_bwd_dkdv_units(&p);
+  CHECK(tf_attn_bwd_dkdv(&p, &dout.op, &q.op, &k.op, &v.op, lse, delta, &dk2.op, &dv2.op, 0, kunits / 3, scratch) ==
+            TF_OK && tf_attn_bwd_dkdv(&p, &dout.op, &q.op, &k.op, &v.op, lse, delta, &dk2.op, &dv2.op, kunits / 3,
+                                      kunits, scratch) == TF_OK, "%s bwd dkdv", name);
+  CHECK(tf_attn_bwd_dq(&p, &dout.op, &q.op, &k.op, &v.op, lse, delta, &dq2.op, 0, units, scratch) == TF_OK,
+        "%s bwd dq", name);
 
   double *r_out = malloc((size_t)(B * Sq * H * D) * sizeof(double)), *r_lse = malloc((size_t)stats * sizeof(double));
   double *r_dq = malloc((size_t)(B * Sq * H * D) * sizeof(double));
@@ -206,6 +216,10 @@ static void check_against_reference(const char *name, tf_attn_problem p) {
   CHECK(max_error(&dq, r_dq, B, Sq, H, D) < 2e-4, "%s dq error %g", name, max_error(&dq, r_dq, B, Sq, H, D));
   CHECK(max_error(&dk, r_dk, B, Skv, Hk, D) < 2e-4, "%s dk error %g", name, max_error(&dk, r_dk, B, Skv, Hk, D));
   CHECK(max_error(&dv, r_dv, B, Skv, Hk, D) < 2e-4, "%s dv error %g", name, max_error(&dv, r_dv, B, Skv, Hk, D));
+  CHECK(max_error(&dq2, r_dq, B, Sq, H, D) < 2e-4, "%s split dq error %g", name, max_error(&dq2, r_dq, B, Sq, H, D));
+  CHECK(max_error(&dk2, r_dk, B, Skv, Hk, D) < 2e-4, "%s split dk error %g", name, max_error(&dk2, r_dk, B, Skv, Hk, D));
+  CHECK(max_error(&dv2, r_dv, B, Skv, Hk, D) < 2e-4, "%s split dv error %g", name, max_error(&dv2, r_dv, B, Skv, Hk, D));
+  free(dq2.data), free(dk2.data), free(dv2.data);
   free(r_out), free(r_lse), free(r_dq), free(r_dk), free(r_dv);
   free(q.data), free(k.data), free(v.data), free(dout.data), free(out.data), free(dq.data), free(dk.data);
   free(dv.data), free(lse), free(delta), free(scratch);
@@ -349,6 +363,11 @@ static void test_checks(void) {
   h.data = data;
   CHECK(tf_attn_bwd(&p, &op, &op, &op, &op, lse, lse, &op, &h, &op, &op, 0, 1, scratch) == TF_ERR_BAD_ARGUMENT,
         "dq accumulator aliasing a bf16 dq");
+  CHECK(tf_attn_bwd_dkdv(&p, &op, &op, &op, &op, lse, lse, &op, &op, 0, tf_attn_bwd_dkdv_units(&p) + 1, scratch) ==
+            TF_ERR_BAD_SIZE, "dkdv unit range past the end");
+  CHECK(tf_attn_bwd_dq(&p, &op, &op, &op, &op, NULL, lse, &op, 0, 1, scratch) == TF_ERR_NULL_POINTER, "dq null lse");
+  o = op, o.elem = TF_ATTN_E4M3;
+  CHECK(tf_attn_bwd_dq(&p, &op, &op, &op, &op, lse, lse, &o, 0, 1, scratch) == TF_ERR_BAD_DTYPE, "FP8 dq");
   tf_attn_problem empty = problem(0, 0, 0, 1, 1, 4, 1);
   CHECK(tf_attn_fwd_units(&empty) == 0 && tf_attn_fwd(&empty, &op, &op, &op, &op, NULL, 0, 0, NULL) == TF_OK,
         "empty problem");
