@@ -20,9 +20,11 @@ demo: install
 test: install c-check
 	$(PYTHON) -m pytest -q tests
 
-# The C core on its own, under AddressSanitizer and UndefinedBehaviorSanitizer.
+# The C core on its own under AddressSanitizer and UndefinedBehaviorSanitizer, then the CUDA FP8
+# kernel sources run on the CPU (one thread per CUDA thread) and compared with the C core.
 c-check:
-	@if [ -f tests/c/run.sh ]; then bash tests/c/run.sh; fi
+	sh tests/c/run.sh
+	bash tests/c/cuda_emulation/run.sh
 
 # Every CUDA source compiles for sm_80 and sm_90a, and the CUDA binding files
 # compile against the stable ABI headers, although no GPU is here.

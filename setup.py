@@ -38,7 +38,6 @@ NVCC_FLAGS = [
     "-O3",
     "-Werror=all-warnings",
     "--expt-relaxed-constexpr",
-    *TORCH_SYSTEM_INCLUDES,
     f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}",
     *CUDA_ARCHS,
 ]

@@ -23,3 +23,4 @@ __all__ = [
     "recipe",
     "restore_from_saved",
 ]
+from . import memory  # noqa: F401

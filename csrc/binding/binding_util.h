@@ -4,6 +4,12 @@
 // keep the raw torch.ops.te_fuser.* entry points safe on their own.
 #pragma once
 
+// CUDA builds: torch's C shim declares its CUDA entry points (the current
+// stream) only under USE_CUDA, so it is set before any torch header.
+#if defined(TE_FUSER_WITH_CUDA) && !defined(USE_CUDA)
+#define USE_CUDA
+#endif
+
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -62,6 +68,16 @@ inline void check_scalar_f32(const Tensor& t, const char* arg) {
   STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float && t.numel() == 1, arg,
                   " must be a float32 tensor with one element");
 }
+
+#ifdef TE_FUSER_WITH_CUDA
+// The current CUDA stream of the device t is on (t must be a CUDA tensor).
+inline void* current_cuda_stream(const Tensor& t, const char* arg) {
+  STD_TORCH_CHECK(t.is_cuda(), arg, " must be a CUDA tensor");
+  void* stream = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream));
+  return stream;
+}
+#endif
 
 // Elements handed to one thread at a time by the element-wise kernels.
 constexpr int64_t kGrainElements = 1 << 16;

@@ -122,6 +122,7 @@ def train(args, device, rank, world):
         from tqdm import tqdm
 
         progress = tqdm(total=args.steps, initial=0, desc="train", unit="step", file=sys.stdout)
+    run_memory = MemoryTracker(device=device).__enter__()  # "current" = bytes allocated since the run began
     for step in range(start_step, start_step + args.steps):
         losses = LossLog()
         t0 = time.perf_counter()
@@ -147,14 +148,15 @@ def train(args, device, rank, world):
             step_loss = t.item() / args.tp
         seconds = time.perf_counter() - t0
         record = dict(step=step, loss=step_loss, tokens_per_s=args.microbatches * args.batch_size * args.seq_len / seconds,
-                      current=mem.current, peak=mem.peak, retained=mem.retained)
+                      current=run_memory.sample(), peak=mem.peak_bytes, retained=mem.retained_bytes)
         history.append(record)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{step_loss:.3f}")
             progress.write(f"step {step:4d}  loss {step_loss:.4f}  {record['tokens_per_s']:8.0f} tok/s  "
-                           f"mem current {mem.current / 2**20:7.2f} MiB  peak {mem.peak / 2**20:7.2f} MiB  "
-                           f"retained {mem.retained / 2**20:+.2f} MiB")
+                           f"mem current {record['current'] / 2**20:7.2f} MiB  peak {record['peak'] / 2**20:7.2f} MiB  "
+                           f"retained {record['retained'] / 2**20:+.2f} MiB")
+    run_memory.__exit__(None, None, None)
     if progress is not None:
         progress.close()
     if args.save:

@@ -1,0 +1,490 @@
+/*
+ * Standalone test of the FP8 C core (no torch): conversions against slow
+ * double-precision references written from the format definitions, the
+ * kernels against those conversions, every size and pointer check, and the
+ * scaling edge cases. Run by tests/c/run.sh under ASan and UBSan.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/tf_checks.h"
+#include "common/tf_dtype.h"
+#include "common/tf_status.h"
+#include "fp8/fp8_format.h"
+#include "fp8/fp8_quantize.h"
+#include "fp8/fp8_scaling.h"
+
+static int passed;
+static int failed;
+
+#define CHECK(cond, ...)                                      \
+  do {                                                        \
+    if (cond) {                                               \
+      ++passed;                                               \
+    } else {                                                  \
+      ++failed;                                               \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);    \
+      fprintf(stderr, __VA_ARGS__);                           \
+      fputc('\n', stderr);                                    \
+    }                                                         \
+  } while (0)
+
+/* xorshift64*: reproducible pseudo-random bits. */
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint32_t rand_u32(void) {
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+static float bits_f(uint32_t u) { return tf_f32_from_bits(u); }
+static uint32_t f_bits(float f) { return tf_f32_bits(f); }
+
+/* ---- Reference FP8 formats, from their definitions. ---- */
+
+typedef struct fmt_ref {
+  const char *name;
+  int mbits, bias;
+  uint8_t max_code;
+  uint8_t (*encode)(float);
+  float (*decode)(uint8_t);
+} fmt_ref;
+
+/* Value of a code's magnitude (code & 0x7F) as a double; NaN for NaN codes, Inf for E5M2 Inf. */
+static double ref_decode_magnitude(const fmt_ref *f, int code) {
+  const int ebits = 7 - f->mbits;
+  const int e = (code >> f->mbits) & ((1 << ebits) - 1);
+  const int m = code & ((1 << f->mbits) - 1);
+  if (f->mbits == 3 && e == 15 && m == 7) return NAN;          /* E4M3: only S.1111.111 */
+  if (f->mbits == 2 && e == 31) return m == 0 ? INFINITY : NAN; /* E5M2: IEEE-like */
+  if (e == 0) return ldexp(m, 1 - f->bias - f->mbits);
+  return ldexp(1.0 + ldexp(m, -f->mbits), e - f->bias);
+}
+
+/* Round to nearest, ties to the even code, saturate at max_code, NaN -> 0x7F, sign kept. */
+static uint8_t ref_encode(const fmt_ref *f, float v) {
+  const uint8_t sign = (f_bits(v) >> 24) & 0x80u;
+  if (isnan(v)) return sign | 0x7Fu;
+  const double a = fabs((double)v);
+  if (a >= ref_decode_magnitude(f, f->max_code)) return sign | f->max_code;
+  int lo = 0; /* largest code with value <= a */
+  while (lo + 1 <= f->max_code && ref_decode_magnitude(f, lo + 1) <= a) ++lo;
+  const double below = ref_decode_magnitude(f, lo), above = ref_decode_magnitude(f, lo + 1);
+  int code;
+  if (a - below < above - a) code = lo;
+  else if (a - below > above - a) code = lo + 1;
+  else code = (lo % 2 == 0) ? lo : lo + 1;
+  return (uint8_t)(sign | code);
+}
+
+static const fmt_ref E4M3 = {"e4m3", 3, 7, 0x7E, tf_fp8_e4m3_encode, tf_fp8_e4m3_decode};
+static const fmt_ref E5M2 = {"e5m2", 2, 15, 0x7B, tf_fp8_e5m2_encode, tf_fp8_e5m2_decode};
+
+static int same_float(float a, float b) {
+  return isnan(a) ? (isnan(b) && signbit(a) == signbit(b)) : f_bits(a) == f_bits(b);
+}
+
+static void test_decode_and_round_trip(const fmt_ref *f) {
+  int decode_bad = -1, trip_bad = -1;
+  for (int c = 0; c < 256; ++c) {
+    const double mag = ref_decode_magnitude(f, c & 0x7F);
+    const float want = (float)((c & 0x80) ? -mag : mag);
+    const float got = f->decode((uint8_t)c);
+    if (!same_float(got, want) && decode_bad < 0) decode_bad = c;
+    /* Every finite code survives encode(decode()); Inf saturates; NaN becomes the canonical NaN. */
+    uint8_t expect = (uint8_t)c;
+    if (isinf(mag)) expect = (uint8_t)((c & 0x80) | f->max_code);
+    if (isnan(mag)) expect = (uint8_t)((c & 0x80) | 0x7F);
+    if (f->encode(got) != expect && trip_bad < 0) trip_bad = c;
+  }
+  CHECK(decode_bad < 0, "%s: decode of code 0x%02x", f->name, decode_bad);
+  CHECK(trip_bad < 0, "%s: encode(decode()) of code 0x%02x", f->name, trip_bad);
+}
+
+static void test_encode_random(const fmt_ref *f) {
+  int bad = 0;
+  uint32_t first = 0;
+  for (int i = 0; i < 60000; ++i) {
+    uint32_t u = rand_u32();
+    /* Two thirds of the samples within the FP8 range and just around it. */
+    if (i % 3 != 0) u = (u & 0x807FFFFFu) | ((uint32_t)(97 + rand_u32() % 48) << 23);
+    const float v = bits_f(u);
+    if (f->encode(v) != ref_encode(f, v) && bad++ == 0) first = u;
+  }
+  CHECK(bad == 0, "%s: %d random encodings differ, first input bits 0x%08x", f->name, bad, first);
+}
+
+/* Every midpoint between neighbouring codes (exact ties) and its two float neighbours. */
+static void test_encode_midpoints(const fmt_ref *f) {
+  int bad = 0;
+  float first = 0.0f;
+  for (int c = 0; c < f->max_code; ++c) {
+    const float mid = (float)((ref_decode_magnitude(f, c) + ref_decode_magnitude(f, c + 1)) / 2);
+    const float probes[3] = {nextafterf(mid, 0.0f), mid, nextafterf(mid, INFINITY)};
+    for (int k = 0; k < 3; ++k)
+      for (int s = 0; s < 2; ++s) {
+        const float v = s ? -probes[k] : probes[k];
+        if (f->encode(v) != ref_encode(f, v) && bad++ == 0) first = v;
+      }
+  }
+  CHECK(bad == 0, "%s: %d midpoint encodings differ, first %a", f->name, bad, (double)first);
+}
+
+static void test_encode_hand_points(void) {
+  /* E4M3: step 1/8 in [1, 2); 1.0 is 0x38. */
+  CHECK(tf_fp8_e4m3_encode(1.0625f) == 0x38, "e4m3 tie 1+1/16 -> 1.0 (even)");
+  CHECK(tf_fp8_e4m3_encode(nextafterf(1.0625f, 2.0f)) == 0x39, "e4m3 just above a tie rounds up");
+  CHECK(tf_fp8_e4m3_encode(1.1875f) == 0x3A, "e4m3 tie 1.1875 -> 1.25 (even)");
+  CHECK(tf_fp8_e4m3_encode(1.9375f) == 0x40, "e4m3 tie 1.9375 carries into the exponent: 2.0");
+  CHECK(tf_fp8_e4m3_encode(-1.0625f) == 0xB8, "e4m3 negative tie");
+  /* E4M3 subnormals: step 2^-9; the largest subnormal is 7 * 2^-9, the smallest normal 2^-6 = 0x08. */
+  CHECK(tf_fp8_e4m3_encode(0x1p-10f) == 0x00, "e4m3 tie 2^-10 -> 0 (even)");
+  CHECK(tf_fp8_e4m3_encode(nextafterf(0x1p-10f, 1.0f)) == 0x01, "e4m3 above 2^-10 -> 2^-9");
+  CHECK(tf_fp8_e4m3_encode(0x1.8p-9f) == 0x02, "e4m3 tie 1.5 * 2^-9 -> 2 * 2^-9");
+  CHECK(tf_fp8_e4m3_encode(0x7p-9f) == 0x07, "e4m3 largest subnormal");
+  CHECK(tf_fp8_e4m3_encode(0xFp-10f) == 0x08, "e4m3 tie 7.5 * 2^-9 -> smallest normal");
+  CHECK(tf_fp8_e4m3_encode(0x1p-149f) == 0x00, "e4m3 float subnormal -> 0");
+  CHECK(tf_fp8_e4m3_encode(-0x1p-149f) == 0x80, "e4m3 tiny negative -> -0");
+  CHECK(tf_fp8_e4m3_encode(-0.0f) == 0x80, "e4m3 -0");
+  /* E5M2: step 1/4 in [1, 2); 1.0 is 0x3C; subnormal step 2^-16. */
+  CHECK(tf_fp8_e5m2_encode(1.125f) == 0x3C, "e5m2 tie 1.125 -> 1.0 (even)");
+  CHECK(tf_fp8_e5m2_encode(1.375f) == 0x3E, "e5m2 tie 1.375 -> 1.5 (even)");
+  CHECK(tf_fp8_e5m2_encode(0x1p-17f) == 0x00, "e5m2 tie 2^-17 -> 0");
+  CHECK(tf_fp8_e5m2_encode(0x3p-17f) == 0x02, "e5m2 tie 3 * 2^-17 -> 2 * 2^-16");
+  CHECK(tf_fp8_e5m2_encode(0x3p-16f) == 0x03, "e5m2 largest subnormal");
+  CHECK(tf_fp8_e5m2_decode(0x01) == 0x1p-16f, "e5m2 smallest subnormal value");
+  CHECK(tf_fp8_e4m3_decode(0x01) == 0x1p-9f, "e4m3 smallest subnormal value");
+}
+
+static void test_saturation_and_nan(void) {
+  CHECK(tf_fp8_e4m3_encode(448.0f) == 0x7E, "e4m3 max");
+  CHECK(tf_fp8_e4m3_encode(464.0f) == 0x7E, "e4m3 tie above max saturates");
+  CHECK(tf_fp8_e4m3_encode(1e30f) == 0x7E, "e4m3 large saturates");
+  CHECK(tf_fp8_e4m3_encode(FLT_MAX) == 0x7E, "e4m3 FLT_MAX saturates");
+  CHECK(tf_fp8_e4m3_encode(INFINITY) == 0x7E, "e4m3 +Inf saturates");
+  CHECK(tf_fp8_e4m3_encode(-INFINITY) == 0xFE, "e4m3 -Inf saturates");
+  CHECK(tf_fp8_e5m2_encode(57344.0f) == 0x7B, "e5m2 max");
+  CHECK(tf_fp8_e5m2_encode(61440.0f) == 0x7B, "e5m2 tie above max saturates");
+  CHECK(tf_fp8_e5m2_encode(INFINITY) == 0x7B, "e5m2 +Inf saturates");
+  CHECK(tf_fp8_e5m2_encode(-INFINITY) == 0xFB, "e5m2 -Inf saturates");
+  CHECK(tf_fp8_e5m2_decode(0x7C) == INFINITY && tf_fp8_e5m2_decode(0xFC) == -INFINITY,
+        "e5m2 Inf codes");
+  const float qnan = bits_f(0x7FC00000u), neg_nan = bits_f(0xFFC00000u);
+  const float snan = bits_f(0x7F800001u), neg_payload = bits_f(0xFFBFFFFFu);
+  CHECK(tf_fp8_e4m3_encode(qnan) == 0x7F && tf_fp8_e4m3_encode(neg_nan) == 0xFF, "e4m3 NaN sign");
+  CHECK(tf_fp8_e4m3_encode(snan) == 0x7F && tf_fp8_e4m3_encode(neg_payload) == 0xFF,
+        "e4m3 NaN payloads");
+  CHECK(tf_fp8_e5m2_encode(qnan) == 0x7F && tf_fp8_e5m2_encode(neg_nan) == 0xFF, "e5m2 NaN sign");
+  CHECK(tf_fp8_e5m2_encode(snan) == 0x7F && tf_fp8_e5m2_encode(neg_payload) == 0xFF,
+        "e5m2 NaN payloads");
+  CHECK(isnan(tf_fp8_e4m3_decode(0xFF)) && signbit(tf_fp8_e4m3_decode(0xFF)), "e4m3 -NaN decodes");
+  CHECK(isnan(tf_fp8_e5m2_decode(0x7D)) && !signbit(tf_fp8_e5m2_decode(0x7D)), "e5m2 +NaN decodes");
+  CHECK(tf_fp8_max(TF_FP8_E4M3) == 448.0f && tf_fp8_max(TF_FP8_E5M2) == 57344.0f, "fp8 max");
+}
+
+/* ---- 16-bit floats: every code against an ldexp reference and back. ---- */
+
+static void test_half_and_bfloat(void) {
+  int f16_bad = -1, bf16_bad = -1;
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    double mag = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
+    const float want = (float)((h & 0x8000) ? -mag : mag);
+    const float got = tf_f16_to_f32((uint16_t)h);
+    const uint16_t back = tf_f32_to_f16(got);
+    const uint16_t back_want = isnan(mag) ? (uint16_t)((h & 0x8000) | 0x7E00) : (uint16_t)h;
+    if ((!same_float(got, want) || back != back_want) && f16_bad < 0) f16_bad = (int)h;
+    const float b = tf_bf16_to_f32((uint16_t)h);
+    const int bnan = ((h >> 7) & 255) == 255 && (h & 127);
+    if ((f_bits(b) != h << 16 || tf_f32_to_bf16(b) != (bnan ? (h | 0x40) : h)) && bf16_bad < 0)
+      bf16_bad = (int)h;
+  }
+  CHECK(f16_bad < 0, "float16 code 0x%04x", f16_bad);
+  CHECK(bf16_bad < 0, "bfloat16 code 0x%04x", bf16_bad);
+  CHECK(tf_f32_to_f16(1.0f + 0x1p-11f) == 0x3C00, "f16 tie -> even");
+  CHECK(tf_f32_to_f16(1.0f + 0x3p-11f) == 0x3C02, "f16 tie -> even (up)");
+  CHECK(tf_f32_to_f16(65519.0f) == 0x7BFF && tf_f32_to_f16(65520.0f) == 0x7C00, "f16 overflow");
+  CHECK(tf_f32_to_f16(0x1p-25f) == 0x0000 && tf_f32_to_f16(0x1.8p-24f) == 0x0002,
+        "f16 subnormal ties");
+  CHECK(tf_f32_to_bf16(1.0f + 0x1p-8f) == 0x3F80 && tf_f32_to_bf16(1.0f + 0x3p-8f) == 0x3F82,
+        "bf16 ties -> even");
+  CHECK(tf_f32_to_bf16(FLT_MAX) == 0x7F80, "bf16 FLT_MAX rounds to Inf");
+}
+
+/*
+ * The CPU's NaN results that the CUDA kernels reproduce (see mul_like_cpu in
+ * csrc/cuda/fp8/fp8_cuda_traits.cuh): a NaN operand of a multiply comes back
+ * quieted with its sign and payload, including inside tf_f16_to_f32.
+ */
+static void test_cpu_nan_propagation(void) {
+  CHECK(f_bits(tf_f16_to_f32(0x7D00)) == 0x7FE00000u, "f16 sNaN -> quieted, payload kept");
+  CHECK(f_bits(tf_f16_to_f32(0xFE01)) == 0xFFC02000u, "f16 -qNaN -> payload and sign kept");
+  const float in[3] = {bits_f(0xFF800001u), bits_f(0x7FC00000u), 1.0f};
+  uint8_t y[3];
+  uint32_t a;
+  tf_status st = tf_fp8_quantize(in, TF_FLOAT32, 0, 3, 2.0f, TF_FP8_E5M2, y, &a);
+  CHECK(st == TF_OK && y[0] == 0xFF && y[1] == 0x7F && a == 0x7FC00000u,
+        "quantize keeps the NaN sign through the scale multiply");
+  float out[2];
+  const uint8_t codes[2] = {0xFF, 0x7F};
+  st = tf_fp8_dequantize(codes, TF_FP8_E4M3, 0, 2, 3.0f, out, TF_FLOAT32);
+  CHECK(st == TF_OK && f_bits(out[0]) == 0xFFC00000u && f_bits(out[1]) == 0x7FC00000u,
+        "dequantize keeps the decoded NaN");
+}
+
+/* ---- Kernels. ---- */
+
+#define N 1000
+
+static void fill_f32(float *x, int n) {
+  for (int i = 0; i < n; ++i) x[i] = (float)((int32_t)rand_u32() % 20000) / 16.0f;
+}
+
+static void test_quantize_kernels(void) {
+  static float x[N];
+  static uint16_t xh[N], xb[N];
+  static uint8_t y[N];
+  fill_f32(x, N);
+  x[10] = -3000.5f; /* the amax */
+  for (int i = 0; i < N; ++i) {
+    xb[i] = tf_f32_to_bf16(x[i]);
+    xh[i] = tf_f32_to_f16(x[i]);
+  }
+  const float scale = 0.37f;
+  uint32_t amax = 0;
+  /* Two sub-ranges, as the binding's threads call them. */
+  tf_status s1 = tf_fp8_quantize(x, TF_FLOAT32, 0, 333, scale, TF_FP8_E4M3, y, &amax);
+  uint32_t amax2 = 0;
+  tf_status s2 = tf_fp8_quantize(x, TF_FLOAT32, 333, N, scale, TF_FP8_E4M3, y, &amax2);
+  int bad = 0;
+  for (int i = 0; i < N; ++i) bad += y[i] != ref_encode(&E4M3, x[i] * scale);
+  CHECK(s1 == TF_OK && s2 == TF_OK && bad == 0, "quantize f32 e4m3: %d wrong bytes", bad);
+  CHECK((amax > amax2 ? amax : amax2) == f_bits(3000.5f), "quantize amax is max |x|");
+
+  CHECK(tf_fp8_quantize(xb, TF_BFLOAT16, 0, N, scale, TF_FP8_E5M2, y, &amax) == TF_OK, "bf16");
+  bad = 0;
+  for (int i = 0; i < N; ++i) bad += y[i] != ref_encode(&E5M2, tf_bf16_to_f32(xb[i]) * scale);
+  CHECK(bad == 0, "quantize bf16 e5m2: %d wrong bytes", bad);
+  CHECK(amax == f_bits(tf_bf16_to_f32(xb[10])) - 0x80000000u, "bf16 amax");
+
+  CHECK(tf_fp8_quantize(xh, TF_FLOAT16, 0, N, scale, TF_FP8_E4M3, y, &amax) == TF_OK, "f16");
+  bad = 0;
+  for (int i = 0; i < N; ++i) bad += y[i] != ref_encode(&E4M3, tf_f16_to_f32(xh[i]) * scale);
+  CHECK(bad == 0, "quantize f16 e4m3: %d wrong bytes", bad);
+
+  /* Dequantize: decode * scale_inv, rounded to the output dtype. */
+  static float back[N];
+  static uint16_t back16[N];
+  CHECK(tf_fp8_dequantize(y, TF_FP8_E4M3, 0, N, 1.0f / scale, back, TF_FLOAT32) == TF_OK, "dq");
+  bad = 0;
+  for (int i = 0; i < N; ++i) bad += !same_float(back[i], tf_fp8_e4m3_decode(y[i]) * (1.0f / scale));
+  CHECK(bad == 0, "dequantize f32: %d wrong", bad);
+  CHECK(tf_fp8_dequantize(y, TF_FP8_E4M3, 0, N, 1.0f / scale, back16, TF_FLOAT16) == TF_OK, "dq");
+  bad = 0;
+  for (int i = 0; i < N; ++i)
+    bad += back16[i] != tf_f32_to_f16(tf_fp8_e4m3_decode(y[i]) * (1.0f / scale));
+  CHECK(bad == 0, "dequantize f16: %d wrong", bad);
+  CHECK(tf_fp8_dequantize(y, TF_FP8_E4M3, 0, N, 1.0f / scale, back16, TF_BFLOAT16) == TF_OK, "dq");
+  bad = 0;
+  for (int i = 0; i < N; ++i)
+    bad += back16[i] != tf_f32_to_bf16(tf_fp8_e4m3_decode(y[i]) * (1.0f / scale));
+  CHECK(bad == 0, "dequantize bf16: %d wrong", bad);
+}
+
+static void test_amax_special_values(void) {
+  float x[6] = {1.0f, -2.0f, 0.5f, -0.0f, 3.0f, -1.5f};
+  uint32_t amax = 0;
+  CHECK(tf_fp8_amax(x, TF_FLOAT32, 0, 6, &amax) == TF_OK && amax == f_bits(3.0f), "amax");
+  x[1] = -INFINITY;
+  CHECK(tf_fp8_amax(x, TF_FLOAT32, 0, 6, &amax) == TF_OK && amax == 0x7F800000u, "amax -Inf");
+  x[4] = bits_f(0xFFC00000u); /* -NaN wins over Inf and reports a positive NaN */
+  CHECK(tf_fp8_amax(x, TF_FLOAT32, 0, 6, &amax) == TF_OK && amax == 0x7FC00000u, "amax NaN");
+  CHECK(tf_fp8_amax(x, TF_FLOAT32, 2, 4, &amax) == TF_OK && amax == f_bits(0.5f), "amax range");
+  CHECK(tf_fp8_amax(x, TF_FLOAT32, 3, 3, &amax) == TF_OK && amax == 0, "amax empty");
+  const uint16_t h[3] = {0x3C00, 0xFC00, 0x7E00}; /* 1, -Inf, NaN in float16 */
+  CHECK(tf_fp8_amax(h, TF_FLOAT16, 0, 2, &amax) == TF_OK && amax == 0x7F800000u, "f16 amax Inf");
+  CHECK(tf_fp8_amax(h, TF_FLOAT16, 0, 3, &amax) == TF_OK && amax > 0x7F800000u, "f16 amax NaN");
+  const uint16_t b[2] = {0xC040, 0x3F80}; /* -3, 1 in bfloat16 */
+  CHECK(tf_fp8_amax(b, TF_BFLOAT16, 0, 2, &amax) == TF_OK && amax == f_bits(3.0f), "bf16 amax");
+}
+
+static void test_cast_transpose(void) {
+  enum { R = 37, C = 70, LD = 75 };
+  static float x[R * LD];
+  static uint8_t y[R * C], y_t[C * R], q[R * LD];
+  fill_f32(x, R * LD);
+  const float scale = 0.011f;
+  uint32_t amax_all = 0, amax_ref = 0, a = 0;
+  /* Bands at multiples of the tile height, as the binding splits them. */
+  const int64_t cuts[3] = {0, TF_FP8_CT_TILE, R};
+  int ok = 1;
+  for (int b = 0; b < 2; ++b) {
+    ok &= tf_fp8_cast_transpose(x, TF_FLOAT32, R, C, LD, cuts[b], cuts[b + 1], scale,
+                                TF_FP8_E5M2, y, y_t, &a) == TF_OK;
+    amax_all = a > amax_all ? a : amax_all;
+  }
+  ok &= tf_fp8_quantize(x, TF_FLOAT32, 0, R * LD, scale, TF_FP8_E5M2, q, &a) == TF_OK;
+  int bad = 0;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      bad += y[r * C + c] != q[r * LD + c] || y_t[c * R + r] != q[r * LD + c];
+      const uint32_t v = f_bits(x[r * LD + c]) & 0x7FFFFFFFu;
+      amax_ref = v > amax_ref ? v : amax_ref;
+    }
+  CHECK(ok && bad == 0, "cast_transpose: %d wrong bytes", bad);
+  CHECK(amax_all == amax_ref, "cast_transpose amax covers only the rows x cols block");
+}
+
+static void test_size_checks(void) {
+  float x[4] = {0};
+  uint8_t y[4];
+  uint32_t a;
+  CHECK(tf_fp8_quantize(x, TF_FLOAT32, -1, 2, 1.0f, TF_FP8_E4M3, y, &a) == TF_ERR_BAD_SIZE, "q -begin");
+  CHECK(tf_fp8_quantize(x, TF_FLOAT32, 3, 2, 1.0f, TF_FP8_E4M3, y, &a) == TF_ERR_BAD_SIZE, "q b>e");
+  CHECK(tf_fp8_quantize(x, TF_FLOAT32, 0, 2, 1.0f, TF_FP8_E4M3, y, NULL) == TF_ERR_NULL_POINTER, "q amax");
+  CHECK(tf_fp8_quantize(NULL, TF_FLOAT32, 0, 2, 1.0f, TF_FP8_E4M3, y, &a) == TF_ERR_NULL_POINTER, "q x");
+  CHECK(tf_fp8_quantize(x, TF_FLOAT32, 0, 2, 1.0f, TF_FP8_E4M3, NULL, &a) == TF_ERR_NULL_POINTER, "q y");
+  CHECK(tf_fp8_quantize(NULL, TF_FLOAT32, 2, 2, 1.0f, TF_FP8_E4M3, NULL, &a) == TF_OK, "q empty");
+  CHECK(tf_fp8_quantize(x, (tf_dtype)3, 0, 2, 1.0f, TF_FP8_E4M3, y, &a) == TF_ERR_BAD_DTYPE, "q dtype");
+  CHECK(tf_fp8_quantize(x, TF_FLOAT32, 0, 2, 1.0f, (tf_fp8_format)2, y, &a) == TF_ERR_BAD_DTYPE, "q fmt");
+  CHECK(tf_fp8_amax(x, TF_FLOAT32, 0, -1, &a) == TF_ERR_BAD_SIZE, "amax e<b");
+  CHECK(tf_fp8_amax(NULL, TF_FLOAT32, 0, 1, &a) == TF_ERR_NULL_POINTER, "amax x");
+  CHECK(tf_fp8_amax(x, TF_FLOAT32, 0, 1, NULL) == TF_ERR_NULL_POINTER, "amax out");
+  CHECK(tf_fp8_amax(x, (tf_dtype)-1, 0, 1, &a) == TF_ERR_BAD_DTYPE, "amax dtype");
+  CHECK(tf_fp8_dequantize(y, TF_FP8_E4M3, -2, 1, 1.0f, x, TF_FLOAT32) == TF_ERR_BAD_SIZE, "dq size");
+  CHECK(tf_fp8_dequantize(NULL, TF_FP8_E4M3, 0, 1, 1.0f, x, TF_FLOAT32) == TF_ERR_NULL_POINTER, "dq y");
+  CHECK(tf_fp8_dequantize(y, TF_FP8_E4M3, 0, 1, 1.0f, NULL, TF_FLOAT32) == TF_ERR_NULL_POINTER, "dq x");
+  CHECK(tf_fp8_dequantize(y, (tf_fp8_format)5, 0, 1, 1.0f, x, TF_FLOAT32) == TF_ERR_BAD_DTYPE, "dq fmt");
+
+  const tf_fp8_format f = TF_FP8_E4M3;
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, -1, 2, 2, 0, 0, 1.0f, f, y, y, &a) == TF_ERR_BAD_SIZE,
+        "ct rows < 0");
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, 2, -2, 2, 0, 2, 1.0f, f, y, y, &a) == TF_ERR_BAD_SIZE,
+        "ct cols < 0");
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, 2, 2, 1, 0, 2, 1.0f, f, y, y, &a) == TF_ERR_BAD_SIZE,
+        "ct stride < cols");
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, 2, 2, 2, 1, 3, 1.0f, f, y, y, &a) == TF_ERR_BAD_SIZE,
+        "ct row range past rows");
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, 2, 2, 2, 2, 1, 1.0f, f, y, y, &a) == TF_ERR_BAD_SIZE,
+        "ct row range reversed");
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, INT64_MAX / 2, 3, 3, 0, 0, 1.0f, f, y, y, &a) ==
+            TF_ERR_OVERFLOW, "ct rows * cols overflows");
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, 4, 2, INT64_MAX / 3, 0, 0, 1.0f, f, y, y, &a) ==
+            TF_ERR_OVERFLOW, "ct rows * stride overflows");
+  CHECK(tf_fp8_cast_transpose(NULL, TF_FLOAT32, 2, 2, 2, 0, 2, 1.0f, f, y, y, &a) ==
+            TF_ERR_NULL_POINTER, "ct x");
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, 2, 2, 2, 0, 2, 1.0f, f, y, NULL, &a) ==
+            TF_ERR_NULL_POINTER, "ct y_t");
+  CHECK(tf_fp8_cast_transpose(x, TF_FLOAT32, 2, 2, 2, 0, 2, 1.0f, f, y, y, NULL) ==
+            TF_ERR_NULL_POINTER, "ct amax");
+  CHECK(tf_fp8_cast_transpose(NULL, TF_FLOAT32, 5, 0, 0, 0, 5, 1.0f, f, NULL, NULL, &a) == TF_OK,
+        "ct zero columns");
+
+  CHECK(tf_mul_fits(INT64_MAX, 1) && !tf_mul_fits(INT64_MAX, 2) && !tf_mul_fits(-1, 2) &&
+            tf_mul_fits(0, INT64_MAX),
+        "tf_mul_fits");
+  CHECK(tf_range_ok(0, 0, 0) && !tf_range_ok(-1, 0, 3) && !tf_range_ok(2, 1, 3) &&
+            !tf_range_ok(0, 4, 3),
+        "tf_range_ok");
+}
+
+/* ---- Scaling. ---- */
+
+static void test_delayed_scaling(void) {
+  /* history_len 3, two tensors; row 0 newest. */
+  float hist[6] = {1.0f, 4.0f, 8.0f, 2.0f, 2.0f, 16.0f};
+  float amax[2] = {3.0f, 0.0f};
+  float scale[2] = {5.0f, 7.0f};
+  float scale_inv[2];
+  tf_status st = tf_fp8_delayed_scaling_update(hist, 3, 2, amax, scale, scale_inv, 448.0f, 1,
+                                               TF_AMAX_MAX);
+  CHECK(st == TF_OK, "delayed update ok");
+  CHECK(hist[0] == 3.0f && hist[2] == 1.0f && hist[4] == 8.0f, "history of tensor 0 shifted");
+  CHECK(hist[1] == 0.0f && hist[3] == 4.0f && hist[5] == 2.0f, "history of tensor 1 shifted");
+  /* tensor 0: max(3, 1, 8) = 8 -> 448 / 8 / 2 = 28; tensor 1: max(0, 4, 2) = 4 -> 56. */
+  CHECK(scale[0] == 28.0f && scale[1] == 56.0f, "delayed scales %g %g", scale[0], scale[1]);
+  CHECK(scale_inv[0] == 1.0f / 28.0f && scale_inv[1] == 1.0f / 56.0f, "scale_inv");
+  CHECK(amax[0] == 0.0f && amax[1] == 0.0f, "amax reset");
+
+  /* most_recent: only the new amax; 0 keeps the old scale. */
+  float h1[2] = {100.0f, 100.0f};
+  float a1[2] = {2.0f, 0.0f}, s1[2] = {1.0f, 3.0f}, si1[2];
+  st = tf_fp8_delayed_scaling_update(h1, 1, 2, a1, s1, si1, 448.0f, 0, TF_AMAX_MOST_RECENT);
+  CHECK(st == TF_OK && s1[0] == 224.0f && s1[1] == 3.0f && si1[1] == 1.0f / 3.0f,
+        "most_recent / zero amax keeps scale");
+
+  /* Inf or NaN anywhere in the reduced history keeps the old scale. */
+  float h2[4] = {INFINITY, NAN, 0.0f, 0.0f}; /* shifted into row 1 */
+  float a2[2] = {1.0f, 1.0f}, s2[2] = {9.0f, 10.0f}, si2[2];
+  st = tf_fp8_delayed_scaling_update(h2, 2, 2, a2, s2, si2, 448.0f, 0, TF_AMAX_MAX);
+  CHECK(st == TF_OK && s2[0] == 9.0f && s2[1] == 10.0f, "Inf/NaN history keeps the scale");
+  float h3[1] = {0.0f}, a3[1] = {NAN}, s3[1] = {2.0f}, si3[1];
+  st = tf_fp8_delayed_scaling_update(h3, 1, 1, a3, s3, si3, 448.0f, 0, TF_AMAX_MOST_RECENT);
+  CHECK(st == TF_OK && s3[0] == 2.0f && isnan(h3[0]), "NaN amax keeps the scale");
+
+  /* An amax so small that fp8_max / amax overflows: FLT_MAX, then divided by 2^margin. */
+  float h4[1] = {0.0f}, a4[1] = {0x1p-149f}, s4[1] = {1.0f}, si4[1];
+  st = tf_fp8_delayed_scaling_update(h4, 1, 1, a4, s4, si4, 448.0f, 2, TF_AMAX_MAX);
+  CHECK(st == TF_OK && s4[0] == FLT_MAX / 4.0f, "overflowing scale clamps to FLT_MAX");
+  CHECK(tf_fp8_delayed_scale(4.0f, 1.0f, 448.0f, -3) == 896.0f, "negative margin multiplies");
+
+  /* Argument checks. */
+  float one = 1.0f;
+  CHECK(tf_fp8_delayed_scaling_update(&one, 0, 1, &one, &one, &one, 448.0f, 0, TF_AMAX_MAX) ==
+            TF_ERR_BAD_SIZE, "history_len 0");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, -1, &one, &one, &one, 448.0f, 0, TF_AMAX_MAX) ==
+            TF_ERR_BAD_SIZE, "negative num_scales");
+  CHECK(tf_fp8_delayed_scaling_update(&one, INT64_MAX, 2, &one, &one, &one, 448.0f, 0,
+                                      TF_AMAX_MAX) == TF_ERR_OVERFLOW, "history size overflows");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, &one, 448.0f, 127, TF_AMAX_MAX) ==
+            TF_ERR_BAD_ARGUMENT, "margin 127");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, &one, NAN, 0, TF_AMAX_MAX) ==
+            TF_ERR_BAD_ARGUMENT, "NaN fp8_max");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, &one, 0.0f, 0, TF_AMAX_MAX) ==
+            TF_ERR_BAD_ARGUMENT, "zero fp8_max");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, &one, 448.0f, 0, (tf_amax_algo)2) ==
+            TF_ERR_BAD_ARGUMENT, "unknown algo");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, NULL, &one, 448.0f, 0, TF_AMAX_MAX) ==
+            TF_ERR_NULL_POINTER, "NULL scale");
+  CHECK(tf_fp8_delayed_scaling_update(NULL, 1, 0, NULL, NULL, NULL, 448.0f, 0, TF_AMAX_MAX) ==
+            TF_OK, "no tensors");
+}
+
+static void test_current_scaling(void) {
+  CHECK(tf_fp8_current_scale(0.0f, 448.0f, 0.0f, 0) == 1.0f, "amax 0 -> 1");
+  CHECK(tf_fp8_current_scale(-0.0f, 448.0f, 0.0f, 0) == 1.0f, "amax -0 -> 1");
+  CHECK(tf_fp8_current_scale(NAN, 448.0f, 0.0f, 0) == 1.0f, "amax NaN -> 1");
+  CHECK(tf_fp8_current_scale(INFINITY, 448.0f, 0.0f, 0) == 1.0f, "amax Inf -> 1");
+  CHECK(tf_fp8_current_scale(2.0f, 448.0f, 0.0f, 0) == 224.0f, "448 / 2");
+  CHECK(tf_fp8_current_scale(3.0f, 448.0f, 0.0f, 0) == 448.0f / 3.0f, "448 / 3");
+  CHECK(tf_fp8_current_scale(3.0f, 448.0f, 0.0f, 1) == 128.0f, "pow2 of 149.33 -> 128");
+  CHECK(tf_fp8_current_scale(1e-6f, 448.0f, 1e-3f, 0) == 448.0f / 1e-3f, "epsilon floors amax");
+  CHECK(tf_fp8_current_scale(0x1p-149f, 448.0f, 0.0f, 0) == FLT_MAX, "overflow -> FLT_MAX");
+  CHECK(tf_fp8_current_scale(0x1p-149f, 448.0f, 0.0f, 1) == 0x1p127f, "pow2 of FLT_MAX");
+  CHECK(tf_fp8_current_scale(0.75f, 57344.0f, 0.0f, 1) == 65536.0f, "pow2 rounds 76458.7 down to 65536");
+}
+
+int main(void) {
+  test_decode_and_round_trip(&E4M3);
+  test_decode_and_round_trip(&E5M2);
+  test_encode_random(&E4M3);
+  test_encode_random(&E5M2);
+  test_encode_midpoints(&E4M3);
+  test_encode_midpoints(&E5M2);
+  test_encode_hand_points();
+  test_saturation_and_nan();
+  test_half_and_bfloat();
+  test_cpu_nan_propagation();
+  test_quantize_kernels();
+  test_amax_special_values();
+  test_cast_transpose();
+  test_size_checks();
+  test_delayed_scaling();
+  test_current_scaling();
+  printf("%d passed, %d failed\n", passed, failed);
+  return failed != 0;
+}

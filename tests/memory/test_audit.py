@@ -1,0 +1,122 @@
+"""audit_autograd: tensors on custom Function ctxs, found through objects, before and after backward."""
+
+import pytest
+import torch
+from memory_patterns import Float8TensorLike, QuantizedLinearFunction
+
+from te_fuser.memory import audit_autograd
+
+
+def _inputs():
+    return torch.randn(64, 128, requires_grad=True), torch.randn(128, 96, requires_grad=True)
+
+
+def test_buggy_tensor_objects_found_after_backward_fixed_one_clean():
+    for clear, expect_findings in ((False, True), (True, False)):
+        x, w = _inputs()
+        out = QuantizedLinearFunction.apply(x, w, clear)
+        # before backward the shells are empty: the fp8 tensors sit in save_for_backward
+        assert audit_autograd(out).clean
+        out.sum().backward()
+        report = audit_autograd(out)
+        assert report.clean is not expect_findings
+    # the last graph is the fixed one; rebuild the buggy one to inspect its report
+    x, w = _inputs()
+    out = QuantizedLinearFunction.apply(x, w, False)
+    out.sum().backward()
+    report = audit_autograd(out)
+    (finding,) = report.findings
+    assert (finding.node, finding.attribute) == ("QuantizedLinearFunctionBackward", "tensor_objects")
+    paths = {held.path: held for held in finding.tensors}
+    assert set(paths) == {
+        "tensor_objects[0]._data",
+        "tensor_objects[0]._scale_inv",
+        "tensor_objects[0]._transpose",
+        "tensor_objects[1]._data",
+        "tensor_objects[1]._scale_inv",
+        "tensor_objects[1]._transpose",
+    }
+    assert paths["tensor_objects[1]._transpose"].shape == (96, 128)
+    assert paths["tensor_objects[1]._transpose"].dtype == torch.float8_e4m3fn
+    expected = 2 * (64 * 128) + 2 * (128 * 96) + 2 * 4  # data + transpose in fp8, two float32 scales
+    assert finding.nbytes == report.total_bytes == expected
+    text = str(report)
+    assert "QuantizedLinearFunctionBackward.tensor_objects" in text and "tensor_objects[1]._transpose  [96x128]" in text
+
+
+class _KeepsObjects(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, extra):
+        ctx.quantized = Float8TensorLike.quantize(x, with_transpose=False)
+        ctx.nested = {"a": [x.exp(), (extra,)], "b": extra[2:]}  # extra and its view share a storage
+        ctx.number = 3
+        ctx.weight = torch.nn.Parameter(torch.ones(3))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def test_nested_containers_storage_dedup_and_parameters_skipped():
+    x = torch.randn(32, 16, requires_grad=True)
+    extra = torch.randn(1000)
+    out = _KeepsObjects.apply(x, extra).exp()  # a built-in node in front of the custom one
+    report = audit_autograd(out)
+    assert report.nodes_visited == 3 and report.custom_nodes == 1
+    assert report.node_counts == {"ExpBackward0": 1, "_KeepsObjectsBackward": 1, "AccumulateGrad": 1}
+    by_attribute = {f.attribute: f for f in report.findings}
+    assert set(by_attribute) == {"quantized", "nested"}  # number: no tensor; weight: a Parameter
+    nested_paths = [held.path for held in by_attribute["nested"].tensors]
+    assert nested_paths == ["nested['a'][0]", "nested['a'][1][0]", "nested['b']"]
+    assert by_attribute["nested"].nbytes == 32 * 16 * 4 + 1000 * 4  # the view of extra counted once
+    assert report.total_bytes == by_attribute["nested"].nbytes + 32 * 16 + 4
+    # after backward the plain attributes are all still there
+    out.sum().backward()
+    assert audit_autograd(out).total_bytes == report.total_bytes
+
+
+class _Slotted:
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+
+class _Deep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.deep = _Slotted([[{"t": x.exp()}]])
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_depth_is_bounded_and_slots_are_searched():
+    x = torch.randn(8, requires_grad=True)
+    out = _Deep.apply(x)
+    # deep -> .inner -> [0] -> [0] -> ['t']: four levels below the attribute
+    assert [h.path for f in audit_autograd(out).findings for h in f.tensors] == ["deep.inner[0][0]['t']"]
+    assert audit_autograd(out, max_depth=3).clean
+
+
+def test_identical_findings_printed_once_with_a_count_and_several_roots():
+    outs = []
+    for _ in range(3):
+        x, w = _inputs()
+        out = QuantizedLinearFunction.apply(x, w, False)
+        out.sum().backward()
+        outs.append(out)
+    report = audit_autograd(outs)
+    assert len(report.findings) == 3
+    lines = str(report).splitlines()
+    assert lines[1] == "  3 x QuantizedLinearFunctionBackward.tensor_objects: 40.0 KiB in 6 tensor(s)"
+    assert len(lines) == 2 + 6  # header, the grouped finding, its six tensors
+
+
+def test_leaf_and_bad_arguments():
+    assert audit_autograd(torch.randn(3, requires_grad=True)).nodes_visited == 0
+    with pytest.raises(TypeError, match="expects a tensor"):
+        audit_autograd("loss")
