@@ -122,9 +122,12 @@ def train(args, device, rank, world):
         from tqdm import tqdm
 
         progress = tqdm(total=args.steps, initial=0, desc="train", unit="step", file=sys.stdout)
-    run_memory = MemoryTracker(device=device).__enter__()  # "current" = bytes allocated since the run began
+    # Memory is counted from here: "current" is what the run holds beyond the model it started with,
+    # "peak" the highest level within a step, "retained" what a step left behind (flat means no leak).
+    run_memory = MemoryTracker(device=device).__enter__()
     for step in range(start_step, start_step + args.steps):
         losses = LossLog()
+        held_before = run_memory.sample()
         t0 = time.perf_counter()
         with MemoryTracker(device=device) as mem:
             for _ in range(args.microbatches):
@@ -148,12 +151,14 @@ def train(args, device, rank, world):
             step_loss = t.item() / args.tp
         seconds = time.perf_counter() - t0
         record = dict(step=step, loss=step_loss, tokens_per_s=args.microbatches * args.batch_size * args.seq_len / seconds,
-                      current=run_memory.sample(), peak=mem.peak_bytes, retained=mem.retained_bytes)
+                      current=run_memory.sample(), peak=held_before + mem.peak_bytes)
+        record["retained"] = record["current"] - held_before
         history.append(record)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{step_loss:.3f}")
-            progress.write(f"step {step:4d}  loss {step_loss:.4f}  {record['tokens_per_s']:8.0f} tok/s  "
+        if rank == 0:
+            (progress.write if progress is not None else print)(f"step {step:4d}  loss {step_loss:.4f}  {record['tokens_per_s']:8.0f} tok/s  "
                            f"mem current {record['current'] / 2**20:7.2f} MiB  peak {record['peak'] / 2**20:7.2f} MiB  "
                            f"retained {record['retained'] / 2**20:+.2f} MiB")
     run_memory.__exit__(None, None, None)

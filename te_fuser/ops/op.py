@@ -52,6 +52,15 @@ class BasicOperation(torch.nn.Module):
         self._forward_quantizers: List = []
         self._backward_quantizers: List = []
 
+    def forward(self, input_: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Called on its own (outside a Sequential), a basic op runs through a fuser of one op."""
+        fuser = self.__dict__.get("_own_fuser")
+        if fuser is None:
+            from .fuser import OperationFuser  # the fuser module imports this one
+
+            fuser = self.__dict__["_own_fuser"] = OperationFuser([self])
+        return fuser(input_, [kwargs])
+
     # -- the fuser's view: a basic op is a fusion of one ---------------------------------
     @property
     def basic_ops(self) -> Tuple["BasicOperation", ...]:
