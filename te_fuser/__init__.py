@@ -2,6 +2,7 @@
 
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import recipe
+from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
@@ -10,6 +11,7 @@ from .saved_tensors import prepare_for_saving, restore_from_saved
 __version__ = "0.1.0"
 
 __all__ = [
+    "DotProductAttention",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",

@@ -1,0 +1,140 @@
+"""Fused attention against torch scaled_dot_product_attention, in one run.
+
+    python benchmarks/bench_attention.py [--batch B --heads H --seq S --dim D --dtype float32 --no-causal]
+
+Times forward and forward+backward (median of interleaved runs, so both sides
+see the same machine load), TFLOP/s with forward = 4 b h s^2 d (halved when
+causal) and backward = 2.5 x forward, and memory: on CPU the bytes torch's
+allocator hands out during the call (every allocation counted, frees ignored),
+on CUDA the peak allocated above the inputs. On CUDA, SDPA's flash and cuDNN
+backends are timed separately.
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from te_fuser.attention.function import FusedAttentionFunction
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_interleaved(fns, device, repeats):
+    """Median seconds of each fn, running them in turn `repeats` times after a warm-up."""
+    for fn in fns.values():
+        fn()
+    samples = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def memory_bytes(fn, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
+
+
+def sdpa_backend(name):
+    if name == "sdpa":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[name])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    parser.add_argument("--no-causal", dest="causal", action="store_false")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    b, h, s, d = args.batch, args.heads, args.seq, args.dim
+    scale = d ** -0.5
+    fwd_flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
+    print(f"device={device} threads={torch.get_num_threads()} b={b} h={h} s={s} d={d} dtype={dtype} "
+          f"causal={args.causal}")
+
+    # Each side in its preferred dense layout: te_fuser bshd, SDPA bhsd.
+    ours_in = [torch.randn(b, s, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+    sdpa_in = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in ours_in]
+    dout = torch.randn(b, s, h, d, device=device, dtype=dtype)
+    dout_sdpa = dout.transpose(1, 2).contiguous()
+
+    def ours_fwd():
+        with torch.no_grad():
+            return FusedAttentionFunction.apply(*ours_in, "bshd", None, None, None, None, scale, args.causal, 0.0, 0, 0, None)
+
+    def ours_fwd_bwd():
+        out = FusedAttentionFunction.apply(*ours_in, "bshd", None, None, None, None, scale, args.causal, 0.0, 0, 0, None)
+        out.backward(dout)
+
+    def sdpa_fns(backend):
+        def fwd():
+            with torch.no_grad(), sdpa_backend(backend):
+                return F.scaled_dot_product_attention(*sdpa_in, is_causal=args.causal, scale=scale)
+
+        def fwd_bwd():
+            with sdpa_backend(backend):
+                F.scaled_dot_product_attention(*sdpa_in, is_causal=args.causal, scale=scale).backward(dout_sdpa)
+        return fwd, fwd_bwd
+
+    # Same answer before timing anything.
+    ref = sdpa_fns("sdpa")[0]().transpose(1, 2)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours_fwd(), ref, atol=tol, rtol=tol)
+
+    backends = ["sdpa"] + (["sdpa_flash", "sdpa_cudnn"] if device.type == "cuda" else [])
+    fwd_fns, fb_fns = {"te_fuser": ours_fwd}, {"te_fuser": ours_fwd_bwd}
+    for name in backends:
+        try:
+            fwd, fwd_bwd = sdpa_fns(name)
+            fwd_bwd()
+            fwd_fns[name], fb_fns[name] = fwd, fwd_bwd
+        except RuntimeError as err:  # a backend this GPU/dtype does not support
+            print(f"{name}: unavailable ({str(err).splitlines()[0]})")
+    t_fwd = timed_interleaved(fwd_fns, device, args.repeats)
+    t_fb = timed_interleaved(fb_fns, device, args.repeats)
+
+    print(f"{'impl':>11} {'fwd ms':>8} {'fwd TFLOP/s':>12} {'fwd mem MiB':>12} {'fwd+bwd ms':>11} "
+          f"{'fwd+bwd TFLOP/s':>16} {'fwd+bwd mem MiB':>16} {'fwd speedup':>12} {'fwd+bwd speedup':>16}")
+    for name in fwd_fns:
+        for t in ours_in + sdpa_in:
+            t.grad = None
+        mem_f, mem_fb = memory_bytes(fwd_fns[name], device), memory_bytes(fb_fns[name], device)
+        print(f"{name:>11} {t_fwd[name] * 1e3:8.2f} {fwd_flops / t_fwd[name] / 1e12:12.3f} {mem_f / 2**20:12.1f} "
+              f"{t_fb[name] * 1e3:11.2f} {3.5 * fwd_flops / t_fb[name] / 1e12:16.3f} {mem_fb / 2**20:16.1f} "
+              f"{t_fwd[name] / t_fwd['te_fuser']:11.2f}x {t_fb[name] / t_fb['te_fuser']:15.2f}x")
+    print("speedup = that implementation's time / te_fuser's time (> 1: te_fuser is faster)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+/*
+ * Shared by attention_fwd.c and attention_bwd.c: sequence segments, operand
+ * checks, and tile loads/stores between strided operands and float tiles.
+ */
+#ifndef TF_ATTENTION_INTERNAL_H
+#define TF_ATTENTION_INTERNAL_H
+
+#include "../fp8/fp8_format.h"
+#include "attention.h"
+
+/*
+ * One sequence's rows: rows [start, start + span) of dim 1 of batch entry
+ * `batch` belong to it, the first `valid` of them are real tokens. Packed
+ * layouts have one extra segment for the tokens past cu_seqlens[N] (valid 0).
+ */
+typedef struct tf_attn_segment {
+  int64_t batch, start, span, valid;
+} tf_attn_segment;
+
+int64_t tf_attn_num_segments(const tf_attn_problem *p);
+tf_attn_segment tf_attn_q_segment(const tf_attn_problem *p, int64_t seg);
+tf_attn_segment tf_attn_kv_segment(const tf_attn_problem *p, int64_t seg);
+/* Longest query segment, which sets the number of query tiles per (segment, head). */
+int64_t tf_attn_max_q_span(const tf_attn_problem *p);
+/* Longest kv segment, which sets the number of key tiles of the split backward. */
+int64_t tf_attn_max_kv_span(const tf_attn_problem *p);
+
+/* Head dim rounded up to the 16-float vectors of the tile kernels. */
+int64_t tf_attn_padded_dim(const tf_attn_problem *p);
+
+/* Checks the problem and that op (of shape [B, S, H, D]) has valid strides and an extent that fits int64. */
+tf_status tf_attn_check_operand(const tf_attn_problem *p, const tf_attn_operand *op, int64_t seq,
+                                int64_t heads, int is_output);
+
+/* Element offset of row `row` (dim 1), head h, of batch entry b. */
+static inline int64_t tf_attn_row_offset(const tf_attn_operand *op, int64_t b, int64_t row,
+                                         int64_t h) {
+  return b * op->stride_b + row * op->stride_s + h * op->stride_h;
+}
+
+/* lse/delta index of (segment row `row` of dim 1, head h, batch b). */
+static inline int64_t tf_attn_stat_index(const tf_attn_problem *p, int64_t b, int64_t h,
+                                         int64_t row) {
+  return (b * p->heads_q + h) * p->seq_q + row;
+}
+
+/* dst[i] = scale * element i of the row at src (n elements), as float. */
+static inline void tf_attn_load_row(const tf_attn_operand *op, int64_t offset, int64_t n,
+                                    float scale, float *restrict dst) {
+  switch (op->elem) {
+    case TF_ATTN_F32: {
+      const float *restrict s = (const float *)op->data + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = s[i] * scale;
+      break;
+    }
+    case TF_ATTN_BF16: {
+      const uint16_t *restrict s = (const uint16_t *)op->data + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = tf_bf16_to_f32(s[i]) * scale;
+      break;
+    }
+    case TF_ATTN_F16: {
+      const uint16_t *restrict s = (const uint16_t *)op->data + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = tf_f16_to_f32(s[i]) * scale;
+      break;
+    }
+    case TF_ATTN_E4M3: {
+      const uint8_t *restrict s = (const uint8_t *)op->data + offset;
+      const float sc = scale * op->descale;
+      for (int64_t i = 0; i < n; ++i) dst[i] = tf_fp8_e4m3_decode(s[i]) * sc;
+      break;
+    }
+  }
+}
+
+/* Stores n floats times scale into the row at offset, rounded to the operand's type. */
+static inline void tf_attn_store_row(const tf_attn_operand *op, int64_t offset, int64_t n,
+                                     float scale, const float *restrict src) {
+  switch (op->elem) {
+    case TF_ATTN_F32: {
+      float *restrict d = (float *)op->data + offset;
+      for (int64_t i = 0; i < n; ++i) d[i] = src[i] * scale;
+      break;
+    }
+    case TF_ATTN_BF16: {
+      uint16_t *restrict d = (uint16_t *)op->data + offset;
+      for (int64_t i = 0; i < n; ++i) d[i] = tf_f32_to_bf16(src[i] * scale);
+      break;
+    }
+    case TF_ATTN_F16: {
+      uint16_t *restrict d = (uint16_t *)op->data + offset;
+      for (int64_t i = 0; i < n; ++i) d[i] = tf_f32_to_f16(src[i] * scale);
+      break;
+    }
+    case TF_ATTN_E4M3:
+      break; /* never an output: rejected by tf_attn_check_operand */
+  }
+}
+
+/* Asks for the n elements of the row at offset to be brought into cache (a hint only). */
+static inline void tf_attn_prefetch_row(const tf_attn_operand *op, int64_t offset, int64_t n) {
+  const int64_t size = op->elem == TF_ATTN_F32 ? 4 : op->elem == TF_ATTN_E4M3 ? 1 : 2;
+  const char *row = (const char *)op->data + offset * size;
+  for (int64_t byte = 0; byte < n * size; byte += 64) __builtin_prefetch(row + byte);
+}
+
+/* Zeroes n elements of the row at offset. */
+static inline void tf_attn_zero_row(const tf_attn_operand *op, int64_t offset, int64_t n) {
+  const int64_t size = op->elem == TF_ATTN_F32 ? 4 : 2;
+  memset((char *)op->data + offset * size, 0, (size_t)(n * size));
+}
+
+#endif /* TF_ATTENTION_INTERNAL_H */

@@ -1,0 +1,196 @@
+"""te_fuser.DotProductAttention: TransformerEngine's module on te_fuser's fused attention kernels."""
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+
+from ..fp8_state import FP8GlobalState, make_recipe_state
+from ..kernels.validate import FLOAT_DTYPES
+from .function import FusedAttentionFunction
+from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
+
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+ATTENTION_TYPES = ("self", "cross")
+
+
+def _check_format(qkv_format: str) -> str:
+    if qkv_format not in QKV_FORMATS:
+        raise NotImplementedError(f"qkv_format={qkv_format!r} is not supported; use one of {', '.join(QKV_FORMATS)}")
+    return qkv_format
+
+
+def _dropout_seed(device: torch.device):
+    """(seed, offset) of one dropout call: the generator's initial seed and an offset drawn from it.
+
+    Drawing the offset advances the generator, so calls differ, torch.manual_seed
+    reproduces them, and activation checkpointing (which restores the RNG state)
+    recomputes the same mask.
+    """
+    if device.type == "cuda":
+        seed = torch.cuda.initial_seed()
+    else:
+        seed = torch.initial_seed()
+    offset = int(torch.randint(0, 2**62, (1,), device=device).item())
+    return seed & (2**63 - 1), offset
+
+
+class DotProductAttention(torch.nn.Module):
+    """softmax(q k^T * softmax_scale + mask) v, fused, in sbhd / bshd / thd layouts.
+
+    Constructor and forward follow TransformerEngine's DotProductAttention.
+    Options te_fuser does not implement raise NotImplementedError naming the
+    option. With fp8_autocast and a recipe with fp8_dpa=True, q, k and v are
+    quantized to FP8 E4M3 and the kernels consume the FP8 data.
+    """
+
+    def __init__(self, num_attention_heads: int, kv_channels, num_gqa_groups: Optional[int] = None,
+                 attention_dropout: float = 0.0, qkv_format: str = "sbhd", attn_mask_type: str = "causal",
+                 window_size=None, sequence_parallel: bool = False, tp_size: int = 1,
+                 get_rng_state_tracker=None, tp_group=None, layer_number: Optional[int] = None,
+                 attention_type: str = "self", cp_group=None, cp_global_ranks=None, cp_stream=None,
+                 cp_comm_type: str = "p2p", softmax_scale: Optional[float] = None):
+        super().__init__()
+        if isinstance(kv_channels, (tuple, list)):
+            if len(kv_channels) != 2 or kv_channels[0] != kv_channels[1]:
+                raise NotImplementedError(
+                    f"kv_channels={kv_channels!r}: different q/k and v head dims are not supported")
+            kv_channels = kv_channels[0]
+        if attention_type not in ATTENTION_TYPES:
+            raise NotImplementedError(f"attention_type={attention_type!r} is not supported; use 'self' or 'cross'")
+        if cp_group is not None or cp_global_ranks is not None or cp_stream is not None:
+            raise NotImplementedError("context parallelism (cp_group, cp_global_ranks, cp_stream) is not supported")
+        del cp_comm_type, sequence_parallel, tp_group  # the local heads are all this module sees
+        num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        for name, value in (("num_attention_heads", num_attention_heads), ("num_gqa_groups", num_gqa_groups),
+                            ("kv_channels", kv_channels), ("tp_size", tp_size)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_attention_heads % num_gqa_groups:
+            raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of "
+                             f"num_gqa_groups ({num_gqa_groups})")
+        if num_attention_heads % tp_size or num_gqa_groups % tp_size:
+            raise ValueError(f"num_attention_heads and num_gqa_groups must be divisible by tp_size={tp_size}")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must lie in [0, 1), got {attention_dropout}")
+        self.num_heads = num_attention_heads // tp_size
+        self.num_gqa_groups = num_gqa_groups // tp_size
+        self.kv_channels = kv_channels
+        self.attention_dropout = float(attention_dropout)
+        self.qkv_format = _check_format(qkv_format)
+        self.attn_mask_type = check_mask_type(attn_mask_type)
+        check_window_size(window_size, attn_mask_type)
+        self.window_size = window_size
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.layer_number = layer_number
+        self.attention_type = attention_type
+        self.softmax_scale = 1.0 / math.sqrt(kv_channels) if softmax_scale is None else float(softmax_scale)
+        # Scaling state of the q, k, v quantizers, made for the recipe and device in use.
+        self._fp8_recipe = None
+        self._fp8_device = None
+        self._fp8_state = None
+
+    def _check_inputs(self, q, k, v, qkv_format):
+        rank = 3 if qkv_format == "thd" else 4
+        for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+            if t.dim() != rank:
+                raise ValueError(f"{name} must be {rank}-D in qkv_format={qkv_format!r}, got shape {tuple(t.shape)}")
+            if t.shape[-1] != self.kv_channels:
+                raise ValueError(f"{name} has head dim {t.shape[-1]}, expected kv_channels={self.kv_channels}")
+        for name, t in (("key_layer", k), ("value_layer", v)):
+            if t.dtype != q.dtype:
+                raise TypeError(f"query_layer is {q.dtype} but {name} is {t.dtype}; they must match")
+            if t.device != q.device:
+                raise ValueError(f"query_layer is on {q.device} but {name} is on {t.device}")
+            if t.shape[-2] != self.num_gqa_groups:
+                raise ValueError(f"{name} has {t.shape[-2]} heads, expected num_gqa_groups={self.num_gqa_groups}")
+        if q.shape[-2] != self.num_heads:
+            raise ValueError(f"query_layer has {q.shape[-2]} heads, expected {self.num_heads}")
+        if k.shape != v.shape:
+            raise ValueError(f"key_layer {tuple(k.shape)} and value_layer {tuple(v.shape)} must have the same shape")
+        batch_dim = {"sbhd": 1, "bshd": 0}.get(qkv_format)
+        if batch_dim is not None and q.shape[batch_dim] != k.shape[batch_dim]:
+            raise ValueError(f"query_layer and key_layer have different batch sizes: {tuple(q.shape)}, {tuple(k.shape)}")
+
+    def _fp8_quantizers(self, device):
+        """The q, k, v quantizers when fp8_autocast runs a recipe with fp8_dpa=True, else None."""
+        if not FP8GlobalState.is_enabled() or FP8GlobalState.is_calibrating():
+            return None
+        recipe = FP8GlobalState.get_recipe()
+        if not getattr(recipe, "fp8_dpa", False):
+            return None
+        if recipe.fp8_format.fwd_dtype != torch.float8_e4m3fn:
+            raise NotImplementedError(f"fp8_dpa with fp8_format={recipe.fp8_format.name}: the attention kernels "
+                                      "take E4M3 inputs (use Format.E4M3 or Format.HYBRID)")
+        if self._fp8_state is None or self._fp8_recipe != recipe or self._fp8_device != device:
+            self._fp8_state = make_recipe_state(recipe, 3, forward=True, device=device)
+            self._fp8_recipe, self._fp8_device = recipe, device
+        return self._fp8_state.quantizers(FP8GlobalState.get_group())
+
+    def _lengths(self, q, k, qkv_format, mask_type, attention_mask, cu_seqlens_q, cu_seqlens_kv):
+        """(cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv) for the kernels."""
+        if qkv_format == "thd":
+            if cu_seqlens_q is None or cu_seqlens_kv is None:
+                raise ValueError("qkv_format='thd' needs cu_seqlens_q and cu_seqlens_kv")
+            return cu_seqlens_q, cu_seqlens_kv, None, None
+        if "padding" not in mask_type:
+            return None, None, None, None
+        batch_dim, seq_dim = (1, 0) if qkv_format == "sbhd" else (0, 1)
+        batch = q.shape[batch_dim]
+        if attention_mask is not None:
+            lens_q, lens_kv = padding_lengths(attention_mask, batch, q.shape[seq_dim], k.shape[seq_dim],
+                                              self.attention_type == "self")
+        elif cu_seqlens_q is not None or cu_seqlens_kv is not None:
+            if cu_seqlens_q is None or cu_seqlens_kv is None:
+                raise ValueError("cu_seqlens_q and cu_seqlens_kv must be given together")
+            lens_q = lengths_from_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", batch)
+            lens_kv = lengths_from_cu_seqlens(cu_seqlens_kv, "cu_seqlens_kv", batch)
+        else:
+            lens_q = lens_kv = None
+        return None, None, lens_q, lens_kv
+
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format: Optional[str] = None,
+                cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
+                attn_mask_type: Optional[str] = None, window_size=None, checkpoint_core_attention: bool = False,
+                core_attention_bias_type: str = "no_bias", core_attention_bias=None, alibi_slopes=None,
+                fast_zero_fill: bool = True, inference_params=None, pad_between_seqs: Optional[bool] = None,
+                fp8_output: bool = False):
+        """Attention output: [s, b, h*d] (sbhd), [b, s, h*d] (bshd) or [t, h*d] (thd)."""
+        del max_seqlen_q, max_seqlen_kv, fast_zero_fill  # lengths come from the tensors and cu_seqlens
+        unsupported = {
+            "cu_seqlens_q_padded": cu_seqlens_q_padded is not None,
+            "cu_seqlens_kv_padded": cu_seqlens_kv_padded is not None,
+            "checkpoint_core_attention": bool(checkpoint_core_attention),
+            "core_attention_bias_type": core_attention_bias_type != "no_bias" or core_attention_bias is not None,
+            "alibi_slopes": alibi_slopes is not None,
+            "inference_params": inference_params is not None,
+            "pad_between_seqs": bool(pad_between_seqs),
+            "fp8_output": bool(fp8_output),
+        }
+        for option, used in unsupported.items():
+            if used:
+                raise NotImplementedError(f"DotProductAttention option {option} is not supported by te_fuser")
+        qkv_format = _check_format(qkv_format or self.qkv_format)
+        mask_type = check_mask_type(attn_mask_type or self.attn_mask_type)
+        check_window_size(window_size if window_size is not None else self.window_size, mask_type)
+        self._check_inputs(query_layer, key_layer, value_layer, qkv_format)
+        cu_q, cu_kv, lens_q, lens_kv = self._lengths(query_layer, key_layer, qkv_format, mask_type,
+                                                     attention_mask, cu_seqlens_q, cu_seqlens_kv)
+
+        dropout_p = self.attention_dropout if self.training else 0.0
+        seed = offset = 0
+        if dropout_p > 0.0:
+            tracker = self.get_rng_state_tracker
+            with tracker().fork() if tracker is not None else contextlib.nullcontext():
+                seed, offset = _dropout_seed(query_layer.device)
+        quantizers = self._fp8_quantizers(query_layer.device)
+        out = FusedAttentionFunction.apply(query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q,
+                                           lens_kv, self.softmax_scale, "causal" in mask_type, dropout_p, seed,
+                                           offset, quantizers)
+        return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])

@@ -1,0 +1,104 @@
+"""The autograd Function of fused attention.
+
+Its ctx keeps tensors only through save_for_backward (q, k, v -- or their FP8
+buffers --, out, lse and the int length tensors); every other ctx attribute
+is a Python scalar, a string, or an FP8 shell without buffers. After
+backward, the shells are dropped too, so the graph node holds nothing
+(the bug of TransformerEngine issue #1935: FP8 attention kept its tensors on
+ctx.tensor_objects and with them 20 GB alive).
+"""
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..float8_tensor import Float8Tensor
+from ..kernels import attention as attn_kernels
+from ..saved_tensors import prepare_for_saving, restore_from_saved
+
+
+def to_kernel_layout(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """A [batch, seq, heads, head_dim] view of a tensor in qkv_format (no copy)."""
+    if qkv_format == "bshd":
+        return t
+    if qkv_format == "sbhd":
+        return t.permute(1, 0, 2, 3)
+    return t.unsqueeze(0)  # thd: one packed batch entry
+
+
+def from_kernel_layout(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """Inverse of to_kernel_layout."""
+    if qkv_format == "bshd":
+        return t
+    if qkv_format == "sbhd":
+        return t.permute(1, 0, 2, 3)
+    return t.squeeze(0)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _fp8_parts(t: Float8Tensor, qkv_format: str):
+    return to_kernel_layout(t._data, qkv_format), t._scale_inv
+
+
+class FusedAttentionFunction(torch.autograd.Function):
+    """out = attention(q, k, v) in qkv_format, with FP8 inputs when quantizers are given."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qkv_format: str, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
+                softmax_scale: float, causal: bool, dropout_p: float, seed: int, offset: int,
+                quantizers: Optional[Sequence] = None):
+        lengths = (cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
+        if quantizers is None:
+            out, lse = attn_kernels.attention_fwd(
+                to_kernel_layout(q, qkv_format), to_kernel_layout(k, qkv_format),
+                to_kernel_layout(v, qkv_format), cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal,
+                dropout_p=dropout_p, seed=seed, offset=offset)
+            out = from_kernel_layout(out, qkv_format)
+            saved, objects = (q, k, v, out, lse, *lengths), None
+        else:
+            q8, k8, v8 = (quantizer(t) for quantizer, t in zip(quantizers, (q, k, v)))
+            (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, qkv_format) for t in (q8, k8, v8))
+            out, lse = attn_kernels.attention_fwd(
+                qd, kd, vd, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqlens_q=seqlens_q,
+                seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal, dropout_p=dropout_p,
+                seed=seed, offset=offset, q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=q.dtype)
+            out = from_kernel_layout(out, qkv_format)
+            saved, objects = prepare_for_saving(q8, k8, v8, out, lse, *lengths)
+        ctx.save_for_backward(*saved)
+        # FP8: the Float8Tensor shells (prepare_for_saving handed their buffers to save_for_backward).
+        ctx.tensor_objects = objects
+        ctx.qkv_format = qkv_format
+        ctx.softmax_scale = softmax_scale
+        ctx.causal = causal
+        ctx.dropout_p = dropout_p
+        ctx.seed = seed
+        ctx.offset = offset
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        fmt = ctx.qkv_format
+        descales = {}
+        if ctx.tensor_objects is None:
+            q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = ctx.saved_tensors
+            q, k, v = (to_kernel_layout(t, fmt) for t in (q, k, v))
+        else:
+            q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
+            (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, fmt) for t in (q, k, v))
+            descales = dict(q_descale=qs, k_descale=ks, v_descale=vs)
+            for t in (q, k, v):
+                t.clear()
+            q, k, v = qd, kd, vd
+            # The shells are no longer needed: nothing may outlive backward on ctx.
+            ctx.tensor_objects = None
+        dout = _last_dim_contiguous(to_kernel_layout(dout, fmt)).to(out.dtype)
+        dq, dk, dv = attn_kernels.attention_bwd(
+            dout, q, k, v, to_kernel_layout(out, fmt), lse, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+            seqlens_q=lens_q, seqlens_kv=lens_kv, softmax_scale=ctx.softmax_scale, causal=ctx.causal,
+            dropout_p=ctx.dropout_p, seed=ctx.seed, offset=ctx.offset, **descales)
+        grads = tuple(from_kernel_layout(g, fmt) for g in (dq, dk, dv))
+        return grads + (None,) * 11

@@ -1,0 +1,188 @@
+"""Fused attention kernels: validated Python entry points and fake (meta) kernels.
+
+The kernels are torch.ops.te_fuser.attention_fwd / attention_bwd (C on CPU,
+CUDA C on GPU); the schemas and semantics are documented in
+csrc/attention/attention.h. Tensors are in the kernel layout: q is
+[batch, seq_q, heads_q, head_dim], k and v [batch, seq_kv, heads_kv, head_dim]
+with a contiguous last dim (other strides free, so an sbhd tensor permuted to
+bshd needs no copy). Packed (thd) inputs have batch 1 and cu_seqlens offsets.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from .validate import check_dtype, check_same_device, check_scalar_f32, check_tensor, FLOAT_DTYPES
+
+_ops = torch.ops.te_fuser
+
+FP8_INPUT_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_dtype(t, name, FLOAT_DTYPES + FP8_INPUT_DTYPES)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.shape[3] > 1 and t.stride(3) != 1:
+            raise ValueError(f"{name} must have a contiguous last (head_dim) dimension, got strides {t.stride()}")
+    for name, t in (("k", k), ("v", v)):
+        check_same_device(t, name, q, "q")
+        if t.dtype != q.dtype:
+            raise TypeError(f"q, k and v must share a dtype, got q {q.dtype} and {name} {t.dtype}")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has batch size {t.shape[0]} but q has {q.shape[0]}")
+        if t.shape[3] != q.shape[3]:
+            raise ValueError(f"{name} has head_dim {t.shape[3]} but q has {q.shape[3]}")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"k and v must have the same sequence length and heads, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q's heads ({q.shape[2]}) must be a multiple of k's heads ({k.shape[2]})")
+    if q.shape[3] == 0:
+        raise ValueError("head_dim must be positive")
+
+
+def _check_int32_vector(t, name, numel, like):
+    if t is None:
+        return
+    check_tensor(t, name)
+    if t.dtype != torch.int32 or t.dim() != 1:
+        raise TypeError(f"{name} must be a 1-D torch.int32 tensor, got dtype {t.dtype} and shape {tuple(t.shape)}")
+    if t.numel() != numel:
+        raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
+    check_same_device(t, name, like, "q")
+
+
+def _inspectable(t) -> bool:
+    """Values can be checked without a device sync or a traced graph."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv):
+    if (cu_seqlens_q is None) != (cu_seqlens_kv is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_kv must be given together")
+    if cu_seqlens_q is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"packed (cu_seqlens) inputs must have batch size 1, got {q.shape[0]}")
+        if seqlens_q is not None or seqlens_kv is not None:
+            raise ValueError("seqlens and cu_seqlens cannot be combined")
+        check_tensor(cu_seqlens_q, "cu_seqlens_q")
+        if cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() < 1:
+            raise ValueError(f"cu_seqlens_q must be 1-D with N + 1 offsets, got shape {tuple(cu_seqlens_q.shape)}")
+        n = cu_seqlens_q.numel()
+        for name, cu, tokens in (("cu_seqlens_q", cu_seqlens_q, q.shape[1]),
+                                 ("cu_seqlens_kv", cu_seqlens_kv, k.shape[1])):
+            _check_int32_vector(cu, name, n, q)
+            if _inspectable(cu):
+                if cu[0].item() != 0 or bool((cu[1:] < cu[:-1]).any()) or cu[-1].item() > tokens:
+                    raise ValueError(f"{name} must start at 0, be non-decreasing and end at most at the "
+                                     f"{tokens} tokens of the tensor, got {cu.tolist()}")
+    for name, lens, seq in (("seqlens_q", seqlens_q, q.shape[1]), ("seqlens_kv", seqlens_kv, k.shape[1])):
+        _check_int32_vector(lens, name, q.shape[0], q)
+        if lens is not None and _inspectable(lens) and bool(((lens < 0) | (lens > seq)).any()):
+            raise ValueError(f"{name} must lie in [0, {seq}], got {lens.tolist()}")
+
+
+def _check_scalars(softmax_scale, dropout_p):
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+
+
+def _check_descales(q, q_descale, k_descale, v_descale):
+    fp8 = q.dtype in FP8_INPUT_DTYPES
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if fp8:
+            if d is None:
+                raise ValueError(f"{name} is required for {q.dtype} inputs")
+            check_scalar_f32(d, name, q, "q")
+        elif d is not None:
+            raise ValueError(f"{name} is only accepted with float8_e4m3fn inputs, got {q.dtype} inputs")
+    return fp8
+
+
+def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=None, seqlens_kv=None,
+                  softmax_scale: Optional[float] = None, causal: bool = False, dropout_p: float = 0.0,
+                  seed: int = 0, offset: int = 0, q_descale=None, k_descale=None, v_descale=None,
+                  out_dtype: Optional[torch.dtype] = None):
+    """(out, lse) of softmax(scale q k^T + mask) v. softmax_scale defaults to 1/sqrt(head_dim).
+
+    FP8 inputs (float8_e4m3fn q, k, v) need their descales; out is then in
+    out_dtype (default float32). lse is float32 [batch, heads_q, seq_q] or
+    [heads_q, tokens] when packed.
+    """
+    _check_qkv(q, k, v)
+    _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
+    softmax_scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    _check_scalars(softmax_scale, float(dropout_p))
+    fp8 = _check_descales(q, q_descale, k_descale, v_descale)
+    if out_dtype is not None:
+        if out_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+        if not fp8 and out_dtype != q.dtype:
+            raise ValueError(f"out_dtype must be q's dtype {q.dtype} for non-FP8 inputs, got {out_dtype}")
+    return _ops.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
+                              bool(causal), float(dropout_p), int(seed), int(offset), q_descale, k_descale,
+                              v_descale, out_dtype)
+
+
+def attention_bwd(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=None,
+                  seqlens_kv=None, softmax_scale: Optional[float] = None, causal: bool = False,
+                  dropout_p: float = 0.0, seed: int = 0, offset: int = 0, q_descale=None, k_descale=None,
+                  v_descale=None):
+    """(dq, dk, dv) for attention_fwd's output gradient dout; same arguments as that forward call.
+
+    The gradients have dout's dtype and the dim order of q, k and v.
+    """
+    _check_qkv(q, k, v)
+    _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
+    softmax_scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    _check_scalars(softmax_scale, float(dropout_p))
+    fp8 = _check_descales(q, q_descale, k_descale, v_descale)
+    for name, t in (("dout", dout), ("out", out)):
+        check_dtype(t, name)
+        check_same_device(t, name, q, "q")
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+        if t.shape[3] > 1 and t.stride(3) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+    if out.dtype != dout.dtype:
+        raise TypeError(f"out and dout must share a dtype, got {out.dtype} and {dout.dtype}")
+    if not fp8 and dout.dtype != q.dtype:
+        raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}")
+    check_dtype(lse, "lse", (torch.float32,))
+    check_same_device(lse, "lse", q, "q")
+    expected = _lse_shape(q, cu_seqlens_q)
+    if tuple(lse.shape) != expected or not lse.is_contiguous():
+        raise ValueError(f"lse must be a contiguous float32 tensor of shape {expected}, got {tuple(lse.shape)}")
+    return _ops.attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
+                              softmax_scale, bool(causal), float(dropout_p), int(seed), int(offset),
+                              q_descale, k_descale, v_descale)
+
+
+def _lse_shape(q, cu_seqlens_q):
+    b, s, h, _ = q.shape
+    return (h, s) if cu_seqlens_q is not None else (b, h, s)
+
+
+def _empty_in_order_of(like, dtype):
+    """An empty tensor of like's shape with dims 0..2 in the order of like's strides, as the kernels allocate."""
+    order = sorted(range(3), key=lambda d: -like.stride(d))  # stable: ties keep their dim order
+    t = like.new_empty([like.shape[o] for o in order] + [like.shape[3]], dtype=dtype)
+    return t.permute([order.index(d) for d in range(3)] + [3])
+
+
+@torch.library.register_fake("te_fuser::attention_fwd")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale, causal, dropout_p, seed,
+      offset, q_descale, k_descale, v_descale, out_dtype):
+    dtype = (out_dtype or torch.float32) if q.dtype in FP8_INPUT_DTYPES else q.dtype
+    return _empty_in_order_of(q, dtype), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+
+
+@torch.library.register_fake("te_fuser::attention_bwd")
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale, causal,
+      dropout_p, seed, offset, q_descale, k_descale, v_descale):
+    return (_empty_in_order_of(q, dout.dtype), _empty_in_order_of(k, dout.dtype),
+            _empty_in_order_of(v, dout.dtype))

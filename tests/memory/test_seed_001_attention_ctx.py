@@ -1,0 +1,123 @@
+"""Seed 001 (TransformerEngine #1935): FP8 attention kept its tensors on ctx.tensor_objects after backward.
+
+The fix under test: FusedAttentionFunction keeps tensors only through
+save_for_backward, and drops its FP8 shells in backward. Two measurements,
+each shown to catch the buggy pattern:
+  1. a walk of the autograd graph from the output's grad_fn finds no tensor
+     (and no Float8Tensor holding buffers) on any node's plain attributes;
+  2. the bytes torch's allocator still holds after forward + backward, while
+     the output is alive, are exactly the output and the input grads.
+"""
+
+import pytest
+import torch
+
+import te_fuser
+from te_fuser.attention import dot_product_attention as dpa_module
+from te_fuser.attention.function import FusedAttentionFunction
+from te_fuser.saved_tensors import restore_from_saved
+
+HEADS, DIM, SEQ = 2, 64, 512
+
+
+def tensors_in(value, seen=None):
+    """Every torch.Tensor reachable from value through lists, tuples, dicts and Float8Tensor slots."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item, seen)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item, seen)]
+    if isinstance(value, te_fuser.Float8Tensor):
+        return [t for slot in ("_data", "_scale_inv", "_transpose") for t in tensors_in(getattr(value, slot), seen)]
+    return []
+
+
+def ctx_tensors(output):
+    """(node name, attribute, tensor) for every tensor held by a plain attribute of a graph node behind output."""
+    found, stack, visited = [], [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for name, value in getattr(node, "__dict__", {}).items():
+            found.extend((type(node).__name__, name, t) for t in tensors_in(value))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def allocator_bytes_held(fn):
+    """(bytes allocated and not freed while fn ran, fn's result), from torch's CPU allocation tracking."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    return sum(e.self_cpu_memory_usage for e in prof.events()), result
+
+
+class LeakyFunction(FusedAttentionFunction):
+    """The bug of seed 001: after backward, the restored FP8 tensors stay reachable from ctx."""
+
+    @staticmethod
+    def backward(ctx, dout):
+        objects, saved = ctx.tensor_objects, ctx.saved_tensors
+        grads = FusedAttentionFunction.backward(ctx, dout)
+        if objects is not None:
+            restore_from_saved(objects, saved)  # the shells hold their buffers again ...
+        ctx.tensor_objects = objects  # ... and stay on ctx, as in TransformerEngine before the fix
+        ctx.saved_lse = saved[4]  # a plain tensor attribute (lse): the same class of bug
+        return grads
+
+
+def run(fp8: bool):
+    module = te_fuser.DotProductAttention(HEADS, DIM, qkv_format="bshd")
+    q, k, v = (torch.randn(1, SEQ, HEADS, DIM, requires_grad=True) for _ in range(3))
+    recipe = te_fuser.recipe.DelayedScaling(fp8_dpa=True)
+
+    def step():
+        with te_fuser.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+            out = module(q, k, v)
+        out.backward(torch.ones_like(out))
+        return out
+
+    step()  # first call: the FP8 scaling state is created (module state, not a leak)
+    for t in (q, k, v):
+        t.grad = None
+    held, out = allocator_bytes_held(step)
+    expected = out.numel() * out.element_size() + sum(t.numel() * t.element_size() for t in (q, k, v))
+    return out, held, expected
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_no_tensor_on_ctx_and_nothing_retained(fp8):
+    out, held, expected = run(fp8)
+    assert ctx_tensors(out) == []
+    assert held == expected, f"{held - expected} bytes beyond the output and the grads are still held"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_same_checks_catch_the_seed_001_bug(fp8, monkeypatch):
+    monkeypatch.setattr(dpa_module, "FusedAttentionFunction", LeakyFunction)
+    out, held, expected = run(fp8)
+    leaked = ctx_tensors(out)
+    assert leaked, "the graph walk missed tensors left on ctx"
+    assert held > expected, "the allocator measurement missed the retained tensors"
+    if fp8:
+        # The FP8 q, k, v bytes (1 byte per element) are among what is retained.
+        assert held - expected >= 3 * SEQ * HEADS * DIM
+
+
+def test_fp8_shells_on_ctx_hold_no_buffers_before_backward():
+    """Between forward and backward the FP8 q, k, v live only in save_for_backward; ctx keeps empty shells."""
+    module = te_fuser.DotProductAttention(HEADS, DIM, qkv_format="bshd")
+    q, k, v = (torch.randn(1, SEQ, HEADS, DIM, requires_grad=True) for _ in range(3))
+    with te_fuser.fp8_autocast(fp8_recipe=te_fuser.recipe.DelayedScaling(fp8_dpa=True)):
+        out = module(q, k, v)
+    node = out.grad_fn.next_functions[0][0]  # behind the reshape to [b, s, h*d]
+    shells = [obj for obj in node.tensor_objects if obj is not None]
+    assert len(shells) == 3 and all(s._data is None for s in shells)
+    assert ctx_tensors(out) == []
+    assert len(node.saved_tensors) == 3 * 3 + 6  # FP8 parts of q, k, v; out, lse, 4 length slots
