@@ -42,6 +42,9 @@ class Linear(torch.nn.Module):
 
     Parameters keep TE's names: weight and bias, or <name>_weight / <name>_bias
     with parameters_split (views of one storage, concatenated without a copy).
+    Under FP8 every GEMM dimension -- input rows (tokens), in_features and
+    out_features, local to the TP rank -- must be divisible by 16, else a
+    ValueError names the dimension.
     Not supported (NotImplementedError naming the option): userbuffer overlap
     (ub_*), delay_wgrad_compute, symmetric_ar_type, save_original_input,
     and forward(fp8_output=True / fp8_grad=True), since te_fuser's Float8Tensor
