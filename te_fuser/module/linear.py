@@ -135,11 +135,16 @@ class Linear(torch.nn.Module):
         full_weight = torch.empty(self.local_out_features, self.local_in_features, device=device,
                                   dtype=self.params_dtype)
         for pname, piece in zip(self._split_names("weight"), full_weight.split(sizes)):
-            self.register_parameter(pname, torch.nn.Parameter(piece))
+            param = torch.nn.Parameter(piece)
+            self._ops[0].mark_weight(param)
+            self.register_parameter(pname, param)
         if self.use_bias:
             full_bias = torch.empty(self.local_out_features, device=device, dtype=self.params_dtype)
             for pname, piece in zip(self._split_names("bias"), full_bias.split(sizes)):
                 param = torch.nn.Parameter(piece)
+                param.tensor_model_parallel = False
+                if self.parallel_mode == "column":
+                    tp.mark_parallel_param(param, 0)
                 # A row-parallel bias under sequence parallelism gets a partial gradient
                 # on each rank; like TE, mark it for the framework's all-reduce.
                 param.sequence_parallel = self.sequence_parallel and self.parallel_mode == "row"
