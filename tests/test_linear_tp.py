@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import te_fuser
-from te_fuser import recipe
+from te_fuser import ops, recipe
 
 WORLD = 2
 SEQ, BATCH, IN, OUT = 32, 2, 32, 64
@@ -99,6 +99,56 @@ def _case(rank, parallel_mode, sequence_parallel, fp8):
             torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def _ops_mlp_case(rank, sequence_parallel):
+    """LayerNorm -> column BasicLinear -> Bias -> GELU -> row BasicLinear -> Bias, as in a
+    Megatron MLP, against the same chain in one process."""
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    hidden, ffn = IN, 2 * IN
+
+    def chain(mode_col, mode_row, tp_bias):
+        return ops.Sequential(ops.LayerNorm(hidden), ops.BasicLinear(hidden, ffn, tensor_parallel_mode=mode_col,
+                                                                     tensor_parallel_group=group,
+                                                                     sequence_parallel=sequence_parallel),
+                              ops.Bias(ffn, tensor_parallel=tp_bias, tensor_parallel_group=group), ops.GELU(),
+                              ops.BasicLinear(ffn, hidden, tensor_parallel_mode=mode_row, tensor_parallel_group=group,
+                                              sequence_parallel=sequence_parallel),
+                              ops.Bias(hidden))
+
+    full = chain(None, None, False)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.3)
+    sharded = chain("column", "row", True)
+    with torch.no_grad():
+        sharded[0].weight.copy_(full[0].weight), sharded[0].bias.copy_(full[0].bias)
+        sharded[1].weight.copy_(full[1].weight.chunk(WORLD, 0)[rank])
+        sharded[2].bias.copy_(full[2].bias.chunk(WORLD, 0)[rank])
+        sharded[4].weight.copy_(full[4].weight.chunk(WORLD, 1)[rank])
+        sharded[5].bias.copy_(full[5].bias)
+    x = torch.randn(SEQ, BATCH, hidden, requires_grad=True)
+    dy = torch.randn(SEQ, BATCH, hidden)
+    out = full(x)
+    out.backward(dy)
+    x_local = (x.detach().chunk(WORLD, 0)[rank] if sequence_parallel else x.detach()).contiguous().requires_grad_()
+    dy_local = dy.chunk(WORLD, 0)[rank].contiguous() if sequence_parallel else dy
+    out_local = sharded(x_local)
+    out_local.backward(dy_local)
+    expect = out.detach().chunk(WORLD, 0)[rank] if sequence_parallel else out.detach()
+    expect_dx = x.grad.chunk(WORLD, 0)[rank] if sequence_parallel else x.grad
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_local.detach(), expect, **tol)
+    torch.testing.assert_close(x_local.grad, expect_dx, **tol)
+    torch.testing.assert_close(sharded[1].weight.grad, full[1].weight.grad.chunk(WORLD, 0)[rank], **tol)
+    torch.testing.assert_close(sharded[2].bias.grad, full[2].bias.grad.chunk(WORLD, 0)[rank], **tol)
+    torch.testing.assert_close(sharded[4].weight.grad, full[4].weight.grad.chunk(WORLD, 1)[rank], **tol)
+    if sequence_parallel:  # replicated parameters: partial gradients, summed by the framework
+        for p in (sharded[0].weight, sharded[0].bias, sharded[5].bias):
+            dist.all_reduce(p.grad, group=group)
+    torch.testing.assert_close(sharded[0].weight.grad, full[0].weight.grad, **tol)
+    torch.testing.assert_close(sharded[5].bias.grad, full[5].bias.grad, **tol)
+
+
 def _amax_reduction_case(rank):
     """Delayed scaling under fp8_group: each rank's input amax differs, the reduced history does not."""
     group = dist.group.WORLD
@@ -124,7 +174,12 @@ def _worker(rank, port, cases, errors):
     try:
         for case in cases:
             try:
-                _case(rank, *case) if case != "amax_reduction" else _amax_reduction_case(rank)
+                if case == "amax_reduction":
+                    _amax_reduction_case(rank)
+                elif case[0] == "ops_mlp":
+                    _ops_mlp_case(rank, case[1])
+                else:
+                    _case(rank, *case)
             except Exception:  # reported to the parent, which fails the test
                 errors.put((rank, case, traceback.format_exc()))
     finally:
@@ -132,7 +187,7 @@ def _worker(rank, port, cases, errors):
 
 
 CASES = [(mode, sp, fp8) for mode in ("column", "row") for sp in (False, True) for fp8 in (False, True)]
-CASES.append("amax_reduction")
+CASES += ["amax_reduction", ("ops_mlp", False), ("ops_mlp", True)]
 
 
 def test_tensor_parallel_matches_single_process():
@@ -149,7 +204,17 @@ def test_tensor_parallel_matches_single_process():
 def test_column_parallel_shapes_and_errors():
     layer = te_fuser.Linear(IN, OUT, parallel_mode="column", tp_size=2, device="cpu")
     assert layer.weight.shape == (OUT // 2, IN) and layer.bias.shape == (OUT // 2,)
+    # Megatron/TE tensor-parallel attributes, which frameworks use to sync replicated grads.
+    assert layer.weight.tensor_model_parallel and layer.weight.partition_dim == 0
+    assert layer.bias.tensor_model_parallel and layer.bias.partition_dim == 0
     layer = te_fuser.Linear(IN, OUT, parallel_mode="row", tp_size=2, device="cpu")
     assert layer.weight.shape == (OUT, IN // 2) and layer.bias.shape == (OUT,)
+    assert layer.weight.tensor_model_parallel and layer.weight.partition_dim == 1
+    assert not layer.bias.tensor_model_parallel
+    assert not te_fuser.Linear(IN, OUT, device="cpu").weight.tensor_model_parallel
+    bias = ops.Bias(OUT, tensor_parallel=True, tensor_parallel_size=2)
+    assert bias.bias.shape == (OUT // 2,) and bias.bias.tensor_model_parallel
+    linear = ops.BasicLinear(IN, OUT, tensor_parallel_mode="row", tensor_parallel_size=2)
+    assert linear.weight.shape == (OUT, IN // 2) and linear.weight.partition_dim == 1
     with pytest.raises(ValueError, match="divisible by the TP size"):
         te_fuser.Linear(IN, OUT - 1, parallel_mode="column", tp_size=2, device="cpu")

@@ -42,6 +42,9 @@ class Linear(torch.nn.Module):
 
     Parameters keep TE's names: weight and bias, or <name>_weight / <name>_bias
     with parameters_split (views of one storage, concatenated without a copy).
+    Under FP8 every GEMM dimension -- input rows (tokens), in_features and
+    out_features, local to the TP rank -- must be divisible by 16, else a
+    ValueError names the dimension.
     Not supported (NotImplementedError naming the option): userbuffer overlap
     (ub_*), delay_wgrad_compute, symmetric_ar_type, save_original_input,
     and forward(fp8_output=True / fp8_grad=True), since te_fuser's Float8Tensor
@@ -132,11 +135,16 @@ class Linear(torch.nn.Module):
         full_weight = torch.empty(self.local_out_features, self.local_in_features, device=device,
                                   dtype=self.params_dtype)
         for pname, piece in zip(self._split_names("weight"), full_weight.split(sizes)):
-            self.register_parameter(pname, torch.nn.Parameter(piece))
+            param = torch.nn.Parameter(piece)
+            self._ops[0].mark_weight(param)
+            self.register_parameter(pname, param)
         if self.use_bias:
             full_bias = torch.empty(self.local_out_features, device=device, dtype=self.params_dtype)
             for pname, piece in zip(self._split_names("bias"), full_bias.split(sizes)):
                 param = torch.nn.Parameter(piece)
+                param.tensor_model_parallel = False
+                if self.parallel_mode == "column":
+                    tp.mark_parallel_param(param, 0)
                 # A row-parallel bias under sequence parallelism gets a partial gradient
                 # on each rank; like TE, mark it for the framework's all-reduce.
                 param.sequence_parallel = self.sequence_parallel and self.parallel_mode == "row"

@@ -8,6 +8,14 @@ def world_size(group) -> int:
     return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
+def mark_parallel_param(param: torch.Tensor, partition_dim: int) -> None:
+    """Megatron/TransformerEngine attributes of a tensor-parallel (sharded) parameter, which
+    frameworks read, e.g. to all-reduce only the replicated parameters' gradients."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+
+
 def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     size = world_size(group)
     if size == 1:

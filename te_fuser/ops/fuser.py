@@ -70,11 +70,12 @@ def fuse_backward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
 class _Plan:
     """The fusions and per-op requires-grad pattern for one cache key."""
 
-    __slots__ = ("forward_ops", "backward_ops", "input_requires_grad", "param_slices")
+    __slots__ = ("forward_ops", "backward_ops", "input_requires_grad", "params_require_grad", "param_slices")
 
     def __init__(self, basic_ops, input_requires_grad, params_require_grad, param_counts):
         self.forward_ops = fuse_forward_ops(basic_ops)
         self.backward_ops = fuse_backward_ops(basic_ops)
+        self.params_require_grad = tuple(params_require_grad)
         # Op j's input requires grad when the chain input or a parameter of an earlier op does.
         self.input_requires_grad, self.param_slices = [], []
         needs, start = input_requires_grad, 0
@@ -97,8 +98,9 @@ class _FuserFunction(torch.autograd.Function):
     def forward(func_ctx, input_, fuser, plan, kwargs_list, *params):
         basic_ops = fuser.basic_ops
         ctxs = [OperationContext() for _ in basic_ops]
-        for ctx, needs in zip(ctxs, plan.input_requires_grad):
+        for ctx, needs, (start, end) in zip(ctxs, plan.input_requires_grad, plan.param_slices):
             ctx.input_requires_grad = needs
+            ctx.params_require_grad = plan.params_require_grad[start:end]
         x = input_
         last = len(basic_ops) - 1
         for op, idx in plan.forward_ops:

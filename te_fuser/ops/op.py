@@ -21,6 +21,9 @@ class OperationContext:
     save_for_backward; Float8Tensors are split into buffers + shells) and come
     back as `saved_tensors` in backward. Anything else is set as an attribute.
     clear() drops every attribute once backward is done with them.
+
+    The fuser sets input_requires_grad and params_require_grad (one flag per
+    op_params() entry, all False under torch.no_grad) before op_forward.
     """
 
     def __init__(self):

@@ -3,18 +3,32 @@
 import torch
 
 from ...kernels import fused
+from .. import _tensor_parallel as tp
 from .._fp8_io import direct_fp8_args, high_precision, wrap_kernel_output
 from ..op import BasicOperation
 
 
 class Bias(BasicOperation):
-    """Adds a bias of `size` elements. create_bias=False: the caller passes `bias=` to each forward."""
+    """Adds a bias of `size` elements. create_bias=False: the caller passes `bias=` to each forward.
 
-    def __init__(self, size: int, *, device=None, dtype=None, create_bias: bool = True):
+    tensor_parallel=True: the bias of a column-parallel linear, `size` global and
+    size / TP size elements on each rank (tagged as a tensor-parallel parameter).
+    """
+
+    def __init__(self, size: int, *, device=None, dtype=None, tensor_parallel: bool = False,
+                 tensor_parallel_group=None, tensor_parallel_size=None, create_bias: bool = True):
         super().__init__()
-        self.size = int(size)
+        ranks = 1
+        if tensor_parallel:
+            ranks = tensor_parallel_size if tensor_parallel_size is not None else tp.world_size(tensor_parallel_group)
+        if int(size) % ranks:
+            raise ValueError(f"Bias size ({size}) must be divisible by the TP size {ranks}")
+        self.size = int(size) // ranks
         if create_bias:
             self.bias = torch.nn.Parameter(torch.zeros(self.size, device=device, dtype=dtype))
+            self.bias.tensor_model_parallel = False
+            if tensor_parallel:
+                tp.mark_parallel_param(self.bias, 0)
         else:
             self.bias = None
 

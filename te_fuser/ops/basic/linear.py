@@ -60,6 +60,7 @@ class BasicLinear(BasicOperation):
         if create_weight:
             self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features,
                                                          device=device, dtype=dtype))
+            self.mark_weight(self.weight)
             if self.weight.device.type != "meta":
                 self.reset_parameters()
         else:
@@ -76,6 +77,12 @@ class BasicLinear(BasicOperation):
                 raise ValueError(f"in_features ({self.in_features}) must be divisible by the TP size {size}")
             return self.in_features // size, self.out_features
         return self.in_features, self.out_features
+
+    def mark_weight(self, weight: torch.Tensor) -> None:
+        """Tag a weight of this op's shape with the tensor-parallel attributes of its mode."""
+        weight.tensor_model_parallel = False
+        if self.tensor_parallel_mode is not None:
+            tp.mark_parallel_param(weight, 0 if self.tensor_parallel_mode == "column" else 1)
 
     def reset_parameters(self) -> None:
         if self.weight is not None:

@@ -56,7 +56,7 @@ class RMSNorm(_Norm):
         x = self._input(input_)
         fp8_out = direct_fp8_args(next_op_input_quantizer)
         y, rstd = fused.rmsnorm(x, self.weight, self.eps, self.zero_centered_gamma, fp8_out=fp8_out)
-        if ctx.input_requires_grad or self.weight.requires_grad:
+        if ctx.input_requires_grad or any(ctx.params_require_grad):
             ctx.save_for_backward(x, rstd)
         return self._output(y, next_op_input_quantizer, fp8_out, x.dtype)
 
@@ -64,7 +64,7 @@ class RMSNorm(_Norm):
         x, rstd = ctx.saved_tensors
         dy = high_precision(grad_output).contiguous()
         dx, dw = fused.rmsnorm_backward(dy, x, rstd, self.weight, self.zero_centered_gamma)
-        return dx, (dw if self.weight.requires_grad else None,)
+        return dx, (dw if ctx.params_require_grad[0] else None,)
 
 
 class LayerNorm(_Norm):
@@ -81,7 +81,7 @@ class LayerNorm(_Norm):
         fp8_out = direct_fp8_args(next_op_input_quantizer)
         y, mean, rstd = fused.layernorm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma,
                                         fp8_out=fp8_out)
-        if ctx.input_requires_grad or self.weight.requires_grad or self.bias.requires_grad:
+        if ctx.input_requires_grad or any(ctx.params_require_grad):
             ctx.save_for_backward(x, mean, rstd)
         return self._output(y, next_op_input_quantizer, fp8_out, x.dtype)
 
@@ -89,4 +89,4 @@ class LayerNorm(_Norm):
         x, mean, rstd = ctx.saved_tensors
         dy = high_precision(grad_output).contiguous()
         dx, dw, db = fused.layernorm_backward(dy, x, mean, rstd, self.weight, self.zero_centered_gamma)
-        return dx, (dw if self.weight.requires_grad else None, db if self.bias.requires_grad else None)
+        return dx, (dw if ctx.params_require_grad[0] else None, db if ctx.params_require_grad[1] else None)
