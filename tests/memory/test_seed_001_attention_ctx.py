@@ -7,6 +7,7 @@ each shown to catch the buggy pattern:
      (and no Float8Tensor holding buffers) on any node's plain attributes;
   2. the bytes torch's allocator still holds after forward + backward, while
      the output is alive, are exactly the output and the input grads.
+Both are cross-checked with te_fuser.memory (audit_autograd, MemoryTracker).
 """
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 import te_fuser
 from te_fuser.attention import dot_product_attention as dpa_module
 from te_fuser.attention.function import FusedAttentionFunction
+from te_fuser.memory import MemoryTracker, audit_autograd
 from te_fuser.saved_tensors import restore_from_saved
 
 HEADS, DIM, SEQ = 2, 64, 512
@@ -68,7 +70,7 @@ class LeakyFunction(FusedAttentionFunction):
         if objects is not None:
             restore_from_saved(objects, saved)  # the shells hold their buffers again ...
         ctx.tensor_objects = objects  # ... and stay on ctx, as in TransformerEngine before the fix
-        ctx.saved_lse = saved[4]  # a plain tensor attribute (lse): the same class of bug
+        ctx.saved_lse = saved[4 if objects is None else 10]  # a plain tensor attribute (lse): the same class of bug
         return grads
 
 
@@ -88,23 +90,32 @@ def run(fp8: bool):
         t.grad = None
     held, out = allocator_bytes_held(step)
     expected = out.numel() * out.element_size() + sum(t.numel() * t.element_size() for t in (q, k, v))
-    return out, held, expected
+    # The same step once more under te_fuser.memory's tracker, as a cross-check.
+    for t in (q, k, v):
+        t.grad = None
+    with MemoryTracker("cpu") as tracker:
+        out_again = step()
+    return out, held, expected, tracker.retained_bytes, out_again
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_no_tensor_on_ctx_and_nothing_retained(fp8):
-    out, held, expected = run(fp8)
+    out, held, expected, tracked, out_again = run(fp8)
     assert ctx_tensors(out) == []
     assert held == expected, f"{held - expected} bytes beyond the output and the grads are still held"
+    assert audit_autograd(out_again).clean
+    assert tracked == expected
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_the_same_checks_catch_the_seed_001_bug(fp8, monkeypatch):
     monkeypatch.setattr(dpa_module, "FusedAttentionFunction", LeakyFunction)
-    out, held, expected = run(fp8)
+    out, held, expected, tracked, out_again = run(fp8)
     leaked = ctx_tensors(out)
     assert leaked, "the graph walk missed tensors left on ctx"
     assert held > expected, "the allocator measurement missed the retained tensors"
+    audit = audit_autograd(out_again)
+    assert not audit.clean and tracked - expected >= audit.total_bytes > 0
     if fp8:
         # The FP8 q, k, v bytes (1 byte per element) are among what is retained.
         assert held - expected >= 3 * SEQ * HEADS * DIM
