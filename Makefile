@@ -24,7 +24,10 @@ test: install c-check
 # kernel sources run on the CPU (one thread per CUDA thread) and compared with the C core.
 c-check:
 	sh tests/c/run.sh
+	sh tests/c/run_ops.sh
+	sh tests/c/run_attention.sh
 	bash tests/c/cuda_emulation/run.sh
+	sh tests/c/cuda_emulation/run_ops.sh
 
 # Every CUDA source compiles for sm_80 and sm_90a, and the CUDA binding files
 # compile against the stable ABI headers, although no GPU is here.

@@ -60,7 +60,8 @@ class TransformerBlock(torch.nn.Module):
         self.mlp = te.ops.Sequential(
             te.ops.LayerNorm(h, device=device, dtype=dtype),
             te.ops.BasicLinear(h, f, tensor_parallel_mode="column" if par.tp_size > 1 else None, **mlp_tp),
-            te.ops.Bias(f, device=device, dtype=dtype),
+            te.ops.Bias(f, tensor_parallel=par.tp_size > 1, tensor_parallel_group=par.tp_group,
+                        device=device, dtype=dtype),
             te.ops.GELU(),
             te.ops.BasicLinear(f, h, tensor_parallel_mode="row" if par.tp_size > 1 else None, **mlp_tp),
             te.ops.Bias(h, device=device, dtype=dtype),

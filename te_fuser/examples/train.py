@@ -78,6 +78,17 @@ def make_recipe(args):
     return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
 
 
+def shard_from_full(model, full, rank, tp_size):
+    """Copy this rank's slice of every parameter of `full` (a model built without tensor parallelism)."""
+    full_params = dict(full.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            src = full_params[name]
+            if getattr(p, "tensor_model_parallel", False):
+                src = src.chunk(tp_size, dim=p.partition_dim)[rank]
+            p.copy_(src)
+
+
 def sync_replicated_grads(model, group):
     """Sequence parallelism leaves each rank a partial gradient of the replicated parameters: sum them."""
     for p in model.parameters():
@@ -102,7 +113,12 @@ def train(args, device, rank, world):
     par = Parallel(tp_group=tp_group, tp_size=args.tp, sequence_parallel=args.sequence_parallel and args.tp > 1)
     cfg = GPTConfig(seq_len=args.seq_len, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
                     ffn_hidden_size=4 * args.hidden)
+    # Tensor parallel: the same initial weights as one process would draw, sharded.
+    full = GPT(cfg, device=device) if par.tp_size > 1 else None
     model = GPT(cfg, par, device=device, checkpoint_blocks=args.checkpoint_activations)
+    if full is not None:
+        shard_from_full(model, full, rank, par.tp_size)
+        del full
     if args.fsdp:
         from torch.distributed.fsdp import fully_shard
 
