@@ -111,8 +111,14 @@ def _snapshot():
 @contextlib.contextmanager
 def _replay(snapshot):
     top, scales = snapshot
-    current = {state: (state.scale.clone(), state.scale_inv.clone(), state.amax.clone()) for state in scales}
-    for state, (scale, scale_inv) in scales.items():
+    # States missing from the snapshot were created during the checkpointed forward
+    # itself, so they cast with their initial scale there.
+    forward_scales = dict(scales)
+    for state in list(FP8GlobalState._live_states):
+        if state.forward and state not in forward_scales:
+            forward_scales[state] = (torch.ones_like(state.scale), torch.ones_like(state.scale_inv))
+    current = {state: (state.scale.clone(), state.scale_inv.clone(), state.amax.clone()) for state in forward_scales}
+    for state, (scale, scale_inv) in forward_scales.items():
         state.scale.copy_(scale)
         state.scale_inv.copy_(scale_inv)
     FP8GlobalState._stack.append(_Context(top.enabled, top.calibrating, top.recipe, top.group, replay=True))

@@ -13,6 +13,7 @@ The run ends by writing a PNG of loss and memory over the steps.
 
 import argparse
 import datetime
+import json
 import os
 import sys
 import time
@@ -49,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-activations", action="store_true")
     p.add_argument("--save", type=Path, help="write a checkpoint here at the end")
     p.add_argument("--resume", type=Path, help="resume from this checkpoint")
-    p.add_argument("--plot", type=Path, default=Path("train_loss_memory.png"))
+    p.add_argument("--plot", default="train_loss_memory.png", help="PNG of loss and memory ('' for none)")
+    p.add_argument("--history", type=Path, help="also write the per-step records as JSON here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a collective may wait for another rank")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -183,8 +185,10 @@ def train(args, device, rank, world):
     if args.save:
         save_checkpoint(args.save, model, optimizer, start_step + args.steps, gen)
     if rank == 0 and args.plot:
-        plot_history(history, args.plot, title=f"te_fuser GPT ({'FP8' if fp8 else 'high precision'}, {device.type})")
+        plot_history(history, Path(args.plot), title=f"te_fuser GPT ({'FP8' if fp8 else 'high precision'}, {device.type})")
         print(f"wrote {args.plot}")
+    if rank == 0 and args.history:
+        args.history.write_text(json.dumps(history))
     return history
 
 
