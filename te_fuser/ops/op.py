@@ -132,6 +132,14 @@ class BasicOperation(torch.nn.Module):
                 "forward": self._fp8_states[0].state_dict(),
                 "backward": self._fp8_states[1].state_dict()}
 
+    def get_extra_state(self):
+        """The FP8 recipe state travels in the state_dict as `_extra_state`, as in TransformerEngine."""
+        return self.fp8_extra_state()
+
+    def set_extra_state(self, state) -> None:
+        param = next(self.parameters(), None)
+        self.load_fp8_extra_state(state, param.device if param is not None else torch.device("cpu"))
+
     def load_fp8_extra_state(self, state, device) -> None:
         if not state:
             return
