@@ -104,6 +104,13 @@ def main(argv=None):
     rank, world = init_distributed(args, device)
     try:
         return train(args, device, rank, world)
+    except (RuntimeError, dist.DistError) as err:
+        if world == 1:
+            raise
+        # A dead or failing rank surfaces here as a broken connection or a collective timeout.
+        raise RuntimeError(f"rank {rank} of {world}: training stopped because a collective with the other ranks "
+                           f"failed (a rank died, raised, or did not answer within --timeout {args.timeout:g} s): "
+                           f"{err}") from err
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
