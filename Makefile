@@ -15,7 +15,7 @@ install:
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 
 demo: install
-	$(PYTHON) -m te_fuser.examples.quantize_demo
+	$(PYTHON) -m te_fuser.examples.train
 
 test: install c-check
 	$(PYTHON) -m pytest -q tests
@@ -46,3 +46,6 @@ cuda-check:
 
 bench: install
 	$(PYTHON) benchmarks/bench_quantize.py
+	$(PYTHON) benchmarks/bench_linear.py
+	$(PYTHON) benchmarks/bench_attention.py
+	$(PYTHON) benchmarks/memory_timeline.py

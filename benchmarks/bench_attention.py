@@ -4,10 +4,9 @@
 
 Times forward and forward+backward (median of interleaved runs, so both sides
 see the same machine load), TFLOP/s with forward = 4 b h s^2 d (halved when
-causal) and backward = 2.5 x forward, and memory: on CPU the bytes torch's
-allocator hands out during the call (every allocation counted, frees ignored),
-on CUDA the peak allocated above the inputs. On CUDA, SDPA's flash and cuDNN
-backends are timed separately.
+causal) and backward = 2.5 x forward, and the peak memory allocated above the
+inputs during the call (te_fuser.memory.MemoryTracker on CPU and CUDA). On CUDA,
+SDPA's flash and cuDNN backends are timed separately.
 """
 
 import argparse
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from te_fuser.attention.function import FusedAttentionFunction
+from te_fuser.memory import MemoryTracker
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,16 +44,10 @@ def timed_interleaved(fns, device, repeats):
 
 
 def memory_bytes(fn, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    """Peak bytes allocated during fn above the level at its start (te_fuser.memory.MemoryTracker)."""
+    with MemoryTracker(device=device) as mem:
         fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    return sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
+    return mem.peak_bytes
 
 
 def sdpa_backend(name):

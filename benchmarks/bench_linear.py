@@ -5,7 +5,7 @@
 Rows: torch.nn.Linear and te_fuser.Linear in the parameter dtype, then te_fuser.Linear
 under fp8_autocast (delayed scaling). On the CPU the FP8 GEMM is emulated (dequantize,
 float32 matmul), so its time says nothing about FP8 speed; on CUDA it is torch._scaled_mm.
-Peak memory: CUDA from the caching allocator, CPU from the profiler's allocation events
+Peak memory: te_fuser.memory.MemoryTracker (CUDA allocator statistics, CPU allocation events)
 (bytes allocated above the level at the start of the step). "saved" is what autograd
 holds between forward and backward (the activation memory of the layer).
 """
@@ -15,10 +15,10 @@ import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import te_fuser
 from te_fuser import recipe
+from te_fuser.memory import MemoryTracker
 
 
 def time_interleaved(steps, device, repeats):
@@ -44,25 +44,10 @@ def time_interleaved(steps, device, repeats):
 
 
 def peak_bytes(fn, device):
-    """Peak bytes allocated during fn above the level at its start."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    """Peak bytes allocated during fn above the level at its start (te_fuser.memory.MemoryTracker)."""
+    with MemoryTracker(device=device) as mem:
         fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    # An event's net self memory: allocations counted when it starts, frees when it ends
-    # (an autograd node frees its children's temporaries on the way out).
-    changes = [(e.time_range.start if e.self_cpu_memory_usage > 0 else e.time_range.end, e.self_cpu_memory_usage)
-               for e in prof.events() if e.self_cpu_memory_usage]
-    level = peak = 0
-    for _, delta in sorted(changes, key=lambda c: c[0]):
-        level += delta
-        peak = max(peak, level)
-    return peak
+    return mem.peak_bytes
 
 
 def saved_bytes(layer, x, context):

@@ -1,10 +1,11 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import recipe
+from . import memory, ops, recipe
 from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
+from .module.linear import Linear
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
 
@@ -16,17 +17,13 @@ __all__ = [
     "Float8Quantizer",
     "Float8Tensor",
     "FP8GlobalState",
+    "Linear",
     "autocast",
     "checkpoint",
     "fp8_autocast",
+    "memory",
+    "ops",
     "prepare_for_saving",
     "recipe",
     "restore_from_saved",
 ]
-from . import memory  # noqa: F401
-
-# te_fuser.Linear and the op fuser (issue 3)
-from . import ops  # noqa: E402
-from .module.linear import Linear  # noqa: E402
-
-__all__ += ["Linear", "ops"]
