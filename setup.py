@@ -60,6 +60,16 @@ def c_core_sources():
     )
 
 
+def storage_poison_extension():
+    """The one classic-API module (see csrc/README.md): tied to the torch it was built against."""
+    return cpp_extension.CppExtension(
+        name="te_fuser._storage_poison",
+        sources=[os.path.join(CSRC, "binding_classic", "storage_poison.cpp")],
+        extra_compile_args={"cxx": TORCH_SYSTEM_INCLUDES + ["-O2", "-Wall", "-Wextra", "-Werror"]},
+        py_limited_api=True,
+    )
+
+
 class BuildExtension(cpp_extension.BuildExtension):
     """Compiles the C sources with a C compiler and C flags, then builds the rest."""
 
@@ -104,7 +114,7 @@ def extension():
 
 
 setup(
-    ext_modules=[extension()],
+    ext_modules=[extension(), storage_poison_extension()],
     cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

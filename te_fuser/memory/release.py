@@ -4,16 +4,13 @@
 (e.g. the true-shape view of a padded all-gather buffer, seed 003) still owns the storage.
 Resizing the shared UntypedStorage to 0 bytes frees it for all of them at once.
 
-After the release, every tensor on that storage still has its shape but no bytes:
-  * creating a view or indexing (``v[0]``, ``v.t()``, matmul) raises RuntimeError
-    ("setStorage: ... out of bounds"); so do ``.tolist()``, ``.item()`` and dtype casts;
-  * writes raise RuntimeError: the storage is marked to refuse mutable data access;
-  * on CUDA builds that provide ``torch._C._set_storage_access_error_msg`` (what
-    torch's cudagraph trees use), every data access raises RuntimeError;
-  * on a CPU-only torch some read kernels (``v.sum()``, ``v + 1``) are not checked and
-    read at the view's byte offset from the storage's null data pointer: the process
-    crashes (SIGSEGV, checked for offsets up to 16 MiB) instead of reading freed memory.
-    torch offers no CPU-build switch to make those reads raise. Do not touch released tensors.
+After the release, every tensor on that storage still has its shape but no bytes, and
+the storage is poisoned: any read or write through it, or through any view of it, raises
+RuntimeError. Torch's own switch for that (``torch._C._set_storage_access_error_msg``)
+exists only in CUDA builds; elsewhere te_fuser's one classic-API module
+(``te_fuser._storage_poison``, see csrc/README.md) sets the same StorageImpl flag. Only if
+that module cannot load (built for another torch) does the guard fall back to refusing
+writes; unchecked read kernels would then dereference the released (null) data pointer.
 The release is final: the storage cannot be resized back.
 """
 
@@ -93,5 +90,10 @@ def _poison(tensor):
     set_message = getattr(torch._C, "_set_storage_access_error_msg", None)
     if set_message is not None:
         set_message(tensor, _RELEASED_MESSAGE)
-    else:
+        return
+    try:
+        from .. import _storage_poison  # noqa: F401  (registers torch.ops.te_fuser.poison_storage)
+    except ImportError:
         torch._C._set_throw_on_mutable_data_ptr(tensor)
+        return
+    torch.ops.te_fuser.poison_storage(tensor, _RELEASED_MESSAGE)
