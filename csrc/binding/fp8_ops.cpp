@@ -2,7 +2,7 @@
 // the C core in csrc/fp8 over chunks spread on torch's intra-op thread pool.
 #include <vector>
 
-#include "binding_util.h"
+#include "fp8_checks.h"
 
 extern "C" {
 #include "../fp8/fp8_quantize.h"
@@ -46,14 +46,6 @@ void accumulate_amax(const Tensor& amax, uint32_t bits) {
   float* p = amax.mutable_data_ptr<float>();
   const uint32_t old = tf_f32_bits(*p) & 0x7FFFFFFFu;
   *p = tf_f32_from_bits(bits > old ? bits : old);
-}
-
-void check_quantize_args(const Tensor& input, const Tensor& scale, const Tensor& amax) {
-  check_contiguous(input, "input");
-  check_scalar_f32(scale, "scale");
-  check_scalar_f32(amax, "amax");
-  check_same_device(input, scale, "input", "scale");
-  check_same_device(input, amax, "input", "amax");
 }
 
 Tensor fp8_quantize_cpu(Tensor input, Tensor scale, Tensor amax, ScalarType fp8_dtype) {
@@ -132,16 +124,7 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cpu(Tensor input, Tensor scale, Te
 void fp8_delayed_scaling_update_cpu(Tensor amax_history, Tensor amax, Tensor scale,
                                     Tensor scale_inv, double fp8_max, int64_t margin,
                                     int64_t amax_compute_algo) {
-  STD_TORCH_CHECK(amax_history.dim() == 2, "amax_history must be 2-D (history_len, n)");
-  const int64_t n = amax_history.size(1);
-  for (const Tensor* t : {&amax_history, &amax, &scale, &scale_inv}) {
-    STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float && t->is_contiguous(),
-                    "amax_history, amax, scale and scale_inv must be contiguous float32");
-    check_same_device(*t, amax_history, "every argument", "amax_history");
-  }
-  STD_TORCH_CHECK(amax.numel() == n && scale.numel() == n && scale_inv.numel() == n,
-                  "amax, scale and scale_inv must have amax_history.size(1) elements");
-  STD_TORCH_CHECK(margin >= -126 && margin <= 126, "margin must lie in [-126, 126]");
+  const int64_t n = check_scaling_update_args(amax_history, amax, scale, scale_inv, margin);
   check_status(tf_fp8_delayed_scaling_update(
                    amax_history.mutable_data_ptr<float>(), amax_history.size(0), n,
                    amax.mutable_data_ptr<float>(), scale.mutable_data_ptr<float>(),

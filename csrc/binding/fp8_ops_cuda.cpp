@@ -2,7 +2,7 @@
 // check their arguments like the CPU ones, then enqueue the kernels of
 // csrc/cuda/fp8 on the current stream of the input's device. Scales are read
 // on the device, so no op waits for the GPU.
-#include "binding_util.h"
+#include "fp8_checks.h"
 
 #include <torch/csrc/stable/accelerator.h>
 
@@ -13,19 +13,15 @@ namespace {
 
 using torch::stable::accelerator::DeviceGuard;
 
-void check_quantize_args(const Tensor& input, const Tensor& scale, const Tensor& amax) {
-  check_contiguous(input, "input");
-  check_scalar_f32(scale, "scale");
-  check_scalar_f32(amax, "amax");
-  check_same_device(input, scale, "input", "scale");
-  check_same_device(input, amax, "input", "amax");
-  // The CPU reads the scale before it writes amax; GPU blocks overlap both.
+// The CPU reads the scale before it writes amax; GPU blocks overlap both.
+void check_no_scale_amax_alias(const Tensor& scale, const Tensor& amax) {
   STD_TORCH_CHECK(scale.const_data_ptr() != amax.const_data_ptr(),
                   "scale and amax must not share memory on CUDA");
 }
 
 Tensor fp8_quantize_cuda(Tensor input, Tensor scale, Tensor amax, ScalarType fp8_dtype) {
   check_quantize_args(input, scale, amax);
+  check_no_scale_amax_alias(scale, amax);
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
   const tf_fp8_format format = to_tf_fp8_format(fp8_dtype, "fp8_dtype");
   const DeviceGuard guard(input.get_device_index());
@@ -72,6 +68,7 @@ Tensor fp8_dequantize_cuda(Tensor data, Tensor scale_inv, ScalarType out_dtype) 
 std::tuple<Tensor, Tensor> fp8_cast_transpose_cuda(Tensor input, Tensor scale, Tensor amax,
                                                    ScalarType fp8_dtype) {
   check_quantize_args(input, scale, amax);
+  check_no_scale_amax_alias(scale, amax);
   STD_TORCH_CHECK(input.dim() >= 2, "input must have at least 2 dimensions");
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
   const tf_fp8_format format = to_tf_fp8_format(fp8_dtype, "fp8_dtype");
@@ -93,16 +90,7 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cuda(Tensor input, Tensor scale, T
 void fp8_delayed_scaling_update_cuda(Tensor amax_history, Tensor amax, Tensor scale,
                                      Tensor scale_inv, double fp8_max, int64_t margin,
                                      int64_t amax_compute_algo) {
-  STD_TORCH_CHECK(amax_history.dim() == 2, "amax_history must be 2-D (history_len, n)");
-  const int64_t n = amax_history.size(1);
-  for (const Tensor* t : {&amax_history, &amax, &scale, &scale_inv}) {
-    STD_TORCH_CHECK(t->scalar_type() == ScalarType::Float && t->is_contiguous(),
-                    "amax_history, amax, scale and scale_inv must be contiguous float32");
-    check_same_device(*t, amax_history, "every argument", "amax_history");
-  }
-  STD_TORCH_CHECK(amax.numel() == n && scale.numel() == n && scale_inv.numel() == n,
-                  "amax, scale and scale_inv must have amax_history.size(1) elements");
-  STD_TORCH_CHECK(margin >= -126 && margin <= 126, "margin must lie in [-126, 126]");
+  const int64_t n = check_scaling_update_args(amax_history, amax, scale, scale_inv, margin);
   const DeviceGuard guard(amax_history.get_device_index());
   void* stream = current_cuda_stream(amax_history, "amax_history");
   check_status(tf_fp8_delayed_scaling_update_cuda(

@@ -15,20 +15,7 @@
 #include "attention/attention_dropout.h"
 #include "fp8/fp8_format.h"
 
-static int passed;
-static int failed;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (cond) {                                            \
-      ++passed;                                            \
-    } else {                                               \
-      ++failed;                                            \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, "\n");                               \
-    }                                                      \
-  } while (0)
+#include "check.h"
 
 static uint64_t rng_state = 88172645463325252ull;
 
@@ -379,6 +366,5 @@ int main(void) {
   test_fp8_and_bf16();
   test_dropout_rng();
   test_checks();
-  printf("%d passed, %d failed\n", passed, failed);
-  return failed ? 1 : 0;
+  return check_report();
 }

@@ -17,20 +17,7 @@
 #include "fp8/fp8_quantize.h"
 #include "fp8/fp8_scaling.h"
 
-static int passed;
-static int failed;
-
-#define CHECK(cond, ...)                                      \
-  do {                                                        \
-    if (cond) {                                               \
-      ++passed;                                               \
-    } else {                                                  \
-      ++failed;                                               \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);    \
-      fprintf(stderr, __VA_ARGS__);                           \
-      fputc('\n', stderr);                                    \
-    }                                                         \
-  } while (0)
+#include "check.h"
 
 /* xorshift64*: reproducible pseudo-random bits. */
 static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
@@ -485,6 +472,5 @@ int main(void) {
   test_size_checks();
   test_delayed_scaling();
   test_current_scaling();
-  printf("%d passed, %d failed\n", passed, failed);
-  return failed != 0;
+  return check_report();
 }

@@ -13,20 +13,7 @@
 #include "ops/activation.h"
 #include "ops/norm.h"
 
-static int passed;
-static int failed;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (cond) {                                            \
-      ++passed;                                            \
-    } else {                                               \
-      ++failed;                                            \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fputc('\n', stderr);                                 \
-    }                                                      \
-  } while (0)
+#include "check.h"
 
 static uint64_t rng_state = 0x243F6A8885A308D3ull;
 static float rand_f(float scale) {
@@ -196,6 +183,5 @@ int main(void) {
   test_swiglu();
   test_layernorm();
   test_checks();
-  printf("%d passed, %d failed\n", passed, failed);
-  return failed != 0;
+  return check_report();
 }

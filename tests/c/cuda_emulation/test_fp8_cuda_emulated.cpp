@@ -16,20 +16,7 @@ extern "C" {
 
 namespace {
 
-int passed = 0;
-int failed = 0;
-
-#define CHECK(cond, ...)                             \
-  do {                                               \
-    if (cond) {                                      \
-      ++passed;                                      \
-    } else {                                         \
-      ++failed;                                      \
-      std::fprintf(stderr, "FAIL line %d: ", __LINE__); \
-      std::fprintf(stderr, __VA_ARGS__);             \
-      std::fputc('\n', stderr);                      \
-    }                                                \
-  } while (0)
+#include "../check.h"
 
 uint64_t rng = 88172645463325252ull;
 uint32_t rand_u32() {
@@ -170,6 +157,5 @@ int main() {
   test_cast_transpose();
   test_scaling();
   std::fprintf(stderr, "(%ld emulated launches)\n", emu_launch_count);
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed != 0;
+  return check_report();
 }

@@ -16,20 +16,7 @@ extern "C" {
 }
 #include "cuda/ops/fused_ops_cuda.h"
 
-static int passed;
-static int failed;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (cond) {                                            \
-      ++passed;                                            \
-    } else {                                               \
-      ++failed;                                            \
-      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::fprintf(stderr, __VA_ARGS__);                   \
-      std::fputc('\n', stderr);                            \
-    }                                                      \
-  } while (0)
+#include "../check.h"
 
 static uint64_t rng_state = 0x13198A2E03707344ull;
 static float rand_f(float scale) {
@@ -186,6 +173,5 @@ int main() {
   test_norms(9, 600);         // rows longer than a block
   test_norms(130, 33);        // three bands of rows
   test_checks();
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed != 0;
+  return check_report();
 }
