@@ -5,7 +5,7 @@ set -eu
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 exe="${TMPDIR:-/tmp}/te_fuser_test_attention_core.$$"
 trap 'rm -f "$exe"' EXIT
-"${CC:-cc}" -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined \
+"${CC:-cc}" -std=c11 -O1 -g -Wall -Wextra -Werror -Wno-psabi -fsanitize=address,undefined \
   -fno-sanitize-recover=all -fno-omit-frame-pointer -I"$root/csrc" \
   "$root/tests/c/test_attention_core.c" "$root"/csrc/attention/*.c "$root"/csrc/common/*.c -lm -o "$exe"
 "$exe"
