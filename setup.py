@@ -109,7 +109,6 @@ def extension():
     return cpp_extension.CUDAExtension(
         sources=sources + cuda_binding + cuda_sources,
         extra_compile_args={"cxx": CXX_FLAGS + ["-DTE_FUSER_WITH_CUDA"], "nvcc": NVCC_FLAGS},
-        libraries=["cublasLt"],
         **common,
     )
 
