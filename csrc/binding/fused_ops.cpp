@@ -8,7 +8,7 @@
 #include <optional>
 #include <vector>
 
-#include "binding_util.h"
+#include "fused_checks.h"
 
 extern "C" {
 #include "../ops/activation.h"
@@ -17,18 +17,6 @@ extern "C" {
 
 namespace te_fuser {
 namespace {
-
-struct Matrix {
-  int64_t rows;
-  int64_t cols;
-};
-
-Matrix as_matrix(const Tensor& t, const char* arg) {
-  STD_TORCH_CHECK(t.dim() >= 1, arg, " must have at least one dimension");
-  check_contiguous(t, arg);
-  const int64_t cols = t.size(t.dim() - 1);
-  return {cols == 0 ? 0 : t.numel() / cols, cols};
-}
 
 // Rows per band: about kGrainElements elements, and at most kMaxBands bands so
 // the per-band partial sums stay small. Depends on the shape only, which keeps
@@ -121,25 +109,6 @@ void finish_output(const OutputSpec& spec, uint32_t bits) {
   float* p = spec.amax->mutable_data_ptr<float>();
   const uint32_t old = tf_f32_bits(*p) & 0x7FFFFFFFu;
   *p = tf_f32_from_bits(bits > old ? bits : old);
-}
-
-void check_vector(const Tensor& v, int64_t n, const Tensor& like, const char* arg) {
-  check_contiguous(v, arg);
-  STD_TORCH_CHECK(v.dim() == 1 && v.size(0) == n, arg, " must be 1-D with ", n, " elements");
-  check_same_device(v, like, arg, "input");
-}
-
-void check_same_shape(const Tensor& a, const Tensor& b, const char* arg_a, const char* arg_b) {
-  STD_TORCH_CHECK(a.dim() == b.dim(), arg_a, " and ", arg_b, " must have the same shape");
-  for (int64_t d = 0; d < a.dim(); ++d)
-    STD_TORCH_CHECK(a.size(d) == b.size(d), arg_a, " and ", arg_b, " must have the same shape");
-  check_same_device(a, b, arg_a, arg_b);
-}
-
-tf_activation to_activation(int64_t act) {
-  STD_TORCH_CHECK(act == TF_ACT_NONE || act == TF_ACT_GELU_TANH || act == TF_ACT_RELU,
-                  "activation must be 0 (none), 1 (gelu tanh) or 2 (relu)");
-  return static_cast<tf_activation>(act);
 }
 
 Tensor bias_act_forward_impl(const Tensor& x, const std::optional<Tensor>& bias, int64_t activation,
@@ -257,12 +226,6 @@ Tensor swiglu_backward_cpu(Tensor grad, Tensor x) {
   return dx;
 }
 
-std::vector<int64_t> row_shape(const Tensor& x) {
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.pop_back();
-  return sizes;
-}
-
 std::tuple<Tensor, Tensor> rmsnorm_forward_cpu(Tensor x, Tensor weight, double eps,
                                                bool zero_centered_gamma,
                                                std::optional<ScalarType> fp8_dtype,
@@ -315,13 +278,6 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_forward_cpu(Tensor x, Tensor weight
   });
   finish_output(spec, bits);
   return std::make_tuple(y, mean, rstd);
-}
-
-void check_stats(const Tensor& stat, Matrix m, const Tensor& x, const char* arg) {
-  STD_TORCH_CHECK(stat.scalar_type() == ScalarType::Float && stat.is_contiguous() &&
-                      stat.numel() == m.rows,
-                  arg, " must be a contiguous float32 tensor with one element per row of x");
-  check_same_device(stat, x, arg, "x");
 }
 
 std::tuple<Tensor, Tensor> rmsnorm_backward_cpu(Tensor grad, Tensor x, Tensor rstd, Tensor weight,

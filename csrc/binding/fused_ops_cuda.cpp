@@ -5,7 +5,7 @@
 #include <optional>
 #include <vector>
 
-#include "binding_util.h"
+#include "fused_checks.h"
 
 #include <torch/csrc/stable/accelerator.h>
 
@@ -16,48 +16,10 @@ namespace {
 
 using torch::stable::accelerator::DeviceGuard;
 
-struct Matrix {
-  int64_t rows;
-  int64_t cols;
-};
-
-Matrix as_matrix(const Tensor& t, const char* arg) {
-  STD_TORCH_CHECK(t.dim() >= 1, arg, " must have at least one dimension");
+// The shared as_matrix, for tensors that must live on the GPU.
+Matrix as_cuda_matrix(const Tensor& t, const char* arg) {
   STD_TORCH_CHECK(t.is_cuda(), arg, " must be a CUDA tensor");
-  check_contiguous(t, arg);
-  const int64_t cols = t.size(t.dim() - 1);
-  return {cols == 0 ? 0 : t.numel() / cols, cols};
-}
-
-void check_vector(const Tensor& v, int64_t n, const Tensor& like, const char* arg) {
-  check_contiguous(v, arg);
-  STD_TORCH_CHECK(v.dim() == 1 && v.size(0) == n, arg, " must be 1-D with ", n, " elements");
-  check_same_device(v, like, arg, "input");
-}
-
-void check_same_shape(const Tensor& a, const Tensor& b, const char* arg_a, const char* arg_b) {
-  STD_TORCH_CHECK(a.dim() == b.dim(), arg_a, " and ", arg_b, " must have the same shape");
-  for (int64_t d = 0; d < a.dim(); ++d)
-    STD_TORCH_CHECK(a.size(d) == b.size(d), arg_a, " and ", arg_b, " must have the same shape");
-  check_same_device(a, b, arg_a, arg_b);
-}
-
-void check_stats(const Tensor& stat, Matrix m, const Tensor& x, const char* arg) {
-  STD_TORCH_CHECK(stat.scalar_type() == ScalarType::Float && stat.is_contiguous() && stat.numel() == m.rows,
-                  arg, " must be a contiguous float32 tensor with one element per row of x");
-  check_same_device(stat, x, arg, "x");
-}
-
-tf_activation to_activation(int64_t act) {
-  STD_TORCH_CHECK(act == TF_ACT_NONE || act == TF_ACT_GELU_TANH || act == TF_ACT_RELU,
-                  "activation must be 0 (none), 1 (gelu tanh) or 2 (relu)");
-  return static_cast<tf_activation>(act);
-}
-
-std::vector<int64_t> row_shape(const Tensor& x) {
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.pop_back();
-  return sizes;
+  return as_matrix(t, arg);
 }
 
 // A new output tensor and its launcher descriptor: FP8 when fp8_dtype is given, else `dtype`.
@@ -94,7 +56,7 @@ Output make_output(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef 
 Tensor bias_act_forward_impl(const Tensor& x, const std::optional<Tensor>& bias, int64_t activation,
                              const std::optional<ScalarType>& fp8_dtype, const std::optional<Tensor>& scale,
                              const std::optional<Tensor>& amax) {
-  const Matrix m = as_matrix(x, "x");
+  const Matrix m = as_cuda_matrix(x, "x");
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   const tf_activation act = to_activation(activation);
   tf_dtype bias_dtype = TF_FLOAT32;
@@ -123,8 +85,8 @@ std::tuple<Tensor, Tensor> act_bias_backward_cuda(Tensor grad, Tensor x, std::op
                                                   int64_t activation, bool compute_dbias,
                                                   std::optional<ScalarType> fp8_dtype, std::optional<Tensor> scale,
                                                   std::optional<Tensor> amax) {
-  const Matrix m = as_matrix(x, "x");
-  as_matrix(grad, "grad");
+  const Matrix m = as_cuda_matrix(x, "x");
+  as_cuda_matrix(grad, "grad");
   check_same_shape(grad, x, "grad", "x");
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   const tf_dtype dy_dtype = to_tf_dtype(grad.scalar_type(), "grad");
@@ -152,7 +114,7 @@ std::tuple<Tensor, Tensor> act_bias_backward_cuda(Tensor grad, Tensor x, std::op
 
 Tensor swiglu_forward_impl(const Tensor& x, const std::optional<ScalarType>& fp8_dtype,
                            const std::optional<Tensor>& scale, const std::optional<Tensor>& amax) {
-  const Matrix m = as_matrix(x, "x");
+  const Matrix m = as_cuda_matrix(x, "x");
   STD_TORCH_CHECK(m.cols % 2 == 0, "x's last dimension must be even for SwiGLU, got ", m.cols);
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
@@ -171,8 +133,8 @@ Tensor swiglu_forward_fp8_cuda(Tensor x, ScalarType fp8_dtype, Tensor scale, Ten
 }
 
 Tensor swiglu_backward_cuda(Tensor grad, Tensor x) {
-  const Matrix m = as_matrix(x, "x");
-  const Matrix g = as_matrix(grad, "grad");
+  const Matrix m = as_cuda_matrix(x, "x");
+  const Matrix g = as_cuda_matrix(grad, "grad");
   STD_TORCH_CHECK(m.cols % 2 == 0 && g.rows == m.rows && g.cols * 2 == m.cols,
                   "grad must have x's shape with the last dimension halved");
   check_same_device(grad, x, "grad", "x");
@@ -191,7 +153,7 @@ std::tuple<Tensor, std::optional<Tensor>, Tensor> norm_forward(
     const Tensor& x, const Tensor& weight, const std::optional<Tensor>& beta, double eps, bool zero_centered_gamma,
     const std::optional<ScalarType>& fp8_dtype, const std::optional<Tensor>& scale,
     const std::optional<Tensor>& amax) {
-  const Matrix m = as_matrix(x, "x");
+  const Matrix m = as_cuda_matrix(x, "x");
   check_vector(weight, m.cols, x, "weight");
   if (beta.has_value()) {
     check_vector(*beta, m.cols, x, "bias");
@@ -234,8 +196,8 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> norm_backward(const Tensor& gr
                                                                 const std::optional<Tensor>& mean,
                                                                 const Tensor& rstd, const Tensor& weight,
                                                                 bool zero_centered_gamma) {
-  const Matrix m = as_matrix(x, "x");
-  as_matrix(grad, "grad");
+  const Matrix m = as_cuda_matrix(x, "x");
+  as_cuda_matrix(grad, "grad");
   check_same_shape(grad, x, "grad", "x");
   check_vector(weight, m.cols, x, "weight");
   if (mean.has_value()) check_stats(*mean, m, x, "mean");
