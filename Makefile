@@ -26,8 +26,8 @@ c-check:
 	sh tests/c/run.sh
 	sh tests/c/run_ops.sh
 	sh tests/c/run_attention.sh
-	bash tests/c/cuda_emulation/run.sh
-	sh tests/c/cuda_emulation/run_ops.sh
+	sh tests/c/cuda_emulation/run.sh fp8
+	sh tests/c/cuda_emulation/run.sh ops
 
 # Every CUDA source compiles for sm_80 and sm_90a, and the CUDA binding files
 # compile against the stable ABI headers, although no GPU is here.
