@@ -1,5 +1,5 @@
-// Device building blocks of the attention kernels: tensor-core MMA, ldmatrix
-// and cp.async through inline PTX (sm_80+), 16-bit element packing, global ->
+// Device building blocks of the attention kernels: the 16-bit element types
+// (packing and their MMA, from attention_ptx.cuh), global ->
 // shared tile loads (with the FP8 -> 16-bit conversion), and the per-sequence
 // row ranges for padded and packed (cu_seqlens) problems.
 #pragma once
@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "attention_cuda.h"
+#include "attention_ptx.cuh"
 #include "../../attention/attention_dropout.h"
 #include "../../fp8/fp8_format.h"
 
@@ -17,18 +18,14 @@ namespace tf_attn {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// The 16-bit element types; the MMA instruction names their PTX type.
+// The 16-bit element types; each names its MMA instruction.
 struct Bf16 {
   __device__ static uint32_t pack(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
   __device__ static void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_bf16_m16n8k16(c, a, b0, b1);
   }
 };
 
@@ -38,44 +35,9 @@ struct Fp16 {
     return *reinterpret_cast<uint32_t*>(&v);
   }
   __device__ static void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_f16_m16n8k16(c, a, b0, b1);
   }
 };
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// Four 8x8 16-bit matrices; lane l supplies the row address of matrix l / 8.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(row)));
-}
-
-// 16-byte global -> shared copy; when !valid nothing is read and zeros land.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :
-               : "r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
 
 // Rows [begin, begin + len) of one sequence inside the token dim, and the
 // batch index of the tensors. `cap` rows belong to the sequence (padded
