@@ -251,6 +251,11 @@ def test_fp8_kernels_against_dequantized_reference(causal):
         assert_close(g, r, 6e-2, 2e-2, f"fp8 d{name}")
 
 
+def test_cpu_decodes_fp8_inside_the_kernel():
+    """The CPU path never reports FP8 tensor cores (the CUDA side is checked in test_attention_cuda.py)."""
+    assert te_fuser.kernels.attention.fp8_tensor_cores("cpu") is False
+
+
 def test_fp8_dpa_module():
     """With fp8_dpa, the module's output and grads match float64 SDPA on the FP8-dequantized inputs."""
     torch.manual_seed(9)

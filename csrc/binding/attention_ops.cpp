@@ -270,6 +270,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
   return std::make_tuple(dq, dk, dv);
 }
 
+// The CPU kernels decode FP8 tiles to float32 inside the kernel.
+bool attention_fp8_tensor_cores_cpu(Tensor) { return false; }
+
 }  // namespace
 }  // namespace te_fuser
 
@@ -285,9 +288,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
       " float softmax_scale, bool causal, float dropout_p, int seed, int offset,"
       " Tensor? q_descale, Tensor? k_descale, Tensor? v_descale)"
       " -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Whether attention_fwd runs FP8 inputs on FP8 tensor cores on like's device.
+  m.def("attention_fp8_tensor_cores(Tensor like) -> bool");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
   m.impl("attention_fwd", TORCH_BOX(&te_fuser::attention_fwd_cpu));
   m.impl("attention_bwd", TORCH_BOX(&te_fuser::attention_bwd_cpu));
+  m.impl("attention_fp8_tensor_cores", TORCH_BOX(&te_fuser::attention_fp8_tensor_cores_cpu));
 }

@@ -283,10 +283,16 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   return std::make_tuple(dq, dk, dv);
 }
 
+bool attention_fp8_tensor_cores_cuda(Tensor like) {
+  torch::stable::accelerator::DeviceGuard guard(like.get_device_index());
+  return tf_attention_cuda_fp8_mma_available() != 0;
+}
+
 }  // namespace
 }  // namespace te_fuser
 
 STABLE_TORCH_LIBRARY_IMPL(te_fuser, CUDA, m) {
   m.impl("attention_fwd", TORCH_BOX(&te_fuser::attention_fwd_cuda));
   m.impl("attention_bwd", TORCH_BOX(&te_fuser::attention_bwd_cuda));
+  m.impl("attention_fp8_tensor_cores", TORCH_BOX(&te_fuser::attention_fp8_tensor_cores_cuda));
 }

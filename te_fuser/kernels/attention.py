@@ -128,6 +128,20 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
                               v_descale, out_dtype)
 
 
+def fp8_tensor_cores(device) -> bool:
+    """Whether attention_fwd runs float8_e4m3fn inputs on FP8 tensor cores on `device`.
+
+    True on GPUs that run the sm_90a kernels (Hopper: wgmma with e4m3
+    operands, P quantized to e4m3 for the P V product). Elsewhere FP8 tiles
+    are decoded inside the kernels and multiplied in 16 bits (CUDA) or
+    float32 (CPU).
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return bool(_ops.attention_fp8_tensor_cores(torch.empty(0, device=device)))
+
+
 def attention_bwd(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=None,
                   seqlens_kv=None, softmax_scale: Optional[float] = None, causal: bool = False,
                   dropout_p: float = 0.0, seed: int = 0, offset: int = 0, q_descale=None, k_descale=None,

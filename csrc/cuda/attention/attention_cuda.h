@@ -15,8 +15,10 @@
  * keys j <= i, positions counted inside the sequence.
  *
  * Supported head dims: TF_ATTN_CUDA_HEAD_DIMS. Inputs bf16/fp16, or
- * float8_e4m3fn with per-tensor descales (the kernels convert FP8 tiles to
- * `dtype` and use the 16-bit tensor-core MMA). Dropout drops exactly the
+ * float8_e4m3fn with per-tensor descales: the forward uses the FP8
+ * tensor cores (wgmma) where the device runs the sm_90a binary (see
+ * tf_attention_cuda_fp8_mma_available); elsewhere, and in the backward, FP8
+ * tiles are decoded to `dtype` for the 16-bit MMA. Dropout drops exactly the
  * elements the CPU kernels drop (csrc/attention/attention_dropout.h).
  */
 #ifndef TF_ATTENTION_CUDA_H
@@ -35,6 +37,9 @@ extern "C" {
 
 /* 1 when the CUDA kernels cover head dim d. */
 int tf_attention_cuda_head_dim_supported(int64_t d);
+
+/* 1 when the forward runs FP8 inputs on FP8 tensor cores on the current device. */
+int tf_attention_cuda_fp8_mma_available(void);
 
 /* A [B, S, H, D] tensor: element strides of the first three dims. */
 typedef struct tf_attn_cuda_tensor {
