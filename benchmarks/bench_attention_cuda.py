@@ -1,6 +1,7 @@
 """Throughput of te_fuser's CUDA attention against torch SDPA (flash and cuDNN backends), same run.
 
-bf16, head dims 128 and 64, causal and not, sequence lengths 2k / 8k / 16k with batch * seqlen = 16k
+te_fuser runs bf16 inputs, and ("te_fp8") the same inputs quantized to float8_e4m3fn with
+per-tensor scales (bf16 output), as fp8_dpa does; bf16 for SDPA. Head dims 128 and 64, causal and not, sequence lengths 2k / 8k / 16k with batch * seqlen = 16k
 tokens and heads = 2048 / head_dim. Forward FLOPs = 4 * b * h * s^2 * d (halved when causal); the
 backward counts 2.5x the forward, so fwd+bwd = 3.5x. Times are medians of CUDA-event timings; peak
 memory is the allocator's peak above what was allocated before the call.
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import te_fuser  # noqa: F401  (registers torch.ops.te_fuser)
+import te_fuser
+import te_fuser.kernels.attention
 
 TOKENS = 16 * 1024
 HIDDEN = 2048
@@ -58,6 +60,25 @@ def ours(q, k, v, dout, causal, backward):
     return run
 
 
+def ours_fp8(q, k, v, dout, causal, backward):
+    """The same problem on e4m3 copies of q, k, v (amax-scaled per tensor), output in bf16."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    quantized, descales = [], []
+    for t in (q, k, v):
+        descale = (t.abs().amax().float() / torch.finfo(torch.float8_e4m3fn).max).reshape(1)
+        quantized.append((t.float() / descale).to(torch.float8_e4m3fn))
+        descales.append(descale)
+
+    def run():
+        out, lse = torch.ops.te_fuser.attention_fwd(*quantized, None, None, None, None, scale, causal, 0.0, 0, 0,
+                                                    *descales, torch.bfloat16)
+        if backward:
+            torch.ops.te_fuser.attention_bwd(dout, *quantized, out, lse, None, None, None, None, scale, causal,
+                                             0.0, 0, 0, *descales)
+
+    return run
+
+
 def sdpa(backend, q, k, v, dout, causal, backward):
     # SDPA takes [B, H, S, D]: transposed views of the same [B, S, H, D] storage.
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(backward) for t in (q, k, v))
@@ -77,7 +98,8 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  FP8 forward on FP8 tensor cores: "
+          f"{te_fuser.kernels.attention.fp8_tensor_cores('cuda')}")
     header = f"{'pass':8} {'hdim':>4} {'causal':>6} {'seqlen':>6} {'impl':>10} {'ms':>9} {'TFLOP/s':>8} {'vs flash':>8} {'peak MiB':>9}"
     print(header)
     print("-" * len(header))
@@ -92,6 +114,7 @@ def main():
                     flops = 4 * b * h * seqlen * seqlen * head_dim / (2 if causal else 1) * (3.5 if backward else 1)
                     impls = {
                         "te_fuser": ours(q, k, v, dout, causal, backward),
+                        "te_fp8": ours_fp8(q, k, v, dout, causal, backward),
                         "flash": sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, dout, causal, backward),
                         "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, dout, causal, backward),
                     }
