@@ -1,33 +1,54 @@
-// Host stand-in for the CUDA runtime and device built-ins that csrc/cuda/fp8
-// uses, so the kernels' indexing, tails, tiling and reductions run (and are
-// checked against the C core) on a machine without a GPU. Each CUDA thread of
-// a block is a std::thread; blocks run one after another on the same threads.
-// It does not model the GPU's arithmetic (NaN canonicalization, FMA): those
-// are handled in the kernels by construction and checked on a GPU by
-// tests/test_fp8_cuda.py.
+// Host stand-in for the CUDA runtime and the device built-ins that the kernels
+// of csrc/cuda use, so their indexing, tails, tiling, synchronization and
+// reductions run (and are checked against the C core) on a machine without a
+// GPU.
+//
+// Every CUDA thread of a block is a fiber (ucontext) on the calling OS thread;
+// the blocks of a grid run one after another. A fiber runs until it reaches a
+// barrier or a warp-wide operation (__syncthreads, __syncwarp, __shfl_xor_sync,
+// and the warp / warpgroup instructions of the stand-ins for inline-PTX
+// headers, which use emu_meet), then the next fiber runs: the order is
+// deterministic, so a missing barrier shows up as stale data every time
+// instead of by luck. A barrier that some threads never reach (divergence, a
+// thread that exited) stops the program with a message. The last thread to
+// reach a warp-wide operation computes it for the whole warp from every
+// lane's operands, which is what makes lane-exact models of ldmatrix and mma
+// possible.
+//
+// It does not model the GPU's arithmetic (NaN canonicalization, FMA): the
+// kernels handle those by construction and GPU tests check them.
 #pragma once
 
-#include <barrier>
+#include <math.h>
+#include <stdarg.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <thread>
+#include <map>
 #include <vector>
 
 #define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(threads)
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
+#define __grid_constant__
+#define __align__(n) alignas(n)
 // One block runs at a time, so a static serves as the block's shared memory.
 #define __shared__ static
 
-struct emu_dim3 {
-  unsigned int x = 0, y = 1, z = 1;
+struct dim3 {
+  unsigned int x, y, z;
+  constexpr dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
 };
-inline thread_local emu_dim3 threadIdx, blockIdx;
-inline emu_dim3 blockDim, gridDim;
+// threadIdx always holds the running fiber's index (set at every switch).
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 struct alignas(8) uint2 {
   unsigned int x, y;
@@ -35,13 +56,51 @@ struct alignas(8) uint2 {
 struct alignas(16) uint4 {
   unsigned int x, y, z, w;
 };
+struct alignas(8) float2 {
+  float x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+template <class T>
+T min(T a, T b) {
+  return a < b ? a : b;
+}
+template <class T>
+T max(T a, T b) {
+  return a > b ? a : b;
+}
 
 typedef struct CUstream_st *cudaStream_t;
 enum cudaError_t { cudaSuccess = 0 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+struct cudaFuncAttributes {
+  int binaryVersion, ptxVersion, maxDynamicSharedSizeBytes;
+};
 
 // Few SMs, so that modest test sizes already make the grid-stride loops go round.
 constexpr int kEmuSms = 2;
+// The architecture of the kernel binary the emulated device runs (what
+// cudaFuncGetAttributes reports as binaryVersion): 90 for the sm_90a binary,
+// 80 for the sm_80 one. Tests set it to run both.
+inline int emu_binary_version = 90;
+inline long emu_launch_count = 0;
+
+[[noreturn]] inline void emu_fatal(const char *format, ...) {
+  va_list args;
+  va_start(args, format);
+  std::fprintf(stderr, "CUDA emulation: block (%u, %u, %u) thread %u: ", blockIdx.x, blockIdx.y, blockIdx.z,
+               threadIdx.x);
+  std::vfprintf(stderr, format, args);
+  std::fputc('\n', stderr);
+  va_end(args);
+  std::abort();
+}
 
 inline cudaError_t cudaGetDevice(int *device) {
   *device = 0;
@@ -52,67 +111,285 @@ inline cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr, int) {
   return cudaSuccess;
 }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaMemsetAsync(void *p, int value, size_t bytes, cudaStream_t) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
 
-inline std::barrier<> *emu_block_barrier;
-inline std::vector<std::barrier<> *> emu_warp_barriers;
-inline uint64_t emu_warp_lanes[32][32];
+// Largest dynamic shared memory of a block: 163 KiB on sm_80, 227 KiB on sm_90.
+inline int emu_max_dynamic_shared() { return emu_binary_version >= 90 ? 232448 : 166912; }
+// What cudaFuncSetAttribute allowed each kernel (48 KiB without it).
+inline std::map<const void *, int> emu_max_dynamic_shared_of;
 
-inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+template <class... A>
+const void *emu_kernel_id(void (*kernel)(A...)) {
+  return reinterpret_cast<const void *>(kernel);
+}
+template <class... A>
+cudaError_t cudaFuncSetAttribute(void (*kernel)(A...), cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || value > emu_max_dynamic_shared())
+    return static_cast<cudaError_t>(1);
+  emu_max_dynamic_shared_of[emu_kernel_id(kernel)] = value;
+  return cudaSuccess;
+}
+template <class... A>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *attr, void (*kernel)(A...)) {
+  const auto it = emu_max_dynamic_shared_of.find(emu_kernel_id(kernel));
+  attr->binaryVersion = attr->ptxVersion = emu_binary_version;
+  attr->maxDynamicSharedSizeBytes = it == emu_max_dynamic_shared_of.end() ? 48 * 1024 : it->second;
+  return cudaSuccess;
+}
+
+// ---- fibers -------------------------------------------------------------
+
+constexpr int kEmuMaxThreads = 1024;
+constexpr size_t kEmuStackBytes = 512 * 1024;
+
+struct EmuFiber {
+  ucontext_t context;
+  char *stack = nullptr;  // mapped once, with an inaccessible guard page below it
+  dim3 index;
+  bool done = false, waiting = false;
+  const char *waiting_at = nullptr;
+};
+
+struct EmuBlock {
+  std::vector<EmuFiber> fibers = std::vector<EmuFiber>(kEmuMaxThreads);
+  int threads = 0, current = 0;
+  long serial = 0;  // counts the blocks run, so per-thread state can tell a new block
+  ucontext_t scheduler;
+  void (*body)(void *) = nullptr;
+  void *body_arg = nullptr;
+};
+inline EmuBlock emu_block;
+
+// Linear index of the running thread inside its block.
+inline int emu_thread() { return emu_block.current; }
+
+inline void emu_switch(int from_context_of, int to) {
+  EmuFiber &next = emu_block.fibers[to];
+  emu_block.current = to;
+  threadIdx = next.index;
+  swapcontext(&emu_block.fibers[from_context_of].context, &next.context);
+}
+
+// Lets the next runnable fiber run; back to the scheduler when none can.
+inline void emu_yield() {
+  const int self = emu_block.current, n = emu_block.threads;
+  for (int i = 1; i <= n; ++i) {
+    const int f = (self + i) % n;
+    const EmuFiber &fiber = emu_block.fibers[f];
+    if (fiber.done || fiber.waiting) continue;
+    if (f != self) emu_switch(self, f);
+    return;
+  }
+  swapcontext(&emu_block.fibers[self].context, &emu_block.scheduler);
+}
+
+inline void emu_fiber_main() {
+  emu_block.body(emu_block.body_arg);
+  emu_block.fibers[emu_block.current].done = true;
+  emu_yield();
+}
+
+// Per-thread operand and result slots of the warp-wide operations.
+constexpr size_t kEmuSlotBytes = 64;
+struct alignas(16) EmuSlot {
+  unsigned char bytes[kEmuSlotBytes];
+};
+inline EmuSlot emu_in[kEmuMaxThreads], emu_out[kEmuMaxThreads];
+
+// A set of threads that meet at barriers: the block, a warp or a warpgroup.
+struct EmuGroup {
+  int first, size;
+};
+inline EmuGroup emu_warp() {
+  const int first = emu_thread() / 32 * 32;
+  return {first, min(32, emu_block.threads - first)};
+}
+inline EmuGroup emu_warpgroup() {
+  const int first = emu_thread() / 128 * 128;
+  if (first + 128 > emu_block.threads) emu_fatal("a warpgroup instruction in a partial warpgroup");
+  return {first, 128};
+}
+
+struct EmuMeeting {
+  int arrived = 0;
+  const char *what = nullptr;
+};
+inline std::map<int, EmuMeeting> emu_meetings;  // by (first thread, size) of the group
+
+// The threads of `group` meet here, each having stored its operands in
+// emu_in[its thread]. The last one to arrive runs complete() (which reads
+// every member's emu_in and writes every member's emu_out) and then all go
+// on. Every member must be at the same operation (`what`).
+template <class F>
+void emu_meet(EmuGroup group, const char *what, F complete) {
+  EmuMeeting &m = emu_meetings[group.first * 2048 + group.size];
+  if (m.arrived == 0) m.what = what;
+  if (m.what != what) emu_fatal("threads of one warp or block diverged: %s and %s", m.what, what);
+  if (++m.arrived == group.size) {
+    m.arrived = 0;
+    complete();
+    for (int t = group.first; t < group.first + group.size; ++t) emu_block.fibers[t].waiting = false;
+    return;
+  }
+  EmuFiber &self = emu_block.fibers[emu_thread()];
+  self.waiting = true;
+  self.waiting_at = what;
+  while (self.waiting) emu_yield();
+}
+
+inline void __syncthreads() { emu_meet({0, emu_block.threads}, "__syncthreads", [] {}); }
+inline void __syncwarp(unsigned int = 0xffffffffu) { emu_meet(emu_warp(), "__syncwarp", [] {}); }
 
 template <class T>
 T __shfl_xor_sync(unsigned int, T value, int lane_mask) {
-  const unsigned int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  uint64_t raw = 0;
-  std::memcpy(&raw, &value, sizeof value);
-  emu_warp_lanes[warp][lane] = raw;
-  emu_warp_barriers[warp]->arrive_and_wait();
-  raw = emu_warp_lanes[warp][lane ^ static_cast<unsigned int>(lane_mask)];
-  emu_warp_barriers[warp]->arrive_and_wait();
+  static_assert(sizeof(T) <= 8, "one register");
+  const EmuGroup w = emu_warp();
+  std::memcpy(emu_in[emu_thread()].bytes, &value, sizeof value);
+  std::memcpy(emu_in[emu_thread()].bytes + 8, &lane_mask, sizeof lane_mask);
+  emu_meet(w, "__shfl_xor_sync", [w] {
+    for (int lane = 0; lane < w.size; ++lane) {
+      int mask;
+      std::memcpy(&mask, emu_in[w.first + lane].bytes + 8, sizeof mask);
+      const int src = lane ^ mask;
+      if (src >= w.size) emu_fatal("__shfl_xor_sync reads lane %d of a %d-lane warp", src, w.size);
+      std::memcpy(emu_out[w.first + lane].bytes, emu_in[w.first + src].bytes, sizeof(T));
+    }
+  });
   T out;
-  std::memcpy(&out, &raw, sizeof out);
+  std::memcpy(&out, emu_out[emu_thread()].bytes, sizeof out);
   return out;
 }
 
+// One OS thread runs every fiber, so plain read-modify-writes are atomic.
 inline unsigned int atomicMax(unsigned int *p, unsigned int value) {
-  unsigned int old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
-  while (old < value &&
-         !__atomic_compare_exchange_n(p, &old, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-  }
+  const unsigned int old = *p;
+  *p = old > value ? old : value;
   return old;
 }
 inline unsigned int atomicAnd(unsigned int *p, unsigned int value) {
-  return __atomic_fetch_and(p, value, __ATOMIC_SEQ_CST);
+  const unsigned int old = *p;
+  *p = old & value;
+  return old;
+}
+inline float atomicAdd(float *p, float value) {
+  const float old = *p;
+  *p = old + value;
+  return old;
 }
 
 // Built with -ffp-contract=off, so these are single IEEE operations as on the GPU.
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 
-inline long emu_launch_count = 0;
+// ---- dynamic shared memory --------------------------------------------------
 
-// What `kernel<<<blocks, threads, shared, stream>>>(args)` becomes: body() is the kernel call.
-template <class Body>
-void emu_launch(int blocks, int threads, int, cudaStream_t, Body body) {
-  ++emu_launch_count;
-  gridDim.x = static_cast<unsigned int>(blocks);
-  blockDim.x = static_cast<unsigned int>(threads);
-  std::barrier<> block_barrier(threads);
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
-  emu_block_barrier = &block_barrier;
-  emu_warp_barriers.clear();
-  for (int w = 0; w < (threads + 31) / 32; ++w) {
-    warps.push_back(std::make_unique<std::barrier<>>(threads - 32 * w < 32 ? threads - 32 * w : 32));
-    emu_warp_barriers.push_back(warps.back().get());
+// The block's dynamic shared memory; shared-window addresses start at
+// kEmuSharedBase (the window's first KiB is reserved on sm_80+).
+constexpr uint32_t kEmuSharedBase = 1024;
+struct EmuShared {
+  unsigned char *data = nullptr;
+  size_t bytes = 0;
+};
+inline EmuShared emu_shared;
+
+// What `extern __shared__ __align__(A) T name[];` becomes (emulate_sources.py).
+template <class T>
+T *emu_dynamic_shared(size_t align) {
+  if (emu_shared.bytes == 0) emu_fatal("dynamic shared memory used by a launch that requested none");
+  if (reinterpret_cast<uintptr_t>(emu_shared.data) % align != 0) emu_fatal("shared memory misaligned");
+  return reinterpret_cast<T *>(emu_shared.data);
+}
+
+inline size_t __cvta_generic_to_shared(const void *p) {
+  const unsigned char *c = static_cast<const unsigned char *>(p);
+  if (c < emu_shared.data || c >= emu_shared.data + emu_shared.bytes)
+    emu_fatal("%p is not in the block's dynamic shared memory", p);
+  return kEmuSharedBase + static_cast<size_t>(c - emu_shared.data);
+}
+
+// Offset into the dynamic shared memory of `bytes` bytes at shared-window address addr.
+inline size_t emu_shared_offset(uint32_t addr, size_t bytes) {
+  if (addr < kEmuSharedBase || addr - kEmuSharedBase + bytes > emu_shared.bytes)
+    emu_fatal("shared address 0x%x (+%zu bytes) is outside the %zu-byte dynamic shared memory", addr, bytes,
+              emu_shared.bytes);
+  return addr - kEmuSharedBase;
+}
+
+// ---- launches ---------------------------------------------------------------
+
+// Makes f start the kernel at its next switch (out of line, like the switch:
+// getcontext returns twice).
+[[gnu::noinline]] inline void emu_prepare_fiber(EmuFiber &f) {
+  f.done = f.waiting = false;
+  getcontext(&f.context);
+  f.context.uc_stack.ss_sp = f.stack;
+  f.context.uc_stack.ss_size = kEmuStackBytes;
+  f.context.uc_link = nullptr;
+  makecontext(&f.context, emu_fiber_main, 0);
+}
+
+// Runs the fibers until none can run (out of line: nothing of the caller may
+// live across the switch, which returns twice as far as the compiler knows).
+[[gnu::noinline]] inline void emu_enter_fibers() {
+  emu_block.current = 0;
+  threadIdx = emu_block.fibers[0].index;
+  swapcontext(&emu_block.scheduler, &emu_block.fibers[0].context);
+}
+
+// Runs every thread of block blockIdx to its end.
+inline void emu_run_block() {
+  ++emu_block.serial;
+  // Shared memory starts as NaN bytes (bf16, fp16, float and e4m3 alike), so a
+  // read of data that never landed shows up in the results.
+  std::memset(emu_shared.data, 0xFF, emu_shared.bytes);
+  for (int t = 0; t < emu_block.threads; ++t) emu_prepare_fiber(emu_block.fibers[t]);
+  emu_enter_fibers();
+  for (int t = 0; t < emu_block.threads; ++t) {
+    const EmuFiber &f = emu_block.fibers[t];
+    if (!f.done) {
+      threadIdx = f.index;
+      emu_fatal("deadlock: waits at %s, which not every thread of its warp or block reaches", f.waiting_at);
+    }
   }
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      threadIdx.x = static_cast<unsigned int>(t);
-      for (int b = 0; b < blocks; ++b) {
-        blockIdx.x = static_cast<unsigned int>(b);
-        body();
-        block_barrier.arrive_and_wait();  // the next block reuses the "shared" statics
+}
+
+// What `kernel<<<grid, block, shared, stream>>>(args)` becomes: body() is the kernel call.
+template <class Body>
+void emu_launch(const void *kernel, dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t, Body body) {
+  ++emu_launch_count;
+  const long threads = static_cast<long>(block.x) * block.y * block.z;
+  if (threads < 1 || threads > kEmuMaxThreads) emu_fatal("launch with %ld threads per block", threads);
+  if (grid.y > 65535 || grid.z > 65535) emu_fatal("grid (%u, %u, %u) too large", grid.x, grid.y, grid.z);
+  const auto allowed = emu_max_dynamic_shared_of.find(kernel);
+  const size_t limit = allowed == emu_max_dynamic_shared_of.end() ? 48 * 1024 : allowed->second;
+  if (shared_bytes > limit) emu_fatal("launch with %zu bytes of dynamic shared memory, %zu allowed", shared_bytes, limit);
+  gridDim = grid;
+  blockDim = block;
+  std::vector<unsigned char> storage(shared_bytes + 1024);
+  emu_shared.data = storage.data() + (1024 - reinterpret_cast<uintptr_t>(storage.data()) % 1024);
+  emu_shared.bytes = shared_bytes;
+  emu_block.threads = static_cast<int>(threads);
+  emu_block.body = [](void *b) { (*static_cast<Body *>(b))(); };
+  emu_block.body_arg = &body;
+  emu_meetings.clear();
+  for (int t = 0; t < threads; ++t) {
+    EmuFiber &f = emu_block.fibers[t];
+    if (f.stack == nullptr) {
+      void *map = mmap(nullptr, kEmuStackBytes + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+      if (map == MAP_FAILED || mprotect(map, 4096, PROT_NONE) != 0) emu_fatal("no memory for fiber stacks");
+      f.stack = static_cast<char *>(map) + 4096;
+    }
+    f.index = dim3(t % block.x, t / block.x % block.y, t / (block.x * block.y));
+  }
+  for (unsigned int z = 0; z < grid.z; ++z)
+    for (unsigned int y = 0; y < grid.y; ++y)
+      for (unsigned int x = 0; x < grid.x; ++x) {
+        blockIdx = dim3(x, y, z);
+        emu_run_block();
       }
-    });
-  for (std::thread &t : pool) t.join();
+  emu_shared = EmuShared{};
 }
