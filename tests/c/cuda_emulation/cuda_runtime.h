@@ -20,6 +20,9 @@
 #pragma once
 
 #include <math.h>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
 #include <stdarg.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -143,7 +146,7 @@ cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *attr, void (*kernel)(A...)
 // ---- fibers -------------------------------------------------------------
 
 constexpr int kEmuMaxThreads = 1024;
-constexpr size_t kEmuStackBytes = 512 * 1024;
+constexpr size_t kEmuStackBytes = 32 * 1024;  // the kernels use under 8 KiB; a guard page stops overflows
 
 struct EmuFiber {
   ucontext_t context;
@@ -166,30 +169,69 @@ inline EmuBlock emu_block;
 // Linear index of the running thread inside its block.
 inline int emu_thread() { return emu_block.current; }
 
-inline void emu_switch(int from_context_of, int to) {
+// AddressSanitizer must be told when execution moves to another stack.
+#if defined(__SANITIZE_ADDRESS__)
+struct EmuStackBounds {
+  const void *bottom = nullptr;
+  size_t size = 0;
+};
+inline EmuStackBounds emu_scheduler_stack;
+// Before leaving the running stack for `to` (nullptr: the scheduler's);
+// `ending`: the running fiber never resumes.
+inline void emu_leave_stack(const EmuFiber *to, bool ending, void **fake_stack) {
+  __sanitizer_start_switch_fiber(ending ? nullptr : fake_stack, to ? to->stack : emu_scheduler_stack.bottom,
+                                 to ? kEmuStackBytes : emu_scheduler_stack.size);
+}
+inline void emu_enter_stack(void *fake_stack, EmuStackBounds *from = nullptr) {
+  __sanitizer_finish_switch_fiber(fake_stack, from ? &from->bottom : nullptr, from ? &from->size : nullptr);
+}
+#else
+inline void emu_leave_stack(const EmuFiber *, bool, void **) {}
+inline void emu_enter_stack(void *) {}
+#endif
+
+inline void emu_switch(int from_context_of, int to, bool ending) {
   EmuFiber &next = emu_block.fibers[to];
   emu_block.current = to;
   threadIdx = next.index;
+  void *fake_stack = nullptr;
+  emu_leave_stack(&next, ending, &fake_stack);
   swapcontext(&emu_block.fibers[from_context_of].context, &next.context);
+  emu_enter_stack(fake_stack);
 }
 
 // Lets the next runnable fiber run; back to the scheduler when none can.
-inline void emu_yield() {
+// `ending`: the running fiber has finished.
+inline void emu_yield(bool ending = false) {
   const int self = emu_block.current, n = emu_block.threads;
   for (int i = 1; i <= n; ++i) {
     const int f = (self + i) % n;
     const EmuFiber &fiber = emu_block.fibers[f];
     if (fiber.done || fiber.waiting) continue;
-    if (f != self) emu_switch(self, f);
+    if (f != self) emu_switch(self, f, ending);
     return;
   }
+  void *fake_stack = nullptr;
+  emu_leave_stack(nullptr, ending, &fake_stack);
   swapcontext(&emu_block.fibers[self].context, &emu_block.scheduler);
+  emu_enter_stack(fake_stack);
 }
 
+// Run when a thread ends (set by a stand-in that has per-thread state to check).
+inline void (*emu_thread_exit_check)() = nullptr;
+
 inline void emu_fiber_main() {
+#if defined(__SANITIZE_ADDRESS__)
+  // Fiber 0 is always entered from the scheduler: that tells where its stack is.
+  if (emu_block.current == 0)
+    emu_enter_stack(nullptr, &emu_scheduler_stack);
+  else
+    emu_enter_stack(nullptr);
+#endif
   emu_block.body(emu_block.body_arg);
+  if (emu_thread_exit_check != nullptr) emu_thread_exit_check();
   emu_block.fibers[emu_block.current].done = true;
-  emu_yield();
+  emu_yield(true);
 }
 
 // Per-thread operand and result slots of the warp-wide operations.
@@ -201,23 +243,23 @@ inline EmuSlot emu_in[kEmuMaxThreads], emu_out[kEmuMaxThreads];
 
 // A set of threads that meet at barriers: the block, a warp or a warpgroup.
 struct EmuGroup {
-  int first, size;
+  int first, size, id;  // id: warps 0..31, warpgroups 32..39, the block 40
 };
 inline EmuGroup emu_warp() {
   const int first = emu_thread() / 32 * 32;
-  return {first, min(32, emu_block.threads - first)};
+  return {first, min(32, emu_block.threads - first), first / 32};
 }
 inline EmuGroup emu_warpgroup() {
   const int first = emu_thread() / 128 * 128;
   if (first + 128 > emu_block.threads) emu_fatal("a warpgroup instruction in a partial warpgroup");
-  return {first, 128};
+  return {first, 128, 32 + first / 128};
 }
 
 struct EmuMeeting {
   int arrived = 0;
   const char *what = nullptr;
 };
-inline std::map<int, EmuMeeting> emu_meetings;  // by (first thread, size) of the group
+inline EmuMeeting emu_meetings[41];  // by group id
 
 // The threads of `group` meet here, each having stored its operands in
 // emu_in[its thread]. The last one to arrive runs complete() (which reads
@@ -225,7 +267,7 @@ inline std::map<int, EmuMeeting> emu_meetings;  // by (first thread, size) of th
 // on. Every member must be at the same operation (`what`).
 template <class F>
 void emu_meet(EmuGroup group, const char *what, F complete) {
-  EmuMeeting &m = emu_meetings[group.first * 2048 + group.size];
+  EmuMeeting &m = emu_meetings[group.id];
   if (m.arrived == 0) m.what = what;
   if (m.what != what) emu_fatal("threads of one warp or block diverged: %s and %s", m.what, what);
   if (++m.arrived == group.size) {
@@ -240,7 +282,7 @@ void emu_meet(EmuGroup group, const char *what, F complete) {
   while (self.waiting) emu_yield();
 }
 
-inline void __syncthreads() { emu_meet({0, emu_block.threads}, "__syncthreads", [] {}); }
+inline void __syncthreads() { emu_meet({0, emu_block.threads, 40}, "__syncthreads", [] {}); }
 inline void __syncwarp(unsigned int = 0xffffffffu) { emu_meet(emu_warp(), "__syncwarp", [] {}); }
 
 template <class T>
@@ -336,7 +378,10 @@ inline size_t emu_shared_offset(uint32_t addr, size_t bytes) {
 [[gnu::noinline]] inline void emu_enter_fibers() {
   emu_block.current = 0;
   threadIdx = emu_block.fibers[0].index;
+  void *fake_stack = nullptr;
+  emu_leave_stack(&emu_block.fibers[0], false, &fake_stack);
   swapcontext(&emu_block.scheduler, &emu_block.fibers[0].context);
+  emu_enter_stack(fake_stack);
 }
 
 // Runs every thread of block blockIdx to its end.
@@ -368,13 +413,15 @@ void emu_launch(const void *kernel, dim3 grid, dim3 block, size_t shared_bytes, 
   if (shared_bytes > limit) emu_fatal("launch with %zu bytes of dynamic shared memory, %zu allowed", shared_bytes, limit);
   gridDim = grid;
   blockDim = block;
-  std::vector<unsigned char> storage(shared_bytes + 1024);
-  emu_shared.data = storage.data() + (1024 - reinterpret_cast<uintptr_t>(storage.data()) % 1024);
+  // Exactly the requested bytes, so that AddressSanitizer sees accesses past them.
+  void *shared = nullptr;
+  if (posix_memalign(&shared, 1024, shared_bytes > 0 ? shared_bytes : 1) != 0) emu_fatal("no memory");
+  emu_shared.data = static_cast<unsigned char *>(shared);
   emu_shared.bytes = shared_bytes;
   emu_block.threads = static_cast<int>(threads);
   emu_block.body = [](void *b) { (*static_cast<Body *>(b))(); };
   emu_block.body_arg = &body;
-  emu_meetings.clear();
+  for (EmuMeeting &m : emu_meetings) m = EmuMeeting{};
   for (int t = 0; t < threads; ++t) {
     EmuFiber &f = emu_block.fibers[t];
     if (f.stack == nullptr) {
@@ -391,5 +438,6 @@ void emu_launch(const void *kernel, dim3 grid, dim3 block, size_t shared_bytes, 
         blockIdx = dim3(x, y, z);
         emu_run_block();
       }
+  std::free(shared);
   emu_shared = EmuShared{};
 }

@@ -2,7 +2,9 @@
 # Usage: run.sh AREA   (AREA = fp8, ops or attention)
 # Runs the CUDA kernels of csrc/cuda/AREA on the host (cuda_runtime.h here stands
 # in for the GPU) against the C core of csrc/AREA, with test_AREA_cuda_emulated.cpp,
-# under UBSan (which also checks the alignment of every vector access); no GPU or
+# under AddressSanitizer (every kernel access to global and shared memory is
+# bounds-checked) and UBSan (which also checks the alignment of every vector
+# access); no GPU or
 # nvcc needed. The kernels are built from a copy of csrc in which each header of
 # csrc/cuda/AREA that has a namesake here (the inline-PTX header) is replaced by
 # its host model. The last line printed is "N passed, M failed" (exit status 1
@@ -20,13 +22,13 @@ for f in "$here"/*.cuh; do
 done
 python3 "$here/emulate_sources.py" "$work/csrc/cuda/$area" "$root"/csrc/cuda/"$area"/*.cu
 export CC="${CC:-cc}" CXX="${CXX:-c++}" here work area
-export flags="-O1 -g -ffp-contract=off -fno-strict-aliasing -fsanitize=undefined -fno-sanitize-recover=all"
+export flags="-Og -g1 -ffp-contract=off -fno-strict-aliasing -fsanitize=address,undefined -fno-sanitize-recover=all"
 compile='case "$1" in
-  *.c) $CC -std=c11 $flags -Wall -Wextra -Werror -I"$work/csrc" -c "$1" -o "$work/obj_${1##*/}.o" ;;
+  *.c) $CC -std=c11 $flags -Wall -Wextra -Werror -Wno-psabi -I"$work/csrc" -c "$1" -o "$work/obj_${1##*/}.o" ;;
   *) $CXX -std=c++20 $flags -Wall -Wextra -Werror -Wno-unknown-pragmas -I"$here" -I"$work/csrc" \
        -I"$work/csrc/cuda/$area" -c "$1" -o "$work/obj_${1##*/}.o" ;;
 esac'
 ls "$work"/csrc/"$area"/*.c "$work"/csrc/common/*.c "$here/test_${area}_cuda_emulated.cpp" \
   "$work"/csrc/cuda/"$area"/*.cpp | xargs -I{} -P "${JOBS:-2}" sh -c "$compile" compile {}
-"$CXX" -fsanitize=undefined "$work"/obj_*.o -o "$work/test"
+"$CXX" -fsanitize=address,undefined "$work"/obj_*.o -o "$work/test"
 "$work/test"
