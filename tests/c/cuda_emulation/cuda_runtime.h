@@ -95,6 +95,7 @@ inline int emu_binary_version = 90;
 inline long emu_launch_count = 0;
 
 [[noreturn]] inline void emu_fatal(const char *format, ...) {
+  std::fflush(stdout);
   va_list args;
   va_start(args, format);
   std::fprintf(stderr, "CUDA emulation: block (%u, %u, %u) thread %u: ", blockIdx.x, blockIdx.y, blockIdx.z,
@@ -200,15 +201,41 @@ inline void emu_switch(int from_context_of, int to, bool ending) {
   emu_enter_stack(fake_stack);
 }
 
+// The order in which threads run between barriers. kInterleaved switches
+// warps at every warp-wide operation, so warps advance together; the others
+// run one warp until it waits at a block-wide barrier before the next warp
+// starts (in ascending or descending order), so a warp that reads what another
+// has not written yet, or overwrites what another has not read yet, does so.
+enum class EmuSchedule { kInterleaved, kWarpByWarp, kWarpByWarpDescending };
+inline EmuSchedule emu_schedule = EmuSchedule::kInterleaved;
+
+inline bool emu_runnable(int f) { return !emu_block.fibers[f].done && !emu_block.fibers[f].waiting; }
+
+// The fiber to run after `self`, or -1 when none can run.
+inline int emu_next_fiber(int self) {
+  const int n = emu_block.threads;
+  if (emu_schedule != EmuSchedule::kInterleaved) {
+    const int first = self / 32 * 32, lanes = min(32, n - first);
+    for (int i = 1; i <= lanes; ++i)
+      if (emu_runnable(first + (self - first + i) % lanes)) return first + (self - first + i) % lanes;
+    const int warps = (n + 31) / 32, step = emu_schedule == EmuSchedule::kWarpByWarp ? 1 : warps - 1;
+    for (int w = (self / 32 + step) % warps, k = 1; k < warps; w = (w + step) % warps, ++k)
+      for (int t = 32 * w; t < min(32 * w + 32, n); ++t)
+        if (emu_runnable(t)) return t;
+    return -1;
+  }
+  for (int i = 1; i <= n; ++i)
+    if (emu_runnable((self + i) % n)) return (self + i) % n;
+  return -1;
+}
+
 // Lets the next runnable fiber run; back to the scheduler when none can.
 // `ending`: the running fiber has finished.
 inline void emu_yield(bool ending = false) {
-  const int self = emu_block.current, n = emu_block.threads;
-  for (int i = 1; i <= n; ++i) {
-    const int f = (self + i) % n;
-    const EmuFiber &fiber = emu_block.fibers[f];
-    if (fiber.done || fiber.waiting) continue;
-    if (f != self) emu_switch(self, f, ending);
+  const int self = emu_block.current, next = emu_next_fiber(self);
+  if (next == self) return;
+  if (next >= 0) {
+    emu_switch(self, next, ending);
     return;
   }
   void *fake_stack = nullptr;

@@ -5,15 +5,16 @@
 // (b) the CPU C core (csrc/attention), forward (out, lse) and backward
 // (dq, dk, dv), over dtypes, head dims, causal masks, GQA, ragged lengths,
 // padded and packed batches, strided layouts, dropout, FP8 inputs (decode path
-// in the sm_80 binary, FP8 tensor cores in the sm_90a one) and both cp.async
-// timings. The last part shows that the comparison fails when the model of an
-// instruction is deliberately wrong.
+// in the sm_80 binary, FP8 tensor cores in the sm_90a one), both cp.async
+// timings and the three thread orders of the emulation. The last part shows
+// that the comparison fails when the model of an instruction is deliberately
+// wrong.
 //
 // Tolerances are error bounds per element, computed with the reference (the
 // `err` terms below), doubled. Where the GPU path rounds:
-//   - S = Q K^T: exact products, float32 sums of D terms: |dS| <= (D + 2) u32 sum|q||k|;
-//     through the exponential that is a relative error of P of scale * that
-//     (plus the float32 lse the backward subtracts);
+//   - S = Q K^T: exact products, float32 sums of D terms, so S is off by at most
+//     (D + 2) u32 sum|q||k|; through the exponential that is a relative error eS
+//     of P of scale times that (plus the float32 lse the backward subtracts);
 //   - P is rounded to the 16-bit MMA type (unit roundoff u16 = 2^-8 bf16, 2^-11 fp16)
 //     before O += P V, or, on FP8 tensor cores, 256 P to e4m3 (2^-4 relative,
 //     2^-10 absolute below e4m3's normal range, so 2^-18 for P);
@@ -28,11 +29,15 @@
 // the same bounds. Rows past a sequence's length and rows that see no key must
 // be exactly 0 (lse -inf), and packed tokens outside every sequence untouched.
 //
-// Mutations of the kernel sources tried by hand (each reverted) and caught:
-// dropping the cp_async_wait_all() before the forward epilogue (stale Q rows
-// staged over the output: out mismatches), and swapping (lane >> 4) and
-// ((lane >> 3) & 1) in the backward's K ldmatrix row address (S^T wrong: dq,
-// dk, dv mismatch); see also test_model_faults() for the model-side version.
+// Mutations of the kernel sources tried by hand (each reverted), all caught:
+// no cp_async_wait_all() before the forward epilogue (padded blocks end with
+// their Q copies in flight: the emulation stops); (lane >> 4) and
+// ((lane >> 3) & 1) swapped in the backward's Q / dO ldmatrix row address
+// (dq, dk, dv off in every case); no __syncthreads() after the backward's dS
+// staging (NaN dq); the forward's K_{j+1} prefetch moved before the barrier
+// that ends every warp's reads of K_j (out off in the copies-at-issue and the
+// warp-by-warp FP8 decode cases). test_model_faults() does the same from the
+// model's side.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -174,6 +179,7 @@ struct Case {
   double q_magnitude = 2.0;              // larger: sharper softmax
   bool backward = true;
   EmuCopyTiming timing = EmuCopyTiming::kAtWait;
+  EmuSchedule schedule = EmuSchedule::kInterleaved;
 };
 
 // Where a query (or key) row of the tensors stands.
@@ -188,9 +194,8 @@ struct Problem {
   const Case &c;
   int64_t num_seqs;
   Elem in_elem, out_elem;
-  float descale[3] = {1.0f, 1.0f, 1.0f};
   Tensor q, k, v;
-  std::vector<float> descales;         // device copies of the three descales
+  std::vector<float> descale = {1.0f, 1.0f, 1.0f};  // q, k, v (the kernels read them from this memory)
   std::vector<double> dequantized[3];  // q, k, v times their descales, dense [B, S, H, D]
 
   explicit Problem(const Case &cs)
@@ -201,12 +206,7 @@ struct Problem {
         q(cs.batch, cs.sq, cs.hq, cs.d, in_elem, cs.layout),
         k(cs.batch, cs.skv, cs.hkv, cs.d, in_elem, cs.layout),
         v(cs.batch, cs.skv, cs.hkv, cs.d, in_elem, cs.layout) {
-    if (cs.fp8) {
-      descale[0] = 0.25f;
-      descale[1] = 0.5f;
-      descale[2] = 2.0f;
-    }
-    descales.assign(descale, descale + 3);
+    if (cs.fp8) descale = {0.25f, 0.5f, 2.0f};
     // FP8 values up to +-8 (descales bring them back to the 16-bit cases' range).
     const double range[3] = {cs.q_magnitude * (cs.fp8 ? 4 : 1), cs.fp8 ? 2.0 : 1.0, cs.fp8 ? 0.5 : 1.0};
     Tensor *t[3] = {&q, &k, &v};
@@ -270,9 +270,9 @@ struct Problem {
     p.dtype = out_dtype == TF_FLOAT32 ? TF_BFLOAT16 : out_dtype;
     p.fp8_inputs = c.fp8;
     if (c.fp8) {
-      p.q_descale = &descales[0];
-      p.k_descale = &descales[1];
-      p.v_descale = &descales[2];
+      p.q_descale = &descale[0];
+      p.k_descale = &descale[1];
+      p.v_descale = &descale[2];
     }
     return p;
   }
@@ -542,6 +542,7 @@ void run_cpu(Problem &P, CpuResult &R, Tensor *out, Tensor *dout) {
 bool run_case(const Case &c) {
   emu_binary_version = c.binary;
   tf_attn::emu_copy_timing = c.timing;
+  emu_schedule = c.schedule;
   Problem P(c);
   const tf_attn_cuda_problem g = P.cuda_problem(c.dtype);
   const bool tensor_cores = c.fp8 && c.binary == 90;
@@ -681,17 +682,20 @@ std::vector<Case> cases() {
   fdrop.cu_kv = {0, 100, 150};
   fdrop.backward = false;
   all.push_back(fdrop);
-  // cp.async landing at issue: a prefetch into a buffer that is still being read would show.
-  for (Case c : {make("bf16 d64 copies at issue", TF_BFLOAT16, 64, 200, 200, 2, 1, true),
-                 make("fp16 d128 copies at issue", TF_FLOAT16, 128, 130, 130, 1, 1, false)}) {
-    c.timing = EmuCopyTiming::kAtIssue;
-    all.push_back(c);
-  }
+  // The thread orders: every third case runs warp by warp, every third in descending warp order.
+  for (size_t i = 0; i < all.size(); ++i) all[i].schedule = static_cast<EmuSchedule>(i % 3);
+  // cp.async landing at issue, one warp at a time: a prefetch into a buffer
+  // that another warp has still to read would overwrite it.
+  Case issue = make("bf16 d64 copies at issue", TF_BFLOAT16, 64, 200, 200, 2, 1, true);
+  Case issue16 = make("fp16 d128 copies at issue", TF_FLOAT16, 128, 130, 130, 1, 1, false);
   Case fissue = make("fp8 tensor cores copies at issue", TF_BFLOAT16, 128, 130, 130, 1, 1, true);
   fissue.fp8 = true;
-  fissue.timing = EmuCopyTiming::kAtIssue;
   fissue.backward = false;
-  all.push_back(fissue);
+  for (Case *c : {&issue, &issue16, &fissue}) {
+    c->timing = EmuCopyTiming::kAtIssue;
+    c->schedule = c == &issue16 ? EmuSchedule::kWarpByWarpDescending : EmuSchedule::kWarpByWarp;
+    all.push_back(*c);
+  }
   return all;
 }
 
