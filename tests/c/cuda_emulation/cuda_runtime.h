@@ -296,7 +296,7 @@ template <class F>
 void emu_meet(EmuGroup group, const char *what, F complete) {
   EmuMeeting &m = emu_meetings[group.id];
   if (m.arrived == 0) m.what = what;
-  if (m.what != what) emu_fatal("threads of one warp or block diverged: %s and %s", m.what, what);
+  if (std::strcmp(m.what, what) != 0) emu_fatal("threads of one warp or block diverged: %s and %s", m.what, what);
   if (++m.arrived == group.size) {
     m.arrived = 0;
     complete();

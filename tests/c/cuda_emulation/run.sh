@@ -4,11 +4,11 @@
 # in for the GPU) against the C core of csrc/AREA, with test_AREA_cuda_emulated.cpp,
 # under AddressSanitizer (every kernel access to global and shared memory is
 # bounds-checked) and UBSan (which also checks the alignment of every vector
-# access); no GPU or
-# nvcc needed. The kernels are built from a copy of csrc in which each header of
-# csrc/cuda/AREA that has a namesake here (the inline-PTX header) is replaced by
-# its host model. The last line printed is "N passed, M failed" (exit status 1
-# on failures). JOBS (default 2) compilations run at once.
+# access); no GPU or nvcc needed. The kernels are built from a copy of csrc in
+# which each header of csrc/cuda/AREA that has a namesake here (the inline-PTX
+# header) is replaced by its host model. The last line printed is
+# "N passed, M failed" (exit status 1 on failures). JOBS (default 2)
+# compilations run at once.
 set -eu
 area="${1:?usage: run.sh fp8|ops|attention}"
 here="$(cd "$(dirname "$0")" && pwd)"
