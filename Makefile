@@ -20,14 +20,16 @@ demo: install
 test: install c-check
 	$(PYTHON) -m pytest -q tests
 
-# The C core on its own under AddressSanitizer and UndefinedBehaviorSanitizer, then the CUDA FP8
-# kernel sources run on the CPU (one thread per CUDA thread) and compared with the C core.
+# The C core on its own under AddressSanitizer and UndefinedBehaviorSanitizer, then the CUDA
+# FP8, fused-op and attention kernel sources run on the CPU (one fiber per CUDA thread, the
+# attention PTX replaced by a lane-exact model) and compared with the C core.
 c-check:
 	sh tests/c/run.sh
 	sh tests/c/run_ops.sh
 	sh tests/c/run_attention.sh
 	sh tests/c/cuda_emulation/run.sh fp8
 	sh tests/c/cuda_emulation/run.sh ops
+	sh tests/c/cuda_emulation/run.sh attention
 
 # Every CUDA source compiles for sm_80 and sm_90a, and the CUDA binding files
 # compile against the stable ABI headers, although no GPU is here.
