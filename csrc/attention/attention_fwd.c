@@ -54,13 +54,22 @@ TF_ATTN_INLINE void pack_rows(const tf_attn_operand *x, tf_attn_segment ks, int6
   for (int64_t j = 0; j < nk; ++j) tf_attn_load_row(x, first + j * x->stride_s, D, 1.0f, buf + j * dp);
 }
 
-/* Brings the k and v rows of the next key tile towards the cache while this one is computed. */
-static void prefetch_kv(const tf_attn_operand *k, const tf_attn_operand *v, tf_attn_segment ks,
-                        int64_t hk, int64_t k0, int64_t nk, int64_t D) {
-  for (int64_t j = 0; j < nk; ++j) {
-    tf_attn_prefetch_row(k, tf_attn_row_offset(k, ks.batch, ks.start + k0 + j, hk), D);
-    tf_attn_prefetch_row(v, tf_attn_row_offset(v, ks.batch, ks.start + k0 + j, hk), D);
-  }
+/*
+ * Rows [j0, j1) of head h of a sequence towards L2. The forward asks for
+ * them a share at a time, one share per strip, so that no burst of misses
+ * stalls the loads the tile kernels are waiting for.
+ */
+static void prefetch_rows(const tf_attn_operand *x, tf_attn_segment s, int64_t h, int64_t j0,
+                          int64_t j1, int64_t D, int write) {
+  for (int64_t j = j0; j < j1; ++j)
+    tf_attn_prefetch_row(x, tf_attn_row_offset(x, s.batch, s.start + j, h), D, write);
+}
+
+/* Share `part` of `parts` of the rows [j0, j1). */
+static void prefetch_share(const tf_attn_operand *x, tf_attn_segment s, int64_t h, int64_t j0,
+                           int64_t j1, int64_t part, int64_t parts, int64_t D, int write) {
+  const int64_t n = j1 - j0;
+  prefetch_rows(x, s, h, j0 + n * part / parts, j0 + n * (part + 1) / parts, D, write);
 }
 
 /*
@@ -260,13 +269,22 @@ static void fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q, const t
     t.m[i] = -INFINITY;
     t.l[i] = 0.0f;
   }
+  /* The query rows of the next unit, which is usually this thread's next one. */
+  const int64_t next = unit + 1;
+  tf_attn_segment next_qs = qs;
+  int64_t next_h = 0, next_r0 = 0, next_rows = 0;
+  if (next < tf_attn_num_segments(p) * H * tiles) {
+    next_qs = tf_attn_q_segment(p, next / (H * tiles));
+    next_h = next / tiles % H;
+    next_r0 = next % tiles * BQ;
+    next_rows = clamp64(next_qs.valid - next_r0, 0, BQ);
+  }
   /* v's padding columns stay zero (o's padding columns are never stored, but stay finite). */
   if (D < dp)
     for (int64_t j = 0; j < BK; ++j) memset(t.v + j * dp + D, 0, (size_t)(dp - D) * sizeof(float));
 
   for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
     const int64_t nk = min64(BK, kv_end - k0);
-    if (k0 + BK < kv_end) prefetch_kv(k, v, ks, hk, k0 + BK, min64(BK, kv_end - k0 - BK), D);
     pack_rows(v, ks, hk, k0, nk, D, dp, t.v);
     /*
      * float32 keys are read in place when the score GEMM's whole row blocks
@@ -285,7 +303,18 @@ static void fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q, const t
         memset(t.k + j * dp, 0, (size_t)D * sizeof(float));
     }
     const int first = k0 == 0;
+    const int64_t strips = (nq + 31) / 32;
     for (int64_t i0 = 0; i0 < nq; i0 += 32) {
+      /* Each strip asks for a share of what comes next: the next key tile, or after the last one, this unit's output rows and the next unit's query rows. */
+      const int64_t part = i0 / 32;
+      if (k0 + BK < kv_end) {
+        const int64_t end = min64(k0 + 2 * BK, kv_end);
+        prefetch_share(k, ks, hk, k0 + BK, end, part, strips, D, 0);
+        prefetch_share(v, ks, hk, k0 + BK, end, part, strips, D, 0);
+      } else {
+        prefetch_share(out, qs, h, r0, r0 + rows, part, strips, D, 1);
+        prefetch_share(q, next_qs, next_h, next_r0, next_r0 + next_rows, part, strips, D, 0);
+      }
       const int64_t width = min64(32, nq - i0);
       const strip s = make_strip(p, i0, width, r0, k0, nk);
       if (s.seen <= 0) continue; /* no query of the strip sees these keys */

@@ -96,11 +96,21 @@ static inline void tf_attn_store_row(const tf_attn_operand *op, int64_t offset, 
   }
 }
 
-/* Asks for the n elements of the row at offset to be brought into cache (a hint only). */
-static inline void tf_attn_prefetch_row(const tf_attn_operand *op, int64_t offset, int64_t n) {
+/*
+ * Asks for the n elements of the row at offset to be brought into L2 (a hint
+ * only), to be read or, with `write`, written. Not into L1: the rows of one
+ * head are a power-of-two stride apart, so L1 would keep only a few of them.
+ */
+static inline void tf_attn_prefetch_row(const tf_attn_operand *op, int64_t offset, int64_t n,
+                                        int write) {
   const int64_t size = op->elem == TF_ATTN_F32 ? 4 : op->elem == TF_ATTN_E4M3 ? 1 : 2;
   const char *row = (const char *)op->data + offset * size;
-  for (int64_t byte = 0; byte < n * size; byte += 64) __builtin_prefetch(row + byte);
+  for (int64_t byte = 0; byte < n * size; byte += 64) {
+    if (write)
+      __builtin_prefetch(row + byte, 1, 2);
+    else
+      __builtin_prefetch(row + byte, 0, 2);
+  }
 }
 
 /* Zeroes n elements of the row at offset. */
