@@ -17,6 +17,8 @@
 #include "attention_tile.h"
 
 #define BQ TF_ATTN_BLOCK_Q
+#define QB TF_ATTN_FWD_ROWS
+#define LD TF_ATTN_FWD_LD
 #define BK TF_ATTN_BLOCK_K
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -25,20 +27,19 @@ static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 typedef struct fwd_scratch {
-  float *qt, *o, *k, *v, *st, *m, *l, *alpha, *row;
+  float *qt, *o, *k, *v, *st, *m, *l, *alpha;
 } fwd_scratch;
 
 static fwd_scratch split_scratch(float *base, int64_t dp) {
   fwd_scratch t;
   t.qt = base;
-  t.o = t.qt + dp * BQ;
-  t.k = t.o + BQ * dp;
+  t.o = t.qt + dp * LD;
+  t.k = t.o + QB * dp;
   t.v = t.k + BK * dp;
   t.st = t.v + BK * dp;
-  t.m = t.st + BK * BQ;
-  t.l = t.m + BQ;
-  t.alpha = t.l + BQ;
-  t.row = t.alpha + BQ;
+  t.m = t.st + BK * LD;
+  t.l = t.m + QB;
+  t.alpha = t.l + QB;
   return t;
 }
 
@@ -116,7 +117,7 @@ TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, i
       for (int c = 0; c < cols; ++c) x[i][c] = tf_v16_splat(0.0f);
     for (int64_t d = 0; d < D; ++d) {
       tf_v16 b[2];
-      for (int c = 0; c < cols; ++c) b[c] = tf_v16_load(qt + d * BQ + s.i0 + 16 * c);
+      for (int c = 0; c < cols; ++c) b[c] = tf_v16_load(qt + d * LD + s.i0 + 16 * c);
       for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
         const float a = kp[(r + i) * ldk + d];
         for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
@@ -131,7 +132,7 @@ TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, i
           x[i][c] = tf_v16_select(lane < (int32_t)hidden, tf_v16_splat(-__builtin_inff()), x[i][c]);
         }
         mx[c] = tf_v16_max(mx[c], x[i][c]);
-        tf_v16_store(st + (r + i) * BQ + s.i0 + 16 * c, x[i][c]);
+        tf_v16_store(st + (r + i) * LD + s.i0 + 16 * c, x[i][c]);
       }
   }
 }
@@ -151,8 +152,8 @@ TF_ATTN_INLINE void strip_softmax(float *restrict st, strip s, const tf_v16 mx[2
     const tf_v16 m_use = tf_v16_select(m_new == -__builtin_inff(), tf_v16_splat(0.0f), m_new);
     tf_v16 sum = {0};
     for (int64_t j = 0; j < s.seen; ++j) {
-      const tf_v16 e = tf_v16_exp2(tf_v16_load(st + j * BQ + col) - m_use);
-      tf_v16_store(st + j * BQ + col, e);
+      const tf_v16 e = tf_v16_exp2(tf_v16_load(st + j * LD + col) - m_use);
+      tf_v16_store(st + j * LD + col, e);
       sum += e;
     }
     const tf_v16 a = tf_v16_exp2(m_old - m_use);
@@ -174,7 +175,7 @@ TF_ATTN_INLINE void pv_block(float *restrict o, const float *restrict st, const 
     tf_v16 b[2];
     for (int c = 0; c < cols; ++c) b[c] = tf_v16_load(vp + kk * dp + n + 16 * c);
     for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
-      const float a = st[kk * BQ + r + i];
+      const float a = st[kk * LD + r + i];
       for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
     }
   }
@@ -211,7 +212,7 @@ static void dropout_strip(const tf_attn_problem *p, float *st, int64_t i_begin, 
     for (int64_t i = i_begin; i < i_end; ++i) {
       const uint32_t bits = tf_attn_dropout_bits(key, (uint32_t)seg, (uint32_t)h,
                                                  (uint32_t)(r0 + i), (uint32_t)(k0 + j));
-      st[j * BQ + i] = bits >= threshold ? st[j * BQ + i] * keep_scale : 0.0f;
+      st[j * LD + i] = bits >= threshold ? st[j * LD + i] * keep_scale : 0.0f;
     }
 }
 
@@ -230,21 +231,22 @@ TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, c
 }
 
 /*
- * One query tile of one head. Scores are computed transposed, s^T = k q^T
- * (keys x queries), so the softmax reduces down columns, 16 queries per
- * vector; the tile is walked in strips of 32 queries, each carried from its
- * scores to its o update while it is in L1, and skipping the keys a strip
- * cannot see under causality.
+ * Units [unit, unit + count) (count 1 or 2: consecutive query tiles of one
+ * head) as one block of query rows. Scores are computed transposed,
+ * s^T = k q^T (keys x queries), so the softmax reduces down columns, 16
+ * queries per vector; the block is walked in strips of 32 queries, each
+ * carried from its scores to its o update while it is in L1, and skipping the
+ * keys a strip cannot see under causality.
  */
 TF_ATTN_MULTIVERSION
-static void fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
-                     const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
-                     int64_t unit, int64_t tiles, float *scratch) {
+static void fwd_block(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
+                      const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
+                      int64_t unit, int64_t count, int64_t tiles, float *scratch) {
   const int64_t H = p->heads_q, D = p->head_dim, dp = tf_attn_padded_dim(p);
   const int64_t seg = unit / (H * tiles), h = unit / tiles % H, r0 = unit % tiles * BQ;
   const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
   if (r0 >= qs.span) return;
-  const int64_t nr = min64(BQ, qs.span - r0);
+  const int64_t nr = min64(count * BQ, qs.span - r0);
   const int64_t nv = clamp64(qs.valid - r0, 0, nr);
   const int64_t kv_end = nv == 0 ? 0 : p->causal ? min64(ks.valid, r0 + nv) : ks.valid;
   const int64_t rows = kv_end > 0 ? nv : 0;
@@ -258,19 +260,24 @@ static void fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q, const t
   const fwd_scratch t = split_scratch(scratch, dp);
   const int64_t nq = (rows + 15) / 16 * 16; /* query columns of the score tile */
   const int64_t hk = h / (H / p->heads_kv);
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t i = rows; i < nq; ++i) t.qt[d * BQ + i] = 0.0f;
-  for (int64_t i = 0; i < rows; ++i) {
+  /*
+   * q^T, pre-scaled, zero past `rows`: the rows are first copied into o
+   * (free until the first key tile sets it), so the strided loads are all
+   * independent, then transposed 16 rows at a time.
+   */
+  for (int64_t i = 0; i < rows; ++i)
     tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, qs.start + r0 + i, h), D,
-                     p->softmax_scale * LOG2E, t.row);
-    for (int64_t d = 0; d < D; ++d) t.qt[d * BQ + i] = t.row[d];
-  }
+                     p->softmax_scale * LOG2E, t.o + i * dp);
+  for (int64_t i = rows; i < nq; ++i) memset(t.o + i * dp, 0, (size_t)D * sizeof(float));
+  for (int64_t i0 = 0; i0 < nq; i0 += 16)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < 16; ++i) t.qt[d * LD + i0 + i] = t.o[(i0 + i) * dp + d];
   for (int64_t i = 0; i < nq; ++i) {
     t.m[i] = -INFINITY;
     t.l[i] = 0.0f;
   }
   /* The query rows of the next unit, which is usually this thread's next one. */
-  const int64_t next = unit + 1;
+  const int64_t next = unit + count;
   tf_attn_segment next_qs = qs;
   int64_t next_h = 0, next_r0 = 0, next_rows = 0;
   if (next < tf_attn_num_segments(p) * H * tiles) {
@@ -348,7 +355,11 @@ tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const 
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_fwd_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !scratch)) return TF_ERR_NULL_POINTER;
   const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
-  for (int64_t u = unit_begin; u < unit_end; ++u) fwd_unit(p, q, k, v, out, lse, u, tiles, scratch);
+  for (int64_t u = unit_begin; u < unit_end;) {
+    const int64_t count = u + 1 < unit_end && (u + 1) % tiles != 0 ? 2 : 1;
+    fwd_block(p, q, k, v, out, lse, u, count, tiles, scratch);
+    u += count;
+  }
   return TF_OK;
 }
 

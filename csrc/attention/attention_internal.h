@@ -9,6 +9,19 @@
 #include "attention.h"
 
 /*
+ * Query rows of the forward's blocks: two units of one head (consecutive
+ * query tiles) go together when a call holds both, so every key and value
+ * tile is read once for twice the queries.
+ */
+#define TF_ATTN_FWD_ROWS (2 * TF_ATTN_BLOCK_Q)
+/*
+ * Row stride of its transposed tiles (q^T, scores): one cache line more than
+ * the rows, so the rows of a strip spread over the L1 sets instead of
+ * mapping onto a few of them as a power-of-two stride would.
+ */
+#define TF_ATTN_FWD_LD (TF_ATTN_FWD_ROWS + 16)
+
+/*
  * One sequence's rows: rows [start, start + span) of dim 1 of batch entry
  * `batch` belong to it, the first `valid` of them are real tokens. Packed
  * layouts have one extra segment for the tokens past cu_seqlens[N] (valid 0).
