@@ -169,8 +169,10 @@ def test_forward_over_several_query_tiles(dtype, causal, threads):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        q, k, v = make_inputs("bshd", 2, 420, 300, 4, 2, 72, dtype, requires_grad=False)
-        lens_q, lens_kv = torch.tensor([420, 270], dtype=torch.int32), torch.tensor([300, 203], dtype=torch.int32)
+        # 5 query tiles per head: one thread takes 2 units at a time (40 units), so some blocks pair two
+        # tiles of a head and some do not, as a head's last tile would pair with the next head's first.
+        q, k, v = make_inputs("bshd", 2, 600, 300, 4, 2, 72, dtype, requires_grad=False)
+        lens_q, lens_kv = torch.tensor([600, 270], dtype=torch.int32), torch.tensor([300, 203], dtype=torch.int32)
         out, lse = attn_kernels.attention_fwd(q, k, v, seqlens_q=lens_q, seqlens_kv=lens_kv, causal=causal,
                                               softmax_scale=0.2)
     finally:
