@@ -159,6 +159,30 @@ def test_mqa_backward_both_thread_splits(threads):
         assert_close(g, r, gatol, rtol, f"d{name}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_forward_over_several_query_tiles(dtype, causal, threads):
+    """Sequences of several 128-row query tiles with padding and GQA, split over threads in different ways
+    (the CPU forward computes two consecutive tiles of a head together when one call holds both)."""
+    torch.manual_seed(17)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # 5 query tiles per head: one thread takes 2 units at a time (40 units), so some blocks pair two
+        # tiles of a head and some do not, as a head's last tile would pair with the next head's first.
+        q, k, v = make_inputs("bshd", 2, 600, 300, 4, 2, 72, dtype, requires_grad=False)
+        lens_q, lens_kv = torch.tensor([600, 270], dtype=torch.int32), torch.tensor([300, 203], dtype=torch.int32)
+        out, lse = attn_kernels.attention_fwd(q, k, v, seqlens_q=lens_q, seqlens_kv=lens_kv, causal=causal,
+                                              softmax_scale=0.2)
+    finally:
+        torch.set_num_threads(previous)
+    ref, _ = reference(q, k, v, "bshd", causal, 0.2, lens_q, lens_kv)
+    atol, _, rtol = TOLERANCES[dtype]
+    assert_close(out, ref, atol, rtol, "out")
+    assert torch.all(lse[1, :, 270:] == float("-inf")) and torch.isfinite(lse[1, :, :270]).all()
+
+
 def test_edge_values_and_fully_masked_rows():
     """Large scores (no overflow in exp), zero-length kv sequences (output 0, no NaN, zero grads)."""
     torch.manual_seed(5)

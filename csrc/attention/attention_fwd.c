@@ -17,6 +17,8 @@
 #include "attention_tile.h"
 
 #define BQ TF_ATTN_BLOCK_Q
+#define QB TF_ATTN_FWD_ROWS
+#define LD TF_ATTN_FWD_LD
 #define BK TF_ATTN_BLOCK_K
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -25,118 +27,226 @@ static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 typedef struct fwd_scratch {
-  float *qt, *o, *k, *v, *st, *m, *l, *alpha, *row;
+  float *qt, *o, *k, *v, *st, *m, *l, *alpha;
 } fwd_scratch;
 
 static fwd_scratch split_scratch(float *base, int64_t dp) {
   fwd_scratch t;
   t.qt = base;
-  t.o = t.qt + dp * BQ;
-  t.k = t.o + BQ * dp;
+  t.o = t.qt + dp * LD;
+  t.k = t.o + QB * dp;
   t.v = t.k + BK * dp;
   t.st = t.v + BK * dp;
-  t.m = t.st + BK * BQ;
-  t.l = t.m + BQ;
-  t.alpha = t.l + BQ;
-  t.row = t.alpha + BQ;
+  t.m = t.st + BK * LD;
+  t.l = t.m + QB;
+  t.alpha = t.l + QB;
   return t;
 }
 
-/* A key or value tile as a row-major float matrix: its rows and their stride. */
-typedef struct kv_tile {
-  const float *rows;
-  int64_t ld;
-} kv_tile;
-
 /*
- * Keys or values [k0, k0 + nk) of kv head hk. float32 operands are used in
- * place when every row the tile kernels read exists (a full tile for keys,
- * whose GEMM runs on whole 8-row blocks; a head dim of whole 16-float vectors
- * for values); otherwise the rows are converted into buf (nk x dp, zero
- * padded to `rows` rows).
+ * Keys or values [k0, k0 + nk) of kv head hk, converted to a row-major nk x dp
+ * float tile. Copying even float32 rows gives the tile kernels contiguous rows:
+ * rows read in place sit one sequence stride apart, which maps them onto a few
+ * L1 cache sets, so they evict each other.
  */
-TF_ATTN_INLINE kv_tile kv_rows(const tf_attn_operand *x, tf_attn_segment ks, int64_t hk, int64_t k0,
-                               int64_t nk, int64_t rows, int64_t D, int64_t dp, int direct,
-                               float *buf) {
-  kv_tile tile;
+TF_ATTN_INLINE void pack_rows(const tf_attn_operand *x, tf_attn_segment ks, int64_t hk, int64_t k0,
+                              int64_t nk, int64_t D, int64_t dp, float *restrict buf) {
   const int64_t first = tf_attn_row_offset(x, ks.batch, ks.start + k0, hk);
-  if (direct) {
-    tile.rows = (const float *)x->data + first;
-    tile.ld = x->stride_s;
-    return tile;
-  }
   for (int64_t j = 0; j < nk; ++j) tf_attn_load_row(x, first + j * x->stride_s, D, 1.0f, buf + j * dp);
-  for (int64_t j = nk; j < rows; ++j) memset(buf + j * dp, 0, (size_t)dp * sizeof(float));
-  tile.rows = buf;
-  tile.ld = dp;
-  return tile;
 }
 
-/* Brings the k and v rows of the next key tile towards the cache while this one is computed. */
-static void prefetch_kv(const tf_attn_operand *k, const tf_attn_operand *v, tf_attn_segment ks,
-                        int64_t hk, int64_t k0, int64_t nk, int64_t D) {
-  for (int64_t j = 0; j < nk; ++j) {
-    tf_attn_prefetch_row(k, tf_attn_row_offset(k, ks.batch, ks.start + k0 + j, hk), D);
-    tf_attn_prefetch_row(v, tf_attn_row_offset(v, ks.batch, ks.start + k0 + j, hk), D);
+/*
+ * Rows [j0, j1) of head h of a sequence towards L2. The forward asks for
+ * them a share at a time, one share per strip, so that no burst of misses
+ * stalls the loads the tile kernels are waiting for.
+ */
+static void prefetch_rows(const tf_attn_operand *x, tf_attn_segment s, int64_t h, int64_t j0,
+                          int64_t j1, int64_t D, int write) {
+  for (int64_t j = j0; j < j1; ++j)
+    tf_attn_prefetch_row(x, tf_attn_row_offset(x, s.batch, s.start + j, h), D, write);
+}
+
+/* Share `part` of `parts` of the rows [j0, j1). */
+static void prefetch_share(const tf_attn_operand *x, tf_attn_segment s, int64_t h, int64_t j0,
+                           int64_t j1, int64_t part, int64_t parts, int64_t D, int write) {
+  const int64_t n = j1 - j0;
+  prefetch_rows(x, s, h, j0 + n * part / parts, j0 + n * (part + 1) / parts, D, write);
+}
+
+/*
+ * The part of one key tile that a strip of queries sees. Queries are tile
+ * rows [i0, i0 + width), width 32 or 16 (one or two 16-float vectors); the
+ * tile holds keys [k0, k0 + nk) of the sequence and the query tile starts at
+ * sequence row r0. Scores are only computed for keys [0, rows) of the tile
+ * (rows rounded up to whole GEMM row blocks); keys [0, seen) are the ones
+ * some query of the strip may see; `masked` says whether any computed score
+ * of the strip is hidden (by causality or past nk).
+ */
+typedef struct strip {
+  int64_t i0, cols, seen, rows;
+  int masked;
+} strip;
+
+static strip make_strip(const tf_attn_problem *p, int64_t i0, int64_t width, int64_t r0, int64_t k0,
+                        int64_t nk) {
+  strip s;
+  s.i0 = i0;
+  s.cols = width / 16;
+  s.seen = p->causal ? min64(nk, r0 + i0 + width - k0) : nk;
+  s.rows = (s.seen + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
+  s.masked = s.rows > nk || (p->causal && k0 + s.rows - 1 > r0 + i0);
+  return s;
+}
+
+/*
+ * Scores of a strip, transposed: st[j][i0 + i] = k_j . q_{i0 + i} (qt holds q^T,
+ * pre-scaled) for keys j < s.rows, with hidden scores set to -inf in the same
+ * pass (key k0 + j is hidden from query r0 + i when it is later, or when
+ * j >= nk). Returns the max over the keys of each query column in mx.
+ */
+TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, int64_t ldk,
+                                 const float *restrict qt, int64_t D, strip s,
+                                 int causal, int64_t r0, int64_t k0, int64_t nk,
+                                 const int masked, const int cols, tf_v16 mx[2]) {
+  tf_v16i lane;
+  for (int i = 0; i < 16; ++i) lane[i] = i;
+  for (int c = 0; c < cols; ++c) mx[c] = tf_v16_splat(-__builtin_inff());
+  for (int64_t r = 0; r < s.rows; r += TF_ATTN_GEMM_ROWS) {
+    tf_v16 x[TF_ATTN_GEMM_ROWS][2];
+    for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+      for (int c = 0; c < cols; ++c) x[i][c] = tf_v16_splat(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      tf_v16 b[2];
+      for (int c = 0; c < cols; ++c) b[c] = tf_v16_load(qt + d * LD + s.i0 + 16 * c);
+      for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
+        const float a = kp[(r + i) * ldk + d];
+        for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
+      }
+    }
+    for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+      for (int c = 0; c < cols; ++c) {
+        if (masked) {
+          /* Lanes below `hidden` are queries that do not see this key; 16 hides them all. */
+          int64_t hidden = r + i >= nk ? 16 : causal ? k0 + r + i - (r0 + s.i0 + 16 * c) : 0;
+          hidden = clamp64(hidden, 0, 16);
+          x[i][c] = tf_v16_select(lane < (int32_t)hidden, tf_v16_splat(-__builtin_inff()), x[i][c]);
+        }
+        mx[c] = tf_v16_max(mx[c], x[i][c]);
+        tf_v16_store(st + (r + i) * LD + s.i0 + 16 * c, x[i][c]);
+      }
   }
 }
 
 /*
- * Online softmax over the transposed scores st (nk keys x 16 * chunks
- * queries, masked entries -inf), 16 queries per vector, so every reduction
- * runs down the columns. Updates the running max m and sum l, leaves
- * 2^(s - m) in st and the factor the output rows must be rescaled by in alpha.
+ * Online softmax of a strip whose column maxima are mx: updates the running
+ * max m and sum l of its queries, leaves 2^(s - m) in st for keys [0, s.seen)
+ * and the factor the output rows must be rescaled by in alpha.
  */
-TF_ATTN_INLINE void softmax_columns(float *restrict st, int64_t nk, int64_t chunks, float *m,
-                                    float *l, float *alpha) {
-  for (int64_t c = 0; c < chunks; ++c) {
-    tf_v16 mx = tf_v16_splat(-__builtin_inff());
-    for (int64_t j = 0; j < nk; ++j) mx = tf_v16_max(mx, tf_v16_load(st + j * BQ + 16 * c));
-    const tf_v16 m_old = tf_v16_load(m + 16 * c);
-    const tf_v16 m_new = tf_v16_max(m_old, mx);
+TF_ATTN_INLINE void strip_softmax(float *restrict st, strip s, const tf_v16 mx[2], float *m,
+                                  float *l, float *alpha) {
+  for (int64_t c = 0; c < s.cols; ++c) {
+    const int64_t col = s.i0 + 16 * c;
+    const tf_v16 m_old = tf_v16_load(m + col);
+    const tf_v16 m_new = tf_v16_max(m_old, mx[c]);
     /* A query that sees no key yet keeps m = -inf; subtracting 0 instead gives it p = 0. */
     const tf_v16 m_use = tf_v16_select(m_new == -__builtin_inff(), tf_v16_splat(0.0f), m_new);
     tf_v16 sum = {0};
-    for (int64_t j = 0; j < nk; ++j) {
-      const tf_v16 e = tf_v16_exp2(tf_v16_load(st + j * BQ + 16 * c) - m_use);
-      tf_v16_store(st + j * BQ + 16 * c, e);
+    for (int64_t j = 0; j < s.seen; ++j) {
+      const tf_v16 e = tf_v16_exp2(tf_v16_load(st + j * LD + col) - m_use);
+      tf_v16_store(st + j * LD + col, e);
       sum += e;
     }
     const tf_v16 a = tf_v16_exp2(m_old - m_use);
-    tf_v16_store(l + 16 * c, tf_v16_load(l + 16 * c) * a + sum);
-    tf_v16_store(m + 16 * c, m_new);
-    tf_v16_store(alpha + 16 * c, a);
+    tf_v16_store(l + col, tf_v16_load(l + col) * a + sum);
+    tf_v16_store(m + col, m_new);
+    tf_v16_store(alpha + col, a);
   }
 }
 
-/* Drops probabilities of queries [r0, r0 + rows) x keys [k0, k0 + nk) (transposed tile) and scales the kept ones. */
-static void dropout_tile(const tf_attn_problem *p, float *st, int64_t rows, int64_t nk,
-                         int64_t seg, int64_t h, int64_t r0, int64_t k0) {
+/* Columns [n, n + 16 cols) of the o rows [r, r + 8) below; `cols` is a constant where it is inlined. */
+TF_ATTN_INLINE void pv_block(float *restrict o, const float *restrict st, const float *restrict vp,
+                             const float *alpha, int64_t dp, int64_t r, int64_t n, int64_t keys,
+                             int first, const int cols) {
+  tf_v16 x[TF_ATTN_GEMM_ROWS][2];
+  for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+    for (int c = 0; c < cols; ++c)
+      x[i][c] = first ? tf_v16_splat(0.0f) : tf_v16_load(o + (r + i) * dp + n + 16 * c) * alpha[r + i];
+  for (int64_t kk = 0; kk < keys; ++kk) {
+    tf_v16 b[2];
+    for (int c = 0; c < cols; ++c) b[c] = tf_v16_load(vp + kk * dp + n + 16 * c);
+    for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
+      const float a = st[kk * LD + r + i];
+      for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
+    }
+  }
+  for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+    for (int c = 0; c < cols; ++c) tf_v16_store(o + (r + i) * dp + n + 16 * c, x[i][c]);
+}
+
+/*
+ * o[i] = (first ? 0 : alpha[i] o[i]) + sum_j p[j][i] v_j for the strip's
+ * queries, 8 rows at a time, each over only the keys its rows may see.
+ * Every query sees a key of the first tile (key 0 with causality), so `first`
+ * sets every row; a later row block that sees none of the tile's keys has
+ * alpha 1 and is left as is.
+ */
+TF_ATTN_INLINE void strip_pv(float *restrict o, const float *restrict st, const float *restrict vp,
+                             const float *alpha, int64_t dp, strip s, int causal, int64_t r0,
+                             int64_t k0, int64_t nk, int first) {
+  for (int64_t r = s.i0; r < s.i0 + 16 * s.cols; r += TF_ATTN_GEMM_ROWS) {
+    const int64_t keys = causal ? min64(nk, r0 + r + TF_ATTN_GEMM_ROWS - k0) : nk;
+    if (keys <= 0) continue;
+    int64_t n = 0;
+    for (; n + 32 <= dp; n += 32) pv_block(o, st, vp, alpha, dp, r, n, keys, first, 2);
+    if (n < dp) pv_block(o, st, vp, alpha, dp, r, n, keys, first, 1);
+  }
+}
+
+/* Drops probabilities of queries [i_begin, i_end) x keys [0, nk) of the tile (transposed) and scales the kept ones. */
+static void dropout_strip(const tf_attn_problem *p, float *st, int64_t i_begin, int64_t i_end,
+                          int64_t nk, int64_t seg, int64_t h, int64_t r0, int64_t k0) {
   const tf_attn_dropout_key_t key = tf_attn_dropout_key(p->seed, p->offset);
   const uint32_t threshold = tf_attn_dropout_threshold(p->dropout_p);
   const float keep_scale = 1.0f / (1.0f - p->dropout_p);
   for (int64_t j = 0; j < nk; ++j)
-    for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t i = i_begin; i < i_end; ++i) {
       const uint32_t bits = tf_attn_dropout_bits(key, (uint32_t)seg, (uint32_t)h,
                                                  (uint32_t)(r0 + i), (uint32_t)(k0 + j));
-      st[j * BQ + i] = bits >= threshold ? st[j * BQ + i] * keep_scale : 0.0f;
+      st[j * LD + i] = bits >= threshold ? st[j * LD + i] * keep_scale : 0.0f;
     }
 }
 
+/* Scores, softmax, dropout and o update of one strip; `masked` and `cols` are constants where it is inlined. */
+TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, const float *kp,
+                               int64_t ldk, strip s, int64_t D,
+                               int64_t dp, int64_t rows, int64_t seg, int64_t h, int64_t r0,
+                               int64_t k0, int64_t nk, int first, const int masked,
+                               const int cols) {
+  tf_v16 mx[2];
+  strip_scores(t->st, kp, ldk, t->qt, D, s, p->causal, r0, k0, nk, masked, cols, mx);
+  strip_softmax(t->st, s, mx, t->m, t->l, t->alpha);
+  if (p->dropout_p > 0.0f)
+    dropout_strip(p, t->st, s.i0, min64(s.i0 + 16 * s.cols, rows), s.seen, seg, h, r0, k0);
+  strip_pv(t->o, t->st, t->v, t->alpha, dp, s, p->causal, r0, k0, nk, first);
+}
+
 /*
- * One query tile of one head. Scores are computed transposed, s^T = k q^T
- * (keys x queries), so k is read row by row (in place for float32) and the
- * softmax reduces down columns; then o += p v with p read through its transpose.
+ * Units [unit, unit + count) (count 1 or 2: consecutive query tiles of one
+ * head) as one block of query rows. Scores are computed transposed,
+ * s^T = k q^T (keys x queries), so the softmax reduces down columns, 16
+ * queries per vector; the block is walked in strips of 32 queries, each
+ * carried from its scores to its o update while it is in L1, and skipping the
+ * keys a strip cannot see under causality.
  */
 TF_ATTN_MULTIVERSION
-static void fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
-                     const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
-                     int64_t unit, int64_t tiles, float *scratch) {
+static void fwd_block(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
+                      const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
+                      int64_t unit, int64_t count, int64_t tiles, float *scratch) {
   const int64_t H = p->heads_q, D = p->head_dim, dp = tf_attn_padded_dim(p);
   const int64_t seg = unit / (H * tiles), h = unit / tiles % H, r0 = unit % tiles * BQ;
   const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
   if (r0 >= qs.span) return;
-  const int64_t nr = min64(BQ, qs.span - r0);
+  const int64_t nr = min64(count * BQ, qs.span - r0);
   const int64_t nv = clamp64(qs.valid - r0, 0, nr);
   const int64_t kv_end = nv == 0 ? 0 : p->causal ? min64(ks.valid, r0 + nv) : ks.valid;
   const int64_t rows = kv_end > 0 ? nv : 0;
@@ -148,42 +258,80 @@ static void fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q, const t
   if (rows == 0) return;
 
   const fwd_scratch t = split_scratch(scratch, dp);
-  const int64_t mp = (rows + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
   const int64_t nq = (rows + 15) / 16 * 16; /* query columns of the score tile */
   const int64_t hk = h / (H / p->heads_kv);
-  const int v_direct = v->elem == TF_ATTN_F32 && D == dp;
-  memset(t.o, 0, (size_t)(mp * dp) * sizeof(float));
-  if (!v_direct) memset(t.v, 0, (size_t)(BK * dp) * sizeof(float));
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t i = rows; i < nq; ++i) t.qt[d * BQ + i] = 0.0f;
-  for (int64_t i = 0; i < rows; ++i) {
+  /*
+   * q^T, pre-scaled, zero past `rows`: the rows are first copied into o
+   * (free until the first key tile sets it), so the strided loads are all
+   * independent, then transposed 16 rows at a time.
+   */
+  for (int64_t i = 0; i < rows; ++i)
     tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, qs.start + r0 + i, h), D,
-                     p->softmax_scale * LOG2E, t.row);
-    for (int64_t d = 0; d < D; ++d) t.qt[d * BQ + i] = t.row[d];
-  }
+                     p->softmax_scale * LOG2E, t.o + i * dp);
+  for (int64_t i = rows; i < nq; ++i) memset(t.o + i * dp, 0, (size_t)D * sizeof(float));
+  for (int64_t i0 = 0; i0 < nq; i0 += 16)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < 16; ++i) t.qt[d * LD + i0 + i] = t.o[(i0 + i) * dp + d];
   for (int64_t i = 0; i < nq; ++i) {
     t.m[i] = -INFINITY;
     t.l[i] = 0.0f;
   }
+  /* The query rows of the next unit, which is usually this thread's next one. */
+  const int64_t next = unit + count;
+  tf_attn_segment next_qs = qs;
+  int64_t next_h = 0, next_r0 = 0, next_rows = 0;
+  if (next < tf_attn_num_segments(p) * H * tiles) {
+    next_qs = tf_attn_q_segment(p, next / (H * tiles));
+    next_h = next / tiles % H;
+    next_r0 = next % tiles * BQ;
+    next_rows = clamp64(next_qs.valid - next_r0, 0, BQ);
+  }
+  /* v's padding columns stay zero (o's padding columns are never stored, but stay finite). */
+  if (D < dp)
+    for (int64_t j = 0; j < BK; ++j) memset(t.v + j * dp + D, 0, (size_t)(dp - D) * sizeof(float));
 
   for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
     const int64_t nk = min64(BK, kv_end - k0);
-    const int64_t mk = (nk + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
-    if (k0 + BK < kv_end) prefetch_kv(k, v, ks, hk, k0 + BK, min64(BK, kv_end - k0 - BK), D);
-    const kv_tile kt = kv_rows(k, ks, hk, k0, nk, mk, D, dp, k->elem == TF_ATTN_F32 && nk == BK, t.k);
-    const kv_tile vt = kv_rows(v, ks, hk, k0, nk, nk, D, dp, v_direct, t.v);
-    tf_attn_gemm(t.st, BQ, kt.rows, kt.ld, 1, t.qt, BQ, mk, nq, D, 0);
-    if (p->causal && k0 + nk - 1 > r0) /* key k0 + j is hidden from queries i < k0 + j - r0 */
-      for (int64_t j = 0; j < nk; ++j) {
-        const int64_t hidden = min64(k0 + j - r0, nq);
-        for (int64_t i = 0; i < hidden; ++i) t.st[j * BQ + i] = -INFINITY;
+    pack_rows(v, ks, hk, k0, nk, D, dp, t.v);
+    /*
+     * float32 keys are read in place when the score GEMM's whole row blocks
+     * stay inside the tile (only 8 rows are read at a time, so the L1 set
+     * aliasing pack_rows avoids does not matter here); otherwise they are
+     * packed, and keys past nk in the last row block (masked) are zeros.
+     */
+    const float *kp = t.k;
+    int64_t ldk = dp;
+    if (k->elem == TF_ATTN_F32 && nk % TF_ATTN_GEMM_ROWS == 0) {
+      kp = (const float *)k->data + tf_attn_row_offset(k, ks.batch, ks.start + k0, hk);
+      ldk = k->stride_s;
+    } else {
+      pack_rows(k, ks, hk, k0, nk, D, dp, t.k);
+      for (int64_t j = nk; j < (nk + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS; ++j)
+        memset(t.k + j * dp, 0, (size_t)D * sizeof(float));
+    }
+    const int first = k0 == 0;
+    const int64_t strips = (nq + 31) / 32;
+    for (int64_t i0 = 0; i0 < nq; i0 += 32) {
+      /* Each strip asks for a share of what comes next: the next key tile, or after the last one, this unit's output rows and the next unit's query rows. */
+      const int64_t part = i0 / 32;
+      if (k0 + BK < kv_end) {
+        const int64_t end = min64(k0 + 2 * BK, kv_end);
+        prefetch_share(k, ks, hk, k0 + BK, end, part, strips, D, 0);
+        prefetch_share(v, ks, hk, k0 + BK, end, part, strips, D, 0);
+      } else {
+        prefetch_share(out, qs, h, r0, r0 + rows, part, strips, D, 1);
+        prefetch_share(q, next_qs, next_h, next_r0, next_r0 + next_rows, part, strips, D, 0);
       }
-    softmax_columns(t.st, nk, nq / 16, t.m, t.l, t.alpha);
-    for (int64_t i = 0; i < rows; ++i)
-      if (t.alpha[i] != 1.0f)
-        for (int64_t d = 0; d < dp; ++d) t.o[i * dp + d] *= t.alpha[i];
-    if (p->dropout_p > 0.0f) dropout_tile(p, t.st, rows, nk, seg, h, r0, k0);
-    tf_attn_gemm(t.o, dp, t.st, 1, BQ, vt.rows, vt.ld, mp, dp, nk, 1);
+      const int64_t width = min64(32, nq - i0);
+      const strip s = make_strip(p, i0, width, r0, k0, nk);
+      if (s.seen <= 0) continue; /* no query of the strip sees these keys */
+      if (width == 32) {
+        if (s.masked) strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 1, 2);
+        else strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 0, 2);
+      } else {
+        strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 1, 1);
+      }
+    }
   }
 
   for (int64_t i = 0; i < rows; ++i) {
@@ -207,7 +355,11 @@ tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const 
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_fwd_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !scratch)) return TF_ERR_NULL_POINTER;
   const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
-  for (int64_t u = unit_begin; u < unit_end; ++u) fwd_unit(p, q, k, v, out, lse, u, tiles, scratch);
+  for (int64_t u = unit_begin; u < unit_end;) {
+    const int64_t count = u + 1 < unit_end && (u + 1) % tiles != 0 ? 2 : 1;
+    fwd_block(p, q, k, v, out, lse, u, count, tiles, scratch);
+    u += count;
+  }
   return TF_OK;
 }
 

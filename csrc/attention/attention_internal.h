@@ -9,6 +9,19 @@
 #include "attention.h"
 
 /*
+ * Query rows of the forward's blocks: two units of one head (consecutive
+ * query tiles) go together when a call holds both, so every key and value
+ * tile is read once for twice the queries.
+ */
+#define TF_ATTN_FWD_ROWS (2 * TF_ATTN_BLOCK_Q)
+/*
+ * Row stride of its transposed tiles (q^T, scores): one cache line more than
+ * the rows, so the rows of a strip spread over the L1 sets instead of
+ * mapping onto a few of them as a power-of-two stride would.
+ */
+#define TF_ATTN_FWD_LD (TF_ATTN_FWD_ROWS + 16)
+
+/*
  * One sequence's rows: rows [start, start + span) of dim 1 of batch entry
  * `batch` belong to it, the first `valid` of them are real tokens. Packed
  * layouts have one extra segment for the tokens past cu_seqlens[N] (valid 0).
@@ -96,11 +109,21 @@ static inline void tf_attn_store_row(const tf_attn_operand *op, int64_t offset, 
   }
 }
 
-/* Asks for the n elements of the row at offset to be brought into cache (a hint only). */
-static inline void tf_attn_prefetch_row(const tf_attn_operand *op, int64_t offset, int64_t n) {
+/*
+ * Asks for the n elements of the row at offset to be brought into L2 (a hint
+ * only), to be read or, with `write`, written. Not into L1: the rows of one
+ * head are a power-of-two stride apart, so L1 would keep only a few of them.
+ */
+static inline void tf_attn_prefetch_row(const tf_attn_operand *op, int64_t offset, int64_t n,
+                                        int write) {
   const int64_t size = op->elem == TF_ATTN_F32 ? 4 : op->elem == TF_ATTN_E4M3 ? 1 : 2;
   const char *row = (const char *)op->data + offset * size;
-  for (int64_t byte = 0; byte < n * size; byte += 64) __builtin_prefetch(row + byte);
+  for (int64_t byte = 0; byte < n * size; byte += 64) {
+    if (write)
+      __builtin_prefetch(row + byte, 1, 2);
+    else
+      __builtin_prefetch(row + byte, 0, 2);
+  }
 }
 
 /* Zeroes n elements of the row at offset. */

@@ -143,9 +143,9 @@ int64_t tf_attn_padded_dim(const tf_attn_problem *p) { return (p->head_dim + 15)
 
 int64_t tf_attn_fwd_scratch_floats(const tf_attn_problem *p) {
   const int64_t dp = tf_attn_padded_dim(p);
-  /* q^T and o tiles, k and v tiles, transposed scores, max, sum and rescale per query, one staging row. */
-  return TF_ATTN_BLOCK_Q * dp * 2 + dp * TF_ATTN_BLOCK_K * 2 +
-         TF_ATTN_BLOCK_Q * TF_ATTN_BLOCK_K + 3 * TF_ATTN_BLOCK_Q + dp;
+  /* For a block of query rows: q^T and o, k and v tiles, transposed scores, max, sum and rescale per query. */
+  const int64_t rows = TF_ATTN_FWD_ROWS, ld = TF_ATTN_FWD_LD;
+  return dp * ld + rows * dp + dp * TF_ATTN_BLOCK_K * 2 + TF_ATTN_BLOCK_K * ld + 3 * rows;
 }
 
 int64_t tf_attn_bwd_scratch_floats(const tf_attn_problem *p) {

@@ -59,11 +59,14 @@ TF_ATTN_INLINE tf_v16 tf_v16_max(tf_v16 a, tf_v16 b) { return tf_v16_select(a > 
  * 2^x for x <= 0 (small positive x is fine too), relative error about 1e-7;
  * x <= -127 (including -inf and NaN) gives exactly 0. Round-to-nearest splits
  * x into an integer r and f in [-0.5, 0.5]; a degree-7 Taylor polynomial gives
- * 2^f, and 2^r is built in the exponent bits (r = -127 builds +0).
+ * 2^f, and 2^r is built in the exponent bits (r = -127 builds +0). Adding
+ * 1.5 * 2^23 rounds x and leaves r + 2^22 in the low mantissa bits of the sum,
+ * which the exponent is built from directly (no float-to-int conversion).
  */
 TF_ATTN_INLINE tf_v16 tf_v16_exp2(tf_v16 x) {
   const tf_v16 xc = tf_v16_max(x, tf_v16_splat(-127.0f));
-  const tf_v16 r = (xc + 12582912.0f) - 12582912.0f;
+  const tf_v16 shifted = xc + 12582912.0f;
+  const tf_v16 r = shifted - 12582912.0f;
   const tf_v16 f = xc - r;
   tf_v16 poly = f * 1.525273380405984e-05f + 1.5403530393381606e-04f;
   poly = poly * f + 1.3333558146428443e-03f;
@@ -72,7 +75,8 @@ TF_ATTN_INLINE tf_v16 tf_v16_exp2(tf_v16 x) {
   poly = poly * f + 2.402265069591007e-01f;
   poly = poly * f + 6.931471805599453e-01f;
   poly = poly * f + 1.0f;
-  const tf_v16u bits = ((tf_v16u)__builtin_convertvector(r, tf_v16i) + 127u) << 23;
+  /* The shift keeps the low 9 bits of (r + 2^22) + 127, which are r + 127 (2^22 is a multiple of 2^9). */
+  const tf_v16u bits = ((tf_v16u)shifted + 127u) << 23;
   return poly * (tf_v16)bits;
 }
 

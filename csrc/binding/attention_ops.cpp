@@ -1,6 +1,8 @@
 // Schemas of the fused attention ops and their CPU implementations, which
 // call the C core in csrc/attention over work units spread on torch's
 // intra-op thread pool (schema details: csrc/attention/attention.h).
+#include <algorithm>
+#include <atomic>
 #include <optional>
 #include <vector>
 
@@ -154,24 +156,40 @@ void check_stats(const Tensor& lse, const Tensor& q, const tf_attn_problem& p) {
   check_same_device(lse, q, "lse", "q");
 }
 
-// Runs fn(begin, end, scratch) -> tf_status over the units [0, units), split in
-// one contiguous range per thread. The scratch of every range is one row of a
-// tensor allocated here (so torch's memory accounting sees it); statuses are
-// checked after the parallel region so nothing throws inside it.
+// Runs fn(begin, end, scratch) -> tf_status over the units [0, units). Each
+// thread takes ranges of a few units from a shared counter until none are
+// left, so a thread slowed down by other load on the machine ends up with
+// fewer units instead of holding up the call. With last_first the ranges are
+// handed out from the end: for the units of query tiles the last tiles carry
+// the most keys under causality, and the cheap first ones then even out the
+// finish. The scratch of every thread is one row of a tensor allocated here
+// (so torch's memory accounting sees it); statuses are checked after the
+// parallel region so nothing throws inside it.
 template <class F>
-void parallel_units(const Tensor& like, int64_t units, int64_t scratch_floats, const char* what,
-                    const F& fn) {
+void parallel_units(const Tensor& like, int64_t units, int64_t scratch_floats, bool last_first,
+                    const char* what, const F& fn) {
   if (units == 0) return;
   const int64_t threads = static_cast<int64_t>(torch::stable::get_num_threads());
   const int64_t chunks = units < threads ? units : (threads > 0 ? threads : 1);
+  // About 16 ranges per thread: a fine enough split, and few enough calls that
+  // the C core's per-call checks stay negligible.
+  const int64_t grain = std::max<int64_t>(1, units / (chunks * 16));
   Tensor scratch = torch::stable::new_empty(like, {chunks, scratch_floats > 0 ? scratch_floats : 1},
                                             ScalarType::Float);
   float* base = scratch.mutable_data_ptr<float>();
   const int64_t row = scratch.size(1);
+  std::atomic<int64_t> next{0};
   std::vector<int> status(static_cast<size_t>(chunks), TF_OK);
   torch::stable::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      status[c] = fn(units * c / chunks, units * (c + 1) / chunks, base + c * row);
+    for (int64_t c = c0; c < c1; ++c) {
+      while (status[c] == TF_OK) {
+        const int64_t taken = next.fetch_add(grain, std::memory_order_relaxed);
+        if (taken >= units) break;
+        const int64_t n = std::min(grain, units - taken);
+        const int64_t begin = last_first ? units - taken - n : taken;
+        status[c] = fn(begin, begin + n, base + c * row);
+      }
+    }
   });
   for (int64_t c = 0; c < chunks; ++c) check_status(static_cast<tf_status>(status[c]), what);
 }
@@ -200,7 +218,7 @@ std::tuple<Tensor, Tensor> attention_fwd_cpu(Tensor q, Tensor k, Tensor v, OptTe
   const tf_attn_operand oq = operand(q, "q", r.descale[0]), ok = operand(k, "k", r.descale[1]),
                         ov = operand(v, "v", r.descale[2]), oo = operand(out, "out");
   float* lse_data = lse.mutable_data_ptr<float>();
-  parallel_units(q, tf_attn_fwd_units(&r.p), tf_attn_fwd_scratch_floats(&r.p), "attention_fwd",
+  parallel_units(q, tf_attn_fwd_units(&r.p), tf_attn_fwd_scratch_floats(&r.p), true, "attention_fwd",
                  [&](int64_t u0, int64_t u1, float* scratch) {
                    return tf_attn_fwd(&r.p, &oq, &ok, &ov, &oo, lse_data, u0, u1, scratch);
                  });
@@ -238,7 +256,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
   const tf_attn_operand odq = operand(dq, "dq"), odk = operand(dk, "dk"), odv = operand(dv, "dv");
   float* delta_data = delta.mutable_data_ptr<float>();
   const float* lse_data = lse.const_data_ptr<float>();
-  parallel_units(q, tf_attn_fwd_units(&r.p), 0, "attention_bwd",
+  parallel_units(q, tf_attn_fwd_units(&r.p), 0, false, "attention_bwd",
                  [&](int64_t u0, int64_t u1, float*) {
                    return tf_attn_bwd_rowdot(&r.p, &odo, &oout, delta_data, u0, u1);
                  });
@@ -247,12 +265,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
   if (tf_attn_bwd_units(&r.p) < threads) {
     // Too few (sequence, kv head) units to keep every thread busy: dK/dV per
     // key tile, then dQ per query tile.
-    parallel_units(q, tf_attn_bwd_dkdv_units(&r.p), scratch, "attention_bwd",
+    parallel_units(q, tf_attn_bwd_dkdv_units(&r.p), scratch, false, "attention_bwd",
                    [&](int64_t u0, int64_t u1, float* buf) {
                      return tf_attn_bwd_dkdv(&r.p, &odo, &oq, &ok, &ov, lse_data, delta_data,
                                              &odk, &odv, u0, u1, buf);
                    });
-    parallel_units(q, tf_attn_fwd_units(&r.p), scratch, "attention_bwd",
+    parallel_units(q, tf_attn_fwd_units(&r.p), scratch, true, "attention_bwd",
                    [&](int64_t u0, int64_t u1, float* buf) {
                      return tf_attn_bwd_dq(&r.p, &odo, &oq, &ok, &ov, lse_data, delta_data, &odq,
                                            u0, u1, buf);
@@ -262,7 +280,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
   // dQ is accumulated in float32: in dq itself when it is float32.
   Tensor dq_accum = grad_dtype == ScalarType::Float ? dq : empty_in_order_of(q, ScalarType::Float);
   const tf_attn_operand oacc = operand(dq_accum, "dq_accum");
-  parallel_units(q, tf_attn_bwd_units(&r.p), scratch, "attention_bwd",
+  parallel_units(q, tf_attn_bwd_units(&r.p), scratch, false, "attention_bwd",
                  [&](int64_t u0, int64_t u1, float* buf) {
                    return tf_attn_bwd(&r.p, &odo, &oq, &ok, &ov, lse_data, delta_data, &oacc,
                                       &odq, &odk, &odv, u0, u1, buf);

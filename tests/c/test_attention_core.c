@@ -237,6 +237,13 @@ static void test_numerics(void) {
   tf_attn_problem drop = problem(2, 70, 80, 2, 2, 12, 1);
   drop.dropout_p = 0.25f, drop.seed = 42, drop.offset = 9;
   check_against_reference("dropout", drop);
+  /* Sequences of several query tiles: the forward computes two of a head's tiles together when a call holds both. */
+  check_against_reference("query tile blocks", problem(1, 300, 200, 2, 2, 64, 0));
+  tf_attn_problem blocks = problem(2, 400, 390, 2, 1, 24, 1);
+  const int32_t blq[2] = {400, 290}, blkv[2] = {390, 301};
+  blocks.seqlens_q = blq, blocks.seqlens_kv = blkv;
+  blocks.dropout_p = 0.1f, blocks.seed = 5, blocks.offset = 3;
+  check_against_reference("query tile blocks, padding causal, dropout", blocks);
 }
 
 /* FP8 E4M3 inputs with descales and a bf16 output, against float32 inputs holding the decoded values. */
@@ -295,7 +302,9 @@ static void test_dropout_rng(void) {
 static void test_checks(void) {
   tf_attn_problem p = problem(1, 8, 8, 2, 2, 4, 0);
   float data[8 * 2 * 4], lse[16];
-  float *scratch = scratch_for(tf_attn_bwd_scratch_floats(&p));
+  float *scratch = scratch_for(tf_attn_fwd_scratch_floats(&p) > tf_attn_bwd_scratch_floats(&p)
+                                   ? tf_attn_fwd_scratch_floats(&p)
+                                   : tf_attn_bwd_scratch_floats(&p));
   tf_attn_operand op = {data, TF_ATTN_F32, 64, 8, 4, 1.0f};
   CHECK(tf_attn_check(NULL) == TF_ERR_NULL_POINTER, "null problem");
   CHECK(tf_attn_check(&p) == TF_OK, "valid problem");
