@@ -39,16 +39,12 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
 
   const tf_attn_cuda_problem& p = a.p;
   FwdBlock b;
-  if (!fwd_block<BM>(p, kFp8, b)) return;
+  if (!fwd_block<BM, BN>(a, kFp8, b)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const char* qbase = row_ptr(a.q, b.qr, b.m0, b.h, kInBytes);
-  const char* kbase = row_ptr(a.k, b.kr, 0, b.hk, kInBytes);
-  const char* vbase = row_ptr(a.v, b.kr, 0, b.hk, kInBytes);
-  const int n_blocks = static_cast<int>((b.n_end + BN - 1) / BN);
   const Dropout drop = make_dropout(p);
 
-  load_tile<E, kFp8, BM, D, LD, NT>(sQ, qbase, a.q.stride_token, b.q_valid);
-  if (n_blocks > 0) load_tile<E, kFp8, BN, D, LD, NT>(sK, kbase, a.k.stride_token, b.kr.len);
+  load_tile<E, kFp8, BM, D, LD, NT>(sQ, b.q_rows, a.q.stride_token, b.q_valid);
+  if (b.n_blocks > 0) load_tile<E, kFp8, BN, D, LD, NT>(sK, b.k_rows, a.k.stride_token, b.kr.len);
   cp_async_commit();
 
   float o[D / 8][4];
@@ -58,7 +54,7 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
   uint32_t qf[D / 16][4];
   const int64_t row0 = b.m0 + warp * 16 + lane / 4;  // this thread's rows: row0, row0 + 8
 
-  for (int j = 0; j < n_blocks; ++j) {
+  for (int j = 0; j < b.n_blocks; ++j) {
     const int64_t n0 = static_cast<int64_t>(j) * BN;
     cp_async_wait_all();
     __syncthreads();  // K_j (and Q) landed; every warp is done reading V_{j-1}
@@ -68,7 +64,7 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
         ldmatrix_x4(qf[kk], sQ + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD +
                                 kk * 16 + (lane >> 4) * 8);
     }
-    load_tile<E, kFp8, BN, D, LD, NT>(sV, vbase + n0 * a.v.stride_token * kInBytes,
+    load_tile<E, kFp8, BN, D, LD, NT>(sV, b.v_rows + n0 * a.v.stride_token * kInBytes,
                                       a.v.stride_token, b.kr.len - n0);
     cp_async_commit();
 
@@ -91,8 +87,8 @@ __global__ void __launch_bounds__(Fwd<D>::kThreads)
 
     cp_async_wait_all();
     __syncthreads();  // V_j landed; every warp is done reading K_j
-    if (j + 1 < n_blocks)
-      load_tile<E, kFp8, BN, D, LD, NT>(sK, kbase + (n0 + BN) * a.k.stride_token * kInBytes,
+    if (j + 1 < b.n_blocks)
+      load_tile<E, kFp8, BN, D, LD, NT>(sK, b.k_rows + (n0 + BN) * a.k.stride_token * kInBytes,
                                         a.k.stride_token, b.kr.len - n0 - BN);
     cp_async_commit();
 

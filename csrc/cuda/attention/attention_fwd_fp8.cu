@@ -123,16 +123,12 @@ __global__ void __launch_bounds__(FwdFp8<D>::kThreads)
 
   const tf_attn_cuda_problem& p = a.p;
   FwdBlock b;
-  if (!fwd_block<BM>(p, true, b)) return;
+  if (!fwd_block<BM, BN>(a, true, b)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const char* qbase = row_ptr(a.q, b.qr, b.m0, b.h, 1);
-  const char* kbase = row_ptr(a.k, b.kr, 0, b.hk, 1);
-  const char* vbase = row_ptr(a.v, b.kr, 0, b.hk, 1);
-  const int n_blocks = static_cast<int>((b.n_end + BN - 1) / BN);
   const Dropout drop = make_dropout(p);
 
-  copy_tile_fp8<BM, D, LQ, NT>(sQ, qbase, a.q.stride_token, b.q_valid);
-  if (n_blocks > 0) copy_tile_fp8<BN, D, 0, NT>(sK, kbase, a.k.stride_token, b.kr.len);
+  copy_tile_fp8<BM, D, LQ, NT>(sQ, b.q_rows, a.q.stride_token, b.q_valid);
+  if (b.n_blocks > 0) copy_tile_fp8<BN, D, 0, NT>(sK, b.k_rows, a.k.stride_token, b.kr.len);
   cp_async_commit();
 
   float o[D / 8][4];
@@ -142,9 +138,9 @@ __global__ void __launch_bounds__(FwdFp8<D>::kThreads)
   uint32_t qf[D / 32][4];
   const int64_t row0 = b.m0 + warp * 16 + lane / 4;
 
-  for (int j = 0; j < n_blocks; ++j) {
+  for (int j = 0; j < b.n_blocks; ++j) {
     const int64_t n0 = static_cast<int64_t>(j) * BN;
-    store_v_transposed<BN, D, NT>(sVt, vbase + n0 * a.v.stride_token, a.v.stride_token,
+    store_v_transposed<BN, D, NT>(sVt, b.v_rows + n0 * a.v.stride_token, a.v.stride_token,
                                   b.kr.len - n0);
     cp_async_wait_all();
     fence_proxy_async_shared();  // K_j and V_j^T are read by wgmma (the async proxy)
@@ -158,30 +154,19 @@ __global__ void __launch_bounds__(FwdFp8<D>::kThreads)
 
     float s[BN / 8][4];
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) fence_operand(s[i][e]);
-    }
+    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+    fence_operands(s);
     wgmma_fence();  // orders the writes of s and qf before the MMAs read them
 #pragma unroll
     for (int kk = 0; kk < D / 32; ++kk)
       wgmma_m64k32_e4m3_rs<BN>(s, qf[kk], smem_desc(sK + kk * 256, C::kBlockStrideK));
     wgmma_commit();
     wgmma_wait_all();
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) fence_operand(s[i][e]);
-    }
+    fence_operands(s);
     online_softmax<BN, D>(s, o, st, b.scale_log2, p.causal, n0, b.kr.len, row0);
     drop_probabilities<BN>(s, drop, b.h, row0, n0, lane % 4);
 
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
-    }
+    fence_operands(o);
     uint32_t pf[BN / 32][4];  // P as e4m3 A fragments, keys 32 kk .. for each kk
 #pragma unroll
     for (int kk = 0; kk < BN / 32; ++kk) {
@@ -197,15 +182,11 @@ __global__ void __launch_bounds__(FwdFp8<D>::kThreads)
       wgmma_m64k32_e4m3_rs<D>(o, pf[kk], smem_desc(sVt + kk * 256, C::kBlockStrideV));
     wgmma_commit();
     wgmma_wait_all();
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
-    }
+    fence_operands(o);
 
     __syncthreads();  // every warpgroup is done reading K_j and V_j^T
-    if (j + 1 < n_blocks)
-      copy_tile_fp8<BN, D, 0, NT>(sK, kbase + (n0 + BN) * a.k.stride_token, a.k.stride_token,
+    if (j + 1 < b.n_blocks)
+      copy_tile_fp8<BN, D, 0, NT>(sK, b.k_rows + (n0 + BN) * a.k.stride_token, a.k.stride_token,
                                   b.kr.len - n0 - BN);
     cp_async_commit();
   }

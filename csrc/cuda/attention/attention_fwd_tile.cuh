@@ -21,18 +21,30 @@ struct FwdArgs {
 };
 
 // What a forward CTA covers: its query rows m0.., the keys it must visit
-// [0, n_end), and the softmax scale in log2 units.
+// (n_blocks tiles of BN), where its q rows and its kv head's k / v rows start,
+// and the softmax scale in log2 units.
 struct FwdBlock {
   SeqRows qr, kr;
-  int64_t h, hk, m0, q_valid, n_end;
+  int64_t h, hk, m0, q_valid;
+  int n_blocks;
+  const char *q_rows, *k_rows, *v_rows;
   float scale_log2;
 };
+
+// Byte address of row `row` of head h of sequence rows `r` in tensor x.
+__device__ __forceinline__ const char* row_ptr(const tf_attn_cuda_tensor& x, const SeqRows& r,
+                                               int64_t row, int64_t h, int elem_bytes) {
+  return static_cast<const char*>(x.data) +
+         (r.batch * x.stride_batch + (r.begin + row) * x.stride_token + h * x.stride_head) *
+             elem_bytes;
+}
 
 // Last query blocks first: under a causal mask they carry the most keys, so
 // the short ones fill the tail of the grid. Returns false when the block lies
 // past the sequence's rows (the CTA has nothing to do).
-template <int BM>
-__device__ __forceinline__ bool fwd_block(const tf_attn_cuda_problem& p, bool fp8, FwdBlock& b) {
+template <int BM, int BN>
+__device__ __forceinline__ bool fwd_block(const FwdArgs& a, bool fp8, FwdBlock& b) {
+  const tf_attn_cuda_problem& p = a.p;
   b.h = blockIdx.y;
   b.hk = b.h / (p.heads_q / p.heads_kv);
   b.qr = seq_rows(p.cu_seqlens_q, p.seqlens_q, blockIdx.z, p.seqlen_q);
@@ -41,18 +53,15 @@ __device__ __forceinline__ bool fwd_block(const tf_attn_cuda_problem& p, bool fp
   if (b.m0 >= b.qr.cap) return false;
   b.q_valid = b.qr.len - b.m0;  // may be <= 0: the block only writes zeros
   // Keys this block can see: all valid ones, or (causal) those <= its last row.
-  b.n_end = b.q_valid <= 0 ? 0 : (p.causal ? min(b.kr.len, b.m0 + BM) : b.kr.len);
+  const int64_t n_end = b.q_valid <= 0 ? 0 : (p.causal ? min(b.kr.len, b.m0 + BM) : b.kr.len);
+  b.n_blocks = static_cast<int>((n_end + BN - 1) / BN);
+  const int elem_bytes = fp8 ? 1 : 2;
+  b.q_rows = row_ptr(a.q, b.qr, b.m0, b.h, elem_bytes);
+  b.k_rows = row_ptr(a.k, b.kr, 0, b.hk, elem_bytes);
+  b.v_rows = row_ptr(a.v, b.kr, 0, b.hk, elem_bytes);
   const float qk_descale = fp8 ? load_descale(p.q_descale) * load_descale(p.k_descale) : 1.0f;
   b.scale_log2 = p.softmax_scale * qk_descale * kLog2e;
   return true;
-}
-
-// Byte address of row `row` of head h of sequence rows `r` in tensor x.
-__device__ __forceinline__ const char* row_ptr(const tf_attn_cuda_tensor& x, const SeqRows& r,
-                                               int64_t row, int64_t h, int elem_bytes) {
-  return static_cast<const char*>(x.data) +
-         (r.batch * x.stride_batch + (r.begin + row) * x.stride_token + h * x.stride_head) *
-             elem_bytes;
 }
 
 // Running softmax state of this thread's two rows (row0, row0 + 8).

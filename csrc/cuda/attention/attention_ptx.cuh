@@ -174,9 +174,18 @@ __device__ __forceinline__ void wgmma_wait_all() {
 #endif
 }
 
-// Keeps the compiler from moving uses of an accumulator across the
+// Keeps the compiler from moving uses of accumulators across the
 // asynchronous MMA's fence / wait.
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&x)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_operand(x[i][e]);
+  }
+}
 
 // Makes this thread's ordinary shared-memory writes visible to the async
 // proxy that wgmma reads shared memory through (sm_90).

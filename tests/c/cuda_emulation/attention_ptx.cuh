@@ -289,6 +289,8 @@ __device__ __forceinline__ void wgmma_wait_all() {
 }
 
 __device__ __forceinline__ void fence_operand(float&) {}
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&)[N][4]) {}
 
 __device__ __forceinline__ void fence_proxy_async_shared() {
   if (emu_binary_version < 90) return;  // compiled only from sm_90
