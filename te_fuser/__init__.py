@@ -5,6 +5,7 @@ from . import memory, ops, recipe
 from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
+from .module.grouped_linear import GroupedLinear
 from .module.linear import Linear
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
@@ -17,6 +18,7 @@ __all__ = [
     "Float8Quantizer",
     "Float8Tensor",
     "FP8GlobalState",
+    "GroupedLinear",
     "Linear",
     "autocast",
     "checkpoint",
