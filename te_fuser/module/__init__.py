@@ -2,5 +2,6 @@
 
 from .grouped_linear import GroupedLinear
 from .linear import Linear
+from .multi_head_attention import MultiheadAttention
 
-__all__ = ["GroupedLinear", "Linear"]
+__all__ = ["GroupedLinear", "Linear", "MultiheadAttention"]
