@@ -13,7 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "memory"))
 
 from _fuser_ctx_walk import allowed_storages, reachable_tensors, retained_cpu_bytes  # noqa: E402
 
+from te_fuser.attention import dot_product_attention as dpa_module  # noqa: E402
+from te_fuser.attention.function import FusedAttentionFunction  # noqa: E402
 from te_fuser.ops import fuser as fuser_module  # noqa: E402
+from te_fuser.saved_tensors import restore_from_saved  # noqa: E402
 
 
 def reachable_after_backward(model, forward, grad_seed: int = 0):
@@ -50,3 +53,23 @@ def retained_step_bytes(model, forward, inputs):
 def without_clearing(monkeypatch):
     """The seed-000 bug: the fuser leaves its restored tensors on the autograd node after backward."""
     monkeypatch.setattr(fuser_module, "_CLEAR_CTX_AFTER_BACKWARD", False)
+
+
+class _LeakyAttentionFunction(FusedAttentionFunction):
+    """The seed-001 bug: after backward the FP8 attention's restored q, k, v stay on ctx.tensor_objects
+    (and, without FP8, the saved tensors stay on a plain ctx attribute)."""
+
+    @staticmethod
+    def backward(ctx, dout):
+        objects, saved = ctx.tensor_objects, ctx.saved_tensors
+        grads = FusedAttentionFunction.backward(ctx, dout)
+        if objects is not None:
+            restore_from_saved(objects, saved)
+        ctx.tensor_objects = objects
+        ctx.leaked = saved if objects is None else None
+        return grads
+
+
+def leaky_attention(monkeypatch):
+    """te_fuser's DotProductAttention runs the seed-001 bug's Function."""
+    monkeypatch.setattr(dpa_module, "FusedAttentionFunction", _LeakyAttentionFunction)
