@@ -8,6 +8,7 @@ import torch
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.grouped_linear import GroupedBasicLinear, validate_m_splits
 from ..ops.fuser import OperationFuser
+from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
 from .linear import _DEFAULT_INIT_STD, _PARALLEL_MODES, _default_device
 
 
@@ -136,15 +137,10 @@ class GroupedLinear(torch.nn.Module):
 
     # -- FP8 state in the state_dict ----------------------------------------------------
     def get_extra_state(self):
-        return self._ops[0].fp8_extra_state()
+        return get_fp8_extra_state(self._ops)
 
     def set_extra_state(self, state) -> None:
-        if isinstance(state, torch.Tensor):
-            if state.numel() == 0:
-                return
-            raise ValueError("te_fuser.GroupedLinear cannot load TransformerEngine's serialized FP8 state; "
-                             "load the checkpoint without '_extra_state' (strict=False) to start fresh scales")
-        self._ops[0].load_fp8_extra_state(state, self.weight0.device)
+        set_fp8_extra_state(self._ops, state, self.weight0.device)
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None,
