@@ -193,7 +193,9 @@ class DelayedScalingState:
         if recipe.scaling_factor_compute_algo is not None:
             scale = recipe.scaling_factor_compute_algo(amax, self.scale.clone(), fp8_max, recipe)
         else:  # the kernel's formula (csrc/fp8/fp8_scaling.h)
-            new = torch.clamp(fp8_max / amax, max=torch.finfo(torch.float32).max) / 2.0 ** recipe.margin
+            # (A scalar / tensor in torch multiplies by the reciprocal: divide a full tensor instead.)
+            new = torch.full_like(amax, fp8_max).div(amax).clamp(max=torch.finfo(torch.float32).max)
+            new = new / 2.0 ** recipe.margin
             scale = torch.where((amax > 0) & torch.isfinite(amax), new, self.scale)
         scale = torch.as_tensor(scale, dtype=torch.float32, device=self.scale.device)
         if scale.shape != self.scale.shape:
