@@ -5,7 +5,7 @@ from . import memory, ops, recipe
 from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
-from .module.linear import Linear
+from .module import LayerNorm, LayerNormLinear, Linear, RMSNorm
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
 
@@ -17,6 +17,8 @@ __all__ = [
     "Float8Quantizer",
     "Float8Tensor",
     "FP8GlobalState",
+    "LayerNorm",
+    "LayerNormLinear",
     "Linear",
     "autocast",
     "checkpoint",
@@ -26,4 +28,5 @@ __all__ = [
     "prepare_for_saving",
     "recipe",
     "restore_from_saved",
+    "RMSNorm",
 ]

@@ -1,5 +1,8 @@
 """Drop-in replacements for TransformerEngine's PyTorch modules."""
 
+from .layernorm import LayerNorm
+from .layernorm_linear import LayerNormLinear
 from .linear import Linear
+from .rmsnorm import RMSNorm
 
-__all__ = ["Linear"]
+__all__ = ["LayerNorm", "LayerNormLinear", "Linear", "RMSNorm"]
