@@ -9,6 +9,7 @@ from ..attention.dot_product_attention import DotProductAttention
 from ..attention.rope import apply_rotary_pos_emb
 from ..fp8_state import FP8GlobalState
 from ..ops import _tensor_parallel as tp
+from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
 ATTENTION_TYPES = ("self", "cross")
@@ -131,7 +132,6 @@ class MultiheadAttention(torch.nn.Module):
             kwargs = dict(init_method=init_method, bias=bias, return_bias=False, parallel_mode=qkv_mode,
                           parameters_split=split, name=f"{name}.{sub_name}" if name is not None else None, **common)
             if with_norm:
-                from .layernorm_linear import LayerNormLinear
                 return LayerNormLinear(in_features, out_features, **norm_kwargs, **kwargs)
             return Linear(in_features, out_features, **kwargs)
 

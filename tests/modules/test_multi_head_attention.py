@@ -85,10 +85,37 @@ def test_te_parameter_names():
     assert set(dict(no_bias.named_parameters())) == {"qkv.weight", "proj.weight"}
 
 
-@pytest.mark.parametrize("fuse_qkv_params", [True, False])
-def test_cross_attention_matches_float64(fuse_qkv_params, generator):
+@pytest.mark.parametrize("normalization,zero_centered_gamma,fuse_qkv_params", [
+    ("LayerNorm", False, True), ("RMSNorm", True, False)])
+def test_input_layernorm_and_return_layernorm_output(normalization, zero_centered_gamma, fuse_qkv_params, generator):
+    module = _mha(input_layernorm=True, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                  fuse_qkv_params=fuse_qkv_params, return_layernorm_output=True, return_bias=True,
+                  layernorm_epsilon=1e-3)
+    assert isinstance(module.layernorm_qkv, te_fuser.LayerNormLinear)
+    x = _input(generator)
+    out, bias, ln_out = module(x)
+
+    def with_gamma(P):  # zero_centered_gamma: the norm multiplies by (1 + gamma)
+        key = "layernorm_qkv.layer_norm_weight"
+        return P | {key: P[key] + 1} if zero_centered_gamma else P
+
+    with torch.no_grad():
+        _, _, ref_ln = ref.mha(module, x, normalization=normalization, eps=1e-3,
+                               P=with_gamma(ref.float64_params(module)))
+    torch.testing.assert_close(ln_out.double(), ref_ln, rtol=1e-5, atol=1e-5)
+    assert bias is module.proj.bias
+
+    def reference(x64, P):
+        attn, bias, _ = ref.mha(module, x64, normalization=normalization, eps=1e-3, P=with_gamma(P))
+        return attn + bias
+
+    check_against_reference(module, x, out + bias, reference, 1e-4)
+
+
+@pytest.mark.parametrize("fuse_qkv_params,input_layernorm", [(True, False), (False, True)])
+def test_cross_attention_matches_float64(fuse_qkv_params, input_layernorm, generator):
     module = _mha(attention_type="cross", fuse_qkv_params=fuse_qkv_params, num_gqa_groups=2,
-                  attn_mask_type="no_mask")
+                  attn_mask_type="no_mask", input_layernorm=input_layernorm)
     x = _input(generator)
     enc = torch.randn(24, BATCH, HIDDEN, generator=generator)
     out = module(x, encoder_output=enc)
@@ -126,7 +153,7 @@ def test_rotary_pos_emb_matches_complex_rotation(qkv_format, rot_dim, generator)
 @pytest.mark.parametrize("fp8_recipe", [recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4),
                                         recipe.Float8CurrentScaling(fp8_dpa=True)], ids=["delayed", "current"])
 def test_fp8_and_fp8_dpa_within_tolerance(fp8_recipe, generator):
-    module = _mha(fuse_qkv_params=True, num_gqa_groups=2)
+    module = _mha(fuse_qkv_params=True, num_gqa_groups=2, input_layernorm=True)
     x = _input(generator, seq=32)
     with torch.no_grad():
         expect, bias, _ = ref.mha(module, x)
@@ -217,7 +244,7 @@ def test_attention_dropout_draws_from_the_rng_tracker(generator):
 @pytest.mark.parametrize("fp8_recipe", [None, recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)],
                          ids=["no_fp8", "delayed_fp8_dpa"])
 def test_nothing_left_on_ctx_after_backward_and_both_bugs_are_caught(fp8_recipe, monkeypatch, generator):
-    module = _mha(fuse_qkv_params=True, input_layernorm=False)
+    module = _mha(fuse_qkv_params=True, input_layernorm=True)
     x = _input(generator, seq=32)
 
     def forward():
