@@ -30,21 +30,6 @@ def _input(generator, qkv_format="sbhd", seq=SEQ, dtype=torch.float32):
     return torch.randn(shape, generator=generator).to(dtype).requires_grad_()
 
 
-def check_against_reference(module, x, out, reference_fn, tol):
-    """out and the grads of x and every parameter against reference_fn(x64, float64 params) and autograd."""
-    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    out.backward(dy)
-    x64 = x.detach().double().requires_grad_()
-    P = {n: p.requires_grad_() for n, p in ref.float64_params(module).items()}
-    ref_out = reference_fn(x64, P)
-    torch.testing.assert_close(out.detach().double(), ref_out.detach(), rtol=tol, atol=tol)
-    grads = torch.autograd.grad((ref_out * dy.double()).sum(), [x64] + list(P.values()))
-    torch.testing.assert_close(x.grad.double(), grads[0], rtol=tol, atol=tol)
-    params = dict(module.named_parameters())
-    for name, g in zip(P, grads[1:]):
-        torch.testing.assert_close(params[name].grad.double(), g, rtol=tol, atol=tol, msg=name)
-
-
 LAYOUTS = [  # (fuse_qkv_params, qkv_weight_interleaved, num_gqa_groups, qkv_format)
     (True, True, None, "sbhd"),
     (True, True, 2, "bshd"),
@@ -65,7 +50,7 @@ def test_self_attention_matches_float64(fuse_qkv_params, interleaved, gqa, qkv_f
         attn, bias, _ = ref.mha(module, x64, qkv_format, P=P)
         return attn + bias
 
-    check_against_reference(module, x, out, reference, 1e-4)
+    ref.check_against_reference(module, x, out, reference, 1e-4)
 
 
 def test_te_parameter_names():
@@ -109,7 +94,7 @@ def test_input_layernorm_and_return_layernorm_output(normalization, zero_centere
         attn, bias, _ = ref.mha(module, x64, normalization=normalization, eps=1e-3, P=with_gamma(P))
         return attn + bias
 
-    check_against_reference(module, x, out + bias, reference, 1e-4)
+    ref.check_against_reference(module, x, out + bias, reference, 1e-4)
 
 
 @pytest.mark.parametrize("fuse_qkv_params,input_layernorm", [(True, False), (False, True)])
@@ -124,7 +109,7 @@ def test_cross_attention_matches_float64(fuse_qkv_params, input_layernorm, gener
         attn, bias, _ = ref.mha(module, x64, causal=False, encoder_output=enc, P=P)
         return attn + bias
 
-    check_against_reference(module, x, out, reference, 1e-4)
+    ref.check_against_reference(module, x, out, reference, 1e-4)
 
 
 def _rotary(seq, dim, base=10000.0):
@@ -145,7 +130,7 @@ def test_rotary_pos_emb_matches_complex_rotation(qkv_format, rot_dim, generator)
         attn, bias, _ = ref.mha(module, x64, qkv_format, rotary=freqs, P=P)
         return attn + bias
 
-    check_against_reference(module, x, out, reference, 1e-4)
+    ref.check_against_reference(module, x, out, reference, 1e-4)
     plain = module(x.detach())
     assert not torch.allclose(plain, out.detach(), atol=1e-3)
 
