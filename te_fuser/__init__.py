@@ -5,7 +5,7 @@ from . import memory, ops, recipe
 from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
-from .module import LayerNorm, LayerNormLinear, Linear, RMSNorm
+from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
 
@@ -19,6 +19,7 @@ __all__ = [
     "FP8GlobalState",
     "LayerNorm",
     "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
     "autocast",
     "checkpoint",
