@@ -33,14 +33,19 @@ def grads_of(*tensors):
     return [None if t is None else t.grad for t in tensors]
 
 
-def assert_close64(name, got, ref, rtol, atol=None):
-    """|got - ref| <= rtol * (max |ref| + 1) elementwise, an error naming the tensor otherwise."""
+def assert_close64(name, got, ref, rtol):
+    """Returns max |got - ref|, after checking it against rtol: elementwise against
+    rtol * (max |ref| + 1) for float32 results; for 16-bit results -- whose reductions over
+    rounded terms can cancel -- the relative error ||got - ref|| / ||ref|| is checked."""
     assert got is not None and ref is not None, f"{name}: missing gradient ({got is None}, {ref is None})"
     ref = ref.detach().double()
-    err = (got.detach().double() - ref).abs().max().item()
-    bound = rtol * (ref.abs().max().item() + 1) if atol is None else atol
-    assert err <= bound, f"{name}: max err {err} > {bound}"
-    return err
+    diff = got.detach().double() - ref
+    if got.dtype == torch.float32:
+        err, bound = diff.abs().max().item(), rtol * (ref.abs().max().item() + 1)
+    else:
+        err, bound = (diff.norm() / ref.norm()).item(), rtol
+    assert err <= bound, f"{name}: err {err} > {bound}"
+    return diff.abs().max().item()
 
 
 # -- one autograd node, nothing on ctx after backward --------------------------------------
