@@ -135,13 +135,16 @@ def test_state_dict_round_trip_with_fp8_state(generator):
     fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
     for _ in range(2):
         with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
-            expect = layer(x)
+            layer(x)
+    state = layer.state_dict()
+    with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+        expect = layer(x)
     fresh = te_fuser.TransformerLayer(HIDDEN, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
                                       fuse_qkv_params=True, device="cpu")
-    fresh.load_state_dict(layer.state_dict())
+    fresh.load_state_dict(state)
     with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
         got = fresh(x)
-    # The second step of `layer` cast with the first step's amaxes: the loaded state gives the same scales.
+    # The same weights and the same scaling state (scales and amax histories): the same FP8 result.
     torch.testing.assert_close(got, expect, rtol=0, atol=0)
 
 
