@@ -21,7 +21,6 @@ from te_fuser import recipe
 
 WORLD = 2
 SEQ, BATCH, HIDDEN, HEADS, FFN = 16, 2, 64, 4, 128
-COLUMN_PARALLEL = ("qkv.weight", "qkv.bias", "_weight", "_bias", "fc1_weight", "fc1_bias")
 
 
 def _shard_dim(name: str):
@@ -123,10 +122,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-CASES = [
+CASES = [  # (module, fuse_qkv_params, sequence_parallel, fp8)
     ("mha", True, False, False),
-    ("mha", False, True, False),
-    ("mha", True, True, True),
+    ("ln_mha", False, True, False),
+    ("ln_mha", True, True, True),
+    ("layer", True, False, False),
+    ("layer", False, True, False),
+    ("layer", True, True, True),
 ]
 
 
