@@ -87,7 +87,10 @@ class _AliasModule(types.ModuleType):
             return getattr(importlib.import_module(override[0]), override[1])
         target = self.__dict__["_te_fuser_target"]
         if target is not None and hasattr(target, name):
-            return getattr(target, name)
+            found = getattr(target, name)
+            if isinstance(found, types.ModuleType) and found.__name__ == f"{target.__name__}.{name}":
+                return importlib.import_module(f"{self.__name__}.{name}")  # its alias, not te_fuser's module
+            return found
         try:  # a submodule not imported yet (TE code reaches te.pytorch.distributed as attributes)
             return importlib.import_module(f"{self.__name__}.{name}")
         except ModuleNotFoundError:
