@@ -205,7 +205,9 @@ def _split_for_rank(tensor: torch.Tensor, group) -> torch.Tensor:
 def _gather_from_ranks(chunk: torch.Tensor, group, shape) -> torch.Tensor:
     world = torch.distributed.get_world_size(group)
     full = torch.empty(chunk.numel() * world, dtype=chunk.dtype, device=chunk.device)
-    torch.distributed.all_gather_into_tensor(full, chunk, group=group)
+    # all_gather_single is torch >= 2.13's name for all_gather_into_tensor.
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(full, chunk, group=group)
     return full.view(shape)
 
 
