@@ -173,8 +173,6 @@ def test_fp8_mha_recipe_and_unsupported_options_raise():
             module(x)
     with pytest.raises(NotImplementedError, match="inference_params"):
         module(x, inference_params=object())
-    with pytest.raises(NotImplementedError, match="checkpoint_core_attention"):
-        module(x, checkpoint_core_attention=True)
     with pytest.raises(ValueError, match="encoder_output"):
         _mha(attention_type="cross")(x)
     with pytest.raises(ValueError, match="rotary_pos_emb covers 4 positions"):
@@ -224,6 +222,39 @@ def test_attention_dropout_draws_from_the_rng_tracker(generator):
     assert not torch.allclose(a, b)  # a fresh mask per call
     module.eval()
     torch.testing.assert_close(module(x), module(x))  # no dropout in eval mode
+
+
+@pytest.mark.parametrize("fp8_recipe", [None, recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)],
+                         ids=["no_fp8", "delayed_fp8_dpa"])
+def test_checkpoint_core_attention_recomputes_the_same_values(fp8_recipe, generator):
+    """With dropout drawn from the RNG tracker: the recompute replays the tracker's state, so values and
+    grads equal the run without checkpointing, and the attention's own saved tensors are recomputed."""
+    class Tracker(te_fuser.distributed.CudaRNGStatesTracker):
+        forks = 0
+
+        def fork(self, *args, **kwargs):
+            self.forks += 1
+            return super().fork(*args, **kwargs)
+
+    trackers = [Tracker(), Tracker()]
+    for tracker in trackers:
+        tracker.add("model-parallel-rng", 99)
+    modules = []
+    for tracker in trackers:
+        torch.manual_seed(5)
+        modules.append(te_fuser.MultiheadAttention(HIDDEN, HEADS, attention_dropout=0.3, fuse_qkv_params=True,
+                                                   device="cpu", get_rng_state_tracker=lambda t=tracker: t))
+    x = _input(generator, seq=32)
+    results = []
+    for module, checkpointed in zip(modules, (False, True)):
+        xi = x.detach().clone().requires_grad_()
+        with te_fuser.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+            out = module(xi, checkpoint_core_attention=checkpointed)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), xi.grad, module.qkv.weight.grad))
+    for got, expect in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    assert trackers[1].forks == trackers[0].forks + 1  # the recompute forked the tracker again
 
 
 @pytest.mark.parametrize("fp8_recipe", [None, recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)],
