@@ -114,8 +114,11 @@ class activation_recompute_forward(contextlib.ContextDecorator):
     It sets the flags read by is_fp8_activation_recompute_enabled() (True under
     FP8 only) and in_fp8_activation_recompute_phase(), and carries the
     is-first-FP8-module flag of the forward over to its recompute, as TE does.
-    te_fuser's modules need neither flag: the recompute's FP8 state comes from
-    checkpoint's replay.
+    te_fuser's modules read neither flag: under checkpoint() the recompute's FP8
+    state comes from checkpoint's replay of the forward's scales. Code that
+    recomputes through this context alone (Megatron's CheckpointWithoutOutput)
+    gets no replay, which matters only for delayed scaling (Megatron allows that
+    path with stateless recipes only).
     """
 
     def __init__(self, activation_recompute: bool = False, recompute_phase: bool = False):
