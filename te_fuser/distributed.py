@@ -114,8 +114,11 @@ class activation_recompute_forward(contextlib.ContextDecorator):
     It sets the flags read by is_fp8_activation_recompute_enabled() (True under
     FP8 only) and in_fp8_activation_recompute_phase(), and carries the
     is-first-FP8-module flag of the forward over to its recompute, as TE does.
-    te_fuser's modules need neither flag: the recompute's FP8 state comes from
-    checkpoint's replay.
+    te_fuser's modules read neither flag: under checkpoint() the recompute's FP8
+    state comes from checkpoint's replay of the forward's scales. Code that
+    recomputes through this context alone (Megatron's CheckpointWithoutOutput)
+    gets no replay, which matters only for delayed scaling (Megatron allows that
+    path with stateless recipes only).
     """
 
     def __init__(self, activation_recompute: bool = False, recompute_phase: bool = False):
@@ -260,8 +263,9 @@ class _CheckpointFrame:
         self.rng = _RngFrame(get_rng_state_tracker)
         self.user_forward, self.user_recompute = context_fn()
         self.fp8 = _snapshot()
-        autocast_cpu = torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")
-        self.autocast_cpu = autocast_cpu
+        # torch.autocast settings of the forward, re-entered for the recompute.
+        self.autocast = [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                         for device in ("cpu", "cuda") if device == "cpu" or torch.cuda.is_available()]
         self.input_shape = None
 
     def forward_context(self):
@@ -269,9 +273,8 @@ class _CheckpointFrame:
                          activation_recompute_forward(activation_recompute=True, recompute_phase=False))
 
     def recompute_context(self):
-        enabled, dtype = self.autocast_cpu
-        return _contexts(self.rng.restore(), torch.autocast("cpu", enabled=enabled, dtype=dtype),
-                         self.user_recompute, _replay(self.fp8),
+        autocasts = [torch.autocast(device, enabled=enabled, dtype=dtype) for device, enabled, dtype in self.autocast]
+        return _contexts(self.rng.restore(), *autocasts, self.user_recompute, _replay(self.fp8),
                          activation_recompute_forward(activation_recompute=True, recompute_phase=True))
 
 
@@ -341,9 +344,9 @@ def prepare_te_modules_for_fsdp(fsdp_root: torch.nn.Module) -> None:
     shard and no group is recorded. This raises TypeError unless fsdp_root is
     wrapped by FSDP1 (FullyShardedDataParallel) or FSDP2 (fully_shard).
     """
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    import torch.distributed.fsdp as fsdp
 
-    fsdp2 = getattr(torch.distributed.fsdp, "FSDPModule", ())
-    if not isinstance(fsdp_root, (FullyShardedDataParallel, fsdp2) if fsdp2 else FullyShardedDataParallel):
+    wrappers = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, name))
+    if not isinstance(fsdp_root, wrappers):
         raise TypeError("prepare_te_modules_for_fsdp: fsdp_root must be wrapped by FullyShardedDataParallel "
                         f"or fully_shard, got {type(fsdp_root).__name__}")
