@@ -1,11 +1,13 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import memory, ops, recipe
+from . import distributed, fp8, memory, ops, recipe, tensor
 from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
+from .fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
 from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .quantized_tensor import QuantizedTensor
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
 
@@ -17,17 +19,24 @@ __all__ = [
     "Float8Quantizer",
     "Float8Tensor",
     "FP8GlobalState",
+    "FP8GlobalStateManager",
     "LayerNorm",
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "QuantizedTensor",
     "autocast",
     "checkpoint",
+    "distributed",
+    "fp8",
     "fp8_autocast",
+    "fp8_model_init",
     "memory",
     "ops",
     "prepare_for_saving",
+    "quantized_model_init",
     "recipe",
     "restore_from_saved",
     "RMSNorm",
+    "tensor",
 ]

@@ -35,6 +35,8 @@ class FP8GlobalState:
 
     _stack: List[_Context] = []
     _pending: List["DelayedScalingState"] = []
+    # Set when the outermost context is entered; TE's is_first_fp8_module() reads and clears it.
+    is_first_module: bool = False
     _live_states: "weakref.WeakSet[DelayedScalingState]" = weakref.WeakSet()
 
     @classmethod
@@ -61,8 +63,10 @@ class FP8GlobalState:
             cls._pending.append(state)
 
     @classmethod
-    def update_pending(cls) -> None:
-        pending, cls._pending = cls._pending, []
+    def update_pending(cls, forward=None) -> None:
+        """Update the states waiting for it (only the forward or backward ones when `forward` is given)."""
+        pending = [s for s in cls._pending if forward is None or s.forward == forward]
+        cls._pending = [s for s in cls._pending if not any(s is p for p in pending)]
         for state in pending:
             state.update()
 
@@ -76,6 +80,8 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise TypeError(f"fp8_recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if not FP8GlobalState._stack:
+        FP8GlobalState.is_first_module = True
     FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))
     try:
         yield
@@ -167,9 +173,44 @@ class DelayedScalingState:
         """All-reduce amaxes over the group (if any), roll the history and update the scales."""
         if self.group is not None and self.recipe.reduce_amax and torch.distributed.is_initialized():
             torch.distributed.all_reduce(self.amax, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        if callable(self.recipe.amax_compute_algo) or self.recipe.scaling_factor_compute_algo is not None:
+            self._update_with_callables()
+            return
         fp8_kernels.delayed_scaling_update(self.amax_history, self.amax, self.scale, self.scale_inv,
                                            fp8_kernels.fp8_max(self.fp8_dtype), self.recipe.margin,
                                            self.recipe.amax_compute_algo)
+
+    def te_amax_history(self) -> torch.Tensor:
+        """The history in TE's layout: row 0 the amax being recorded, rows 1.. the last
+        amax_history_len - 1 closed steps, oldest first (the same window the update reduces)."""
+        return torch.cat([self.amax[None], self.amax_history[:-1].flip(0)])
+
+    def _update_with_callables(self) -> None:
+        """The update with the recipe's amax_compute_algo / scaling_factor_compute_algo callables (TE's semantics)."""
+        recipe = self.recipe
+        te_history = self.te_amax_history()
+        if callable(recipe.amax_compute_algo):
+            amax = recipe.amax_compute_algo(te_history.clone())
+        elif recipe.amax_compute_algo == "max":
+            amax = te_history.amax(dim=0)
+        else:
+            amax = te_history[0].clone()
+        fp8_max = fp8_kernels.fp8_max(self.fp8_dtype)
+        if recipe.scaling_factor_compute_algo is not None:
+            scale = recipe.scaling_factor_compute_algo(amax, self.scale.clone(), fp8_max, recipe)
+        else:  # the kernel's formula (csrc/fp8/fp8_scaling.h)
+            # (A scalar / tensor in torch multiplies by the reciprocal: divide a full tensor instead.)
+            new = torch.full_like(amax, fp8_max).div(amax).clamp(max=torch.finfo(torch.float32).max)
+            new = new / 2.0 ** recipe.margin
+            scale = torch.where((amax > 0) & torch.isfinite(amax), new, self.scale)
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=self.scale.device)
+        if scale.shape != self.scale.shape:
+            raise ValueError(f"scaling_factor_compute_algo returned shape {tuple(scale.shape)}, "
+                             f"expected {tuple(self.scale.shape)}")
+        self.amax_history.copy_(torch.cat([self.amax[None], self.amax_history[:-1]]))
+        self.scale.copy_(scale)
+        self.scale_inv.copy_(torch.reciprocal(self.scale))
+        self.amax.zero_()
 
     def to(self, device) -> "DelayedScalingState":
         for name in ("amax_history", "amax", "scale", "scale_inv"):
