@@ -57,7 +57,7 @@ def _reference(m, x, dy, dln=None):
         return t if x.dtype == torch.float32 else t + (t.to(x.dtype).double() - t).detach()
 
     ln = rnd(norm64(x64, g64, b64, m.eps, m.normalization, m.zero_centered_gamma))
-    h = rnd(F.linear(ln, w1)) + b1  # the module's GEMM output is rounded, the bias added in float32
+    h = rnd(F.linear(ln, w1)) + (0 if b1 is None else b1)  # the module's GEMM output is rounded, the bias added in float32
     out = F.linear(rnd(_act64(h, m.activation)), w2, b2)
     loss = (out * dy.double()).sum()
     if dln is not None:
