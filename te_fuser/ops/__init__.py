@@ -4,6 +4,7 @@ from ..kernels import fused as _fused_kernels  # noqa: F401  (registers the fake
 from .basic.activation import GELU, ReLU, SwiGLU
 from .basic.bias import Bias
 from .basic.extra_output import MakeExtraOutput
+from .basic.grouped_linear import GroupedBasicLinear
 from .basic.linear import BasicLinear
 from .basic.norm import LayerNorm, RMSNorm
 from .basic.quantize import Quantize
@@ -21,6 +22,7 @@ __all__ = [
     "FusedOperation",
     "FusibleOperation",
     "GELU",
+    "GroupedBasicLinear",
     "LayerNorm",
     "LinearBiasActivation",
     "MakeExtraOutput",
