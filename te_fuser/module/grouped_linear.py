@@ -6,14 +6,12 @@ import torch
 
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.grouped_linear import GroupedBasicLinear, validate_m_splits
-from ..ops.fuser import OperationFuser
-from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
-from ._linear_base import _DEFAULT_INIT_STD, default_device as _default_device, rng_fork
+from ._linear_base import _DEFAULT_INIT_STD, FusedModule, default_device as _default_device, rng_fork
 
 _PARALLEL_MODES = (None, "column", "row")
 
 
-class GroupedLinear(torch.nn.Module):
+class GroupedLinear(FusedModule):
     """y_i = x_i A_i^T + b_i for the consecutive row groups x_i of the input given by m_splits.
 
     TransformerEngine's constructor and parameter names (weight0..weight{n-1},
@@ -84,8 +82,7 @@ class GroupedLinear(torch.nn.Module):
 
         op = GroupedBasicLinear(num_gemms, local_in, local_out, use_bias=self.apply_bias,
                                 accumulate_into_main_grad=self.fuse_wgrad_accumulation)
-        object.__setattr__(self, "_ops", (op,))
-        object.__setattr__(self, "_fuser", OperationFuser([op]))
+        self._set_ops([op])
 
         device = torch.device(device) if device is not None else _default_device()
         self._create_parameters(device)
@@ -131,13 +128,6 @@ class GroupedLinear(torch.nn.Module):
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         self.tp_group = tp_group
-
-    # -- FP8 state in the state_dict ----------------------------------------------------
-    def get_extra_state(self):
-        return get_fp8_extra_state(self._ops)
-
-    def set_extra_state(self, state) -> None:
-        set_fp8_extra_state(self._ops, state, self.weight0.device)
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: Optional[bool] = None,
