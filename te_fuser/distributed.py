@@ -214,6 +214,10 @@ def _gather_from_ranks(chunk: torch.Tensor, group, shape) -> torch.Tensor:
     return full.view(shape)
 
 
+# Switched off only by the memory tests, to show that they catch a frame left on ctx.
+_CLEAR_FRAME_AFTER_BACKWARD = True
+
+
 class _ReentrantCheckpoint(torch.autograd.Function):
     """Runs `function` without keeping its activations; backward recomputes them and backpropagates.
 
@@ -240,7 +244,8 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             raise RuntimeError("te_fuser.distributed.checkpoint with use_reentrant=True does not work with "
                                "torch.autograd.grad(); use .backward() or use_reentrant=False")
         frame, non_tensors = ctx.frame, ctx.non_tensors
-        ctx.frame = ctx.non_tensors = None  # nothing of the forward outlives this backward
+        if _CLEAR_FRAME_AFTER_BACKWARD:
+            ctx.frame = ctx.non_tensors = None  # nothing of the forward outlives this backward
         inputs = [t if t is not None else a for t, a in zip(ctx.saved_tensors, non_tensors)]
         if frame.tp_group is not None:
             inputs[0].data = _gather_from_ranks(inputs[0].data, frame.tp_group, frame.input_shape)
