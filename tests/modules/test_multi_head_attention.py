@@ -293,3 +293,18 @@ def test_state_dict_round_trip(generator):
                                         num_gqa_groups=2, device="cpu")
     fresh.load_state_dict(state)
     torch.testing.assert_close(fresh(x), module(x), rtol=0, atol=0)
+
+
+def test_thd_packed_sequences_equal_per_sequence_bshd(generator):
+    """qkv_format='thd' with cu_seqlens: two packed sequences of different lengths give what each
+    sequence gives alone in bshd."""
+    bshd = _mha(fuse_qkv_params=True, num_gqa_groups=2, qkv_format="bshd")
+    thd = _mha(fuse_qkv_params=True, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding_causal")
+    thd.load_state_dict(bshd.state_dict())
+    lengths = [5, 11]
+    seqs = [torch.randn(1, n, HIDDEN, generator=generator) for n in lengths]
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    packed = thd(torch.cat([s[0] for s in seqs]), cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=11,
+                 max_seqlen_kv=11)
+    expect = torch.cat([bshd(s)[0] for s in seqs])
+    torch.testing.assert_close(packed, expect, rtol=1e-5, atol=1e-5)
