@@ -181,3 +181,15 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="sequence parallelism: hidden_states has 16 rows"):
         _layer(tp_size=2, set_parallel_mode=True, sequence_parallel=True, seq_length=SEQ)(
             torch.randn(SEQ, BATCH, HIDDEN))
+
+
+def test_drop_path_drops_whole_dim0_entries():
+    layer = _layer(drop_path_rate=0.5, fuse_qkv_params=True)
+    drop = layer.drop_path
+    torch.manual_seed(3)
+    out = drop(torch.ones(64, BATCH, HIDDEN))
+    per_entry = out.flatten(1)
+    assert ((per_entry == 0).all(1) | (per_entry == 2).all(1)).all()  # kept entries are scaled by 1 / keep
+    assert 0 < (per_entry[:, 0] == 0).sum() < 64
+    drop.eval()
+    assert torch.equal(drop(torch.ones(3, 2)), torch.ones(3, 2))
