@@ -329,3 +329,19 @@ def _tp_cases(rank):
 
 def test_tensor_parallel_column_and_sequence_parallel_on_two_ranks():
     spawn(_tp_cases)
+
+
+def test_fuse_wgrad_accumulation_adds_the_weight_grad_into_main_grad(generator):
+    m = _module("RMSNorm", generator, fuse_wgrad_accumulation=True)
+    ref = _module("RMSNorm", generator)
+    ref.load_state_dict(m.state_dict())
+    m.weight.main_grad = torch.zeros_like(m.weight)
+    x = _input(generator)
+    for _ in range(2):
+        m(x).sum().backward()
+        ref(x).sum().backward()
+    assert m.weight.grad is None and m.weight.grad_added_to_main_grad
+    torch.testing.assert_close(m.weight.main_grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.layer_norm_weight.grad, ref.layer_norm_weight.grad)
+    with pytest.raises(NotImplementedError, match="parameters_split"):
+        te_fuser.LayerNormLinear(IN, 2 * OUT, fuse_wgrad_accumulation=True, parameters_split=("a", "b"), device="cpu")

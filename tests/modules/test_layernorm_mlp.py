@@ -295,3 +295,23 @@ def _tp_cases(rank):
 
 def test_set_parallel_mode_and_sequence_parallel_on_two_ranks():
     spawn(_tp_cases)
+
+
+def test_fuse_wgrad_accumulation_adds_weight_grads_into_main_grad(generator):
+    """As Megatron uses it: fc1/fc2 weight gradients accumulate into weight.main_grad (no .grad),
+    the other parameters get .grad."""
+    m = _module(generator, fuse_wgrad_accumulation=True)
+    ref = _module(generator)
+    ref.load_state_dict(m.state_dict())
+    for w in (m.fc1_weight, m.fc2_weight):
+        w.main_grad = torch.ones_like(w)
+    x = _input(generator)
+    for _ in range(2):
+        m(x).sum().backward()
+        ref(x).sum().backward()
+    for name in ("fc1_weight", "fc2_weight"):
+        w = getattr(m, name)
+        assert w.grad is None and w.grad_added_to_main_grad
+        torch.testing.assert_close(w.main_grad, 1 + getattr(ref, name).grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.fc1_bias.grad, ref.fc1_bias.grad)
+    torch.testing.assert_close(m.layer_norm_weight.grad, ref.layer_norm_weight.grad)
