@@ -1,6 +1,8 @@
 """te_fuser.Linear's TE-client fixes: save_original_input (settable after construction, as
 Megatron sets it, and honoured), backward_dw(); FSDP is in test_fsdp.py."""
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,10 +57,12 @@ def test_save_original_input_keeps_no_fp8_copy_of_the_input(generator):
             with te_fuser.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
                 return layer(x)
 
+        gc.collect()  # garbage of earlier tests freed inside the window would count negative
         out, nbytes = retained_cpu_bytes(forward)
         retained.append(nbytes)
         out.backward(torch.ones_like(out))
-    assert retained[0] - retained[1] >= TOKENS * IN, retained
+    # (less a few bytes: one-element FP8 scaling tensors may come and go between the two)
+    assert retained[0] - retained[1] >= TOKENS * IN - 64, retained
 
 
 def test_save_original_input_refuses_delayed_scaling_as_te():
