@@ -1,6 +1,8 @@
 """te_fuser.Linear's TE-client fixes: save_original_input (settable after construction, as
 Megatron sets it, and honoured), backward_dw(); FSDP is in test_fsdp.py."""
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,9 +45,10 @@ def test_save_original_input_gives_the_same_results(fp8_recipe, generator):
 
 
 def test_save_original_input_keeps_no_fp8_copy_of_the_input(generator):
-    """With the graph alive after forward, the default path holds x.T in FP8 (TOKENS * IN bytes);
+    """With the graph alive after forward, the default path holds x.T in FP8 (one byte per element);
     with save_original_input it holds only the caller's input: the retained bytes drop by that."""
-    x = torch.randn(TOKENS, IN, generator=generator, requires_grad=True)
+    tokens = 1024  # a signal (tokens * IN bytes) far above the allocator's small-tensor noise
+    x = torch.randn(tokens, IN, generator=generator, requires_grad=True)
     retained = []
     for layer in _pair():
         with te_fuser.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
@@ -55,10 +58,12 @@ def test_save_original_input_keeps_no_fp8_copy_of_the_input(generator):
             with te_fuser.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
                 return layer(x)
 
+        gc.collect()  # garbage of earlier tests freed inside the window would count negative
         out, nbytes = retained_cpu_bytes(forward)
         retained.append(nbytes)
         out.backward(torch.ones_like(out))
-    assert retained[0] - retained[1] >= TOKENS * IN, retained
+    # (less up to 1 KiB: small scaling tensors and allocator bookkeeping vary between runs)
+    assert retained[0] - retained[1] >= tokens * IN - 1024, retained
 
 
 def test_save_original_input_refuses_delayed_scaling_as_te():
