@@ -48,7 +48,7 @@ def allowed_storages(*modules) -> set:
 def _collect(obj, path, out, seen, depth=0):
     if depth > 12 or id(obj) in seen or isinstance(obj, _SKIP):
         return
-    seen.add(id(obj))
+    seen[id(obj)] = obj  # held until the walk ends: a freed temporary's id could be reused
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
     elif isinstance(obj, Float8Tensor):
@@ -70,13 +70,14 @@ def _collect(obj, path, out, seen, depth=0):
 
 def reachable_tensors(output: torch.Tensor, allowed: set) -> list:
     """[(path, tensor)] reachable from output's graph, except the allowed storages."""
-    found, seen_nodes, seen_objs = [], set(), set()
+    # id -> object, so that nothing visited is freed (and its id reused) before the walk ends
+    found, seen_nodes, seen_objs = [], {}, {}
     stack = [(output.grad_fn, "grad_fn")]
     while stack:
         node, path = stack.pop()
         if node is None or id(node) in seen_nodes:
             continue
-        seen_nodes.add(id(node))
+        seen_nodes[id(node)] = node
         name = f"{path}<{type(node).__name__}>"
         for i, (nxt, _) in enumerate(node.next_functions):
             stack.append((nxt, f"{name}.next[{i}]"))
