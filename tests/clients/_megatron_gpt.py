@@ -1,0 +1,274 @@
+"""Megatron-core GPT on CPU with gloo: the harness behind test_megatron_gpt.py.
+
+Builds a tiny GPTModel twice with the same weights -- from Megatron's local (pure-torch) layer spec
+as the reference, and from get_gpt_layer_with_transformer_engine_spec() with `transformer_engine`
+resolving to te_fuser -- trains both for a few steps on the same tokens and returns the losses and
+what the autograd graph still holds after backward. Everything runs in spawned worker processes
+(one per gloo rank), so the alias and Megatron's global state never touch the pytest process.
+"""
+
+import contextlib
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory"))
+
+VOCAB, SEQ, BATCH = 128, 32, 2
+HIDDEN, HEADS, FFN, LAYERS = 64, 4, 256, 2
+STEPS, LR, SEED = 3, 0.05, 1234
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron's own CUDA assumptions, patched for a CPU run. te_fuser is never patched: the
+# torch.cuda replacements answer only callers inside megatron.*, anyone else gets torch's own
+# function (which raises on a CPU build of torch), so te_fuser cannot lean on them unseen.
+# ---------------------------------------------------------------------------------------------
+def _for_megatron_only(original, cpu_version):
+    def patched(*args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("megatron."):
+            return cpu_version(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return patched
+
+
+def patch_megatron_for_cpu() -> None:
+    """Megatron 0.16.1 hard-codes CUDA in places a CPU run reaches:
+    - torch.cuda.current_device(): its global memory buffer (local attention), RoPE, device choice;
+    - its RNG tracker and its own activation recompute save/restore the *CUDA* generator
+      (tensor_parallel/random.py: _get_cuda_rng_state, _set_cuda_rng_state, torch.cuda.get_rng_state,
+      torch.cuda.manual_seed): here the CPU default generator stands in for it;
+    - transformer/utils.get_default_causal_mask builds its mask on device="cuda".
+    """
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.tensor_parallel.random as mrandom
+
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = _for_megatron_only(torch.cuda.current_device, lambda: cpu)
+    for module in (torch.cuda, torch.cuda.random):
+        module.get_rng_state = _for_megatron_only(module.get_rng_state, lambda device="cuda": torch.get_rng_state())
+        module.manual_seed = _for_megatron_only(module.manual_seed, torch.manual_seed)
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
+
+
+def init_parallel(rank: int, world: int, port: int, use_te_rng_tracker: bool) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(SEED, te_rng_tracker=use_te_rng_tracker, force_reset_rng=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+def make_config(dtype="fp32", fp8_recipe=None, recompute=False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                  tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True,
+                  hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05)
+    if dtype == "bf16":
+        kwargs.update(bf16=True, params_dtype=torch.bfloat16)
+    if fp8_recipe is not None:
+        kwargs.update(fp8="hybrid", fp8_recipe=fp8_recipe)
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def build_local_gpt(config):
+    """The reference: Megatron's local spec, with torch's LayerNorm as the final norm too (when a
+    `transformer_engine` is importable Megatron's block would otherwise pick TENorm for it)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    spec = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec()] * LAYERS, layer_norm=WrappedTorchNorm)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope")
+
+
+def build_te_gpt(config):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+                    vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+
+
+def local_to_te_names(local_model) -> dict:
+    """Parameter names of the local model -> names in the TE-spec model, by the key map Megatron's
+    local layer spec declares for exactly this (its norms live inside TE's LayerNormLinear)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    keys_map = get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map
+    names = {}
+    for name, _ in local_model.named_parameters():
+        mapped = name
+        for old, new in keys_map.items():
+            if f".{old}" in mapped:
+                mapped = mapped.replace(f".{old}", f".{new}")
+        names[name] = mapped
+    return names
+
+
+def copy_weights(local_model, te_model) -> None:
+    te_params = dict(te_model.named_parameters())
+    names = local_to_te_names(local_model)
+    missing = sorted(set(te_params) - set(names.values()))
+    if missing:
+        raise AssertionError(f"TE-spec parameters with no local counterpart: {missing}")
+    with torch.no_grad():
+        for name, p in local_model.named_parameters():
+            target = te_params[names[name]]
+            if target.shape != p.shape:
+                raise AssertionError(f"{name} -> {names[name]}: {tuple(p.shape)} vs {tuple(target.shape)}")
+            target.copy_(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training and the graph walk
+# ---------------------------------------------------------------------------------------------
+def batches():
+    """STEPS batches of tokens, the same on every rank (tensor parallelism wants equal inputs)."""
+    g = torch.Generator().manual_seed(SEED)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def train(model, data, on_last_backward=None):
+    """SGD steps; returns the losses. on_last_backward(loss) runs after the last backward while the
+    loss (and with it the whole graph) is still alive."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+    losses = []
+    model.train()
+    for step, (tokens, labels) in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        loss = model(tokens, position_ids, None, labels=labels).float().mean()
+        loss.backward()
+        if on_last_backward is not None and step == len(data) - 1:
+            on_last_backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def graph_leftovers(model):
+    """A callback for train(): records [(path, shape, dtype)] of the tensors still reachable from the
+    graph after backward, apart from the model's parameters and te_fuser's FP8 recipe state."""
+    from _fuser_ctx_walk import allowed_storages, reachable_tensors
+
+    found = []
+
+    def walk(loss):
+        allowed = allowed_storages(model)
+        found.extend((path, tuple(t.shape), str(t.dtype)) for path, t in reachable_tensors(loss, allowed))
+
+    return found, walk
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases (run inside a worker; return plain data)
+# ---------------------------------------------------------------------------------------------
+def run_case(case: dict) -> dict:
+    """case: dtype ("fp32"|"bf16"), fp8 (None|"delayed"|"tensorwise"), recompute (bool),
+    reference ("local" -> also train the local spec; "none"), bug_on (te_fuser's ctx clearing off)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    result = {}
+    data = batches()
+    config = make_config(case.get("dtype", "fp32"), case.get("fp8"), case.get("recompute", False))
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED, force_reset_rng=True)
+    local = build_local_gpt(config)
+    te_model = build_te_gpt(config)
+    copy_weights(local, te_model)
+    if case.get("reference", "local") == "local":
+        result["local"] = train(local, data)
+    found, walk = graph_leftovers(te_model)
+    with _ctx_clearing(not case.get("bug_on", False)):
+        result["te"] = train(te_model, data, on_last_backward=walk)
+    result["leftovers"] = found
+    result["te_modules"] = sorted({type(m).__module__ + "." + type(m).__name__ for m in te_model.modules()
+                                   if type(m).__module__.startswith(("te_fuser", "transformer_engine"))
+                                   or any(c.__module__.startswith("te_fuser") for c in type(m).__mro__)})
+    return result
+
+
+@contextlib.contextmanager
+def _ctx_clearing(enabled: bool):
+    import te_fuser.ops.fuser as fuser
+
+    saved = fuser._CLEAR_CTX_AFTER_BACKWARD
+    fuser._CLEAR_CTX_AFTER_BACKWARD = enabled
+    try:
+        yield
+    finally:
+        fuser._CLEAR_CTX_AFTER_BACKWARD = saved
+
+
+def worker(rank: int, world: int, port: int, cases: dict, results, alias: bool) -> None:
+    """Runs every case on this rank; puts (rank, name, result or {"error": traceback}) on results."""
+    torch.set_num_threads(1)
+    try:
+        if alias:
+            from te_fuser.compat import install_transformer_engine
+
+            install_transformer_engine()
+        patch_megatron_for_cpu()
+        init_parallel(rank, world, port, use_te_rng_tracker=alias)
+    except Exception:
+        for name in cases:
+            results.put((rank, name, {"error": traceback.format_exc()}))
+        return
+    try:
+        for name, case in cases.items():
+            try:
+                results.put((rank, name, run_case(case)))
+            except Exception:
+                results.put((rank, name, {"error": traceback.format_exc()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_cases(cases: dict, world: int, alias: bool = True) -> dict:
+    """{name: [result of rank 0, result of rank 1, ...]} for every case, from `world` spawned ranks."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(rank, world, port, cases, results, alias)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    out = {name: [None] * world for name in cases}
+    for _ in range(world * len(cases)):
+        rank, name, result = results.get(timeout=600)
+        out[name][rank] = result
+    for p in procs:
+        p.join(timeout=60)
+    return out
