@@ -5,7 +5,9 @@ from . import memory, ops, recipe
 from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
+from .module.grouped_linear import GroupedLinear
 from .module.linear import Linear
+from .module.multi_head_attention import MultiheadAttention
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
 
@@ -17,7 +19,9 @@ __all__ = [
     "Float8Quantizer",
     "Float8Tensor",
     "FP8GlobalState",
+    "GroupedLinear",
     "Linear",
+    "MultiheadAttention",
     "autocast",
     "checkpoint",
     "fp8_autocast",

@@ -167,9 +167,42 @@ class DelayedScalingState:
         """All-reduce amaxes over the group (if any), roll the history and update the scales."""
         if self.group is not None and self.recipe.reduce_amax and torch.distributed.is_initialized():
             torch.distributed.all_reduce(self.amax, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        if callable(self.recipe.amax_compute_algo) or self.recipe.scaling_factor_compute_algo is not None:
+            self._update_with_callables()
+            return
         fp8_kernels.delayed_scaling_update(self.amax_history, self.amax, self.scale, self.scale_inv,
                                            fp8_kernels.fp8_max(self.fp8_dtype), self.recipe.margin,
                                            self.recipe.amax_compute_algo)
+
+    def te_amax_history(self) -> torch.Tensor:
+        """The history in TE's layout: row 0 the amax being recorded, rows 1.. the last
+        amax_history_len - 1 closed steps, oldest first (the same window the update reduces)."""
+        return torch.cat([self.amax[None], self.amax_history[:-1].flip(0)])
+
+    def _update_with_callables(self) -> None:
+        """The update with the recipe's amax_compute_algo / scaling_factor_compute_algo callables (TE's semantics)."""
+        recipe = self.recipe
+        te_history = self.te_amax_history()
+        if callable(recipe.amax_compute_algo):
+            amax = recipe.amax_compute_algo(te_history.clone())
+        elif recipe.amax_compute_algo == "max":
+            amax = te_history.amax(dim=0)
+        else:
+            amax = te_history[0].clone()
+        fp8_max = fp8_kernels.fp8_max(self.fp8_dtype)
+        if recipe.scaling_factor_compute_algo is not None:
+            scale = recipe.scaling_factor_compute_algo(amax, self.scale.clone(), fp8_max, recipe)
+        else:  # the kernel's formula (csrc/fp8/fp8_scaling.h)
+            new = torch.clamp(fp8_max / amax, max=torch.finfo(torch.float32).max) / 2.0 ** recipe.margin
+            scale = torch.where((amax > 0) & torch.isfinite(amax), new, self.scale)
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=self.scale.device)
+        if scale.shape != self.scale.shape:
+            raise ValueError(f"scaling_factor_compute_algo returned shape {tuple(scale.shape)}, "
+                             f"expected {tuple(self.scale.shape)}")
+        self.amax_history.copy_(torch.cat([self.amax[None], self.amax_history[:-1]]))
+        self.scale.copy_(scale)
+        self.scale_inv.copy_(torch.reciprocal(self.scale))
+        self.amax.zero_()
 
     def to(self, device) -> "DelayedScalingState":
         for name in ("amax_history", "amax", "scale", "scale_inv"):

@@ -10,6 +10,7 @@ from ..ops.basic.bias import Bias
 from ..ops.basic.linear import BasicLinear
 from ..ops.fuser import OperationFuser
 from ..ops import _tensor_parallel as tp
+from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
 from ._noop_cat import noop_cat
 
 _PARALLEL_MODES = (None, "column", "row")
@@ -197,16 +198,10 @@ class Linear(torch.nn.Module):
 
     # -- FP8 state in the state_dict ----------------------------------------------------
     def get_extra_state(self):
-        return self._ops[0].fp8_extra_state()
+        return get_fp8_extra_state(self._ops)
 
     def set_extra_state(self, state) -> None:
-        if isinstance(state, torch.Tensor):
-            # TransformerEngine serializes its FP8 state into a byte tensor; an empty one means none.
-            if state.numel() == 0:
-                return
-            raise ValueError("te_fuser.Linear cannot load TransformerEngine's serialized FP8 state; "
-                             "load the checkpoint without '_extra_state' (strict=False) to start fresh scales")
-        self._ops[0].load_fp8_extra_state(state, self._weight_list()[0].device)
+        set_fp8_extra_state(self._ops, state, self._weight_list()[0].device)
 
     # -- forward ------------------------------------------------------------------------
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,

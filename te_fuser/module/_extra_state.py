@@ -1,0 +1,212 @@
+"""A module's `_extra_state` in TransformerEngine's format: the FP8 scaling state of its basic ops.
+
+Modules call get_fp8_extra_state(ops) from get_extra_state() and
+set_fp8_extra_state(ops, state, device) from set_extra_state(), with the
+module's basic ops in their forward order.
+
+TE's format (transformer_engine/pytorch/module/base.py): a uint8 tensor of
+`pickle.dumps(state)`, empty when there is no state (FP8 never ran, or a
+stateless recipe such as current scaling), where state holds
+  recipe                 the DelayedScaling recipe object
+  scale_fwd              float32 (3 * num_gemms,): per GEMM k, input 3k, weight 3k+1, output 3k+2
+  amax_history_fwd       float32 (amax_history_len, 3 * num_gemms)
+  scale_bwd              float32 (2 * num_gemms,): grad_output 2k, grad_input 2k+1
+  amax_history_bwd       float32 (amax_history_len, 2 * num_gemms)
+  extra_fp8_variables    dict of plain values (num_gemms, fp8_checkpoint, fp8_max_fwd, fp8_max_bwd)
+TE 1.x payloads lack `recipe` (delayed scaling was the only recipe); TE 0.x
+stored an io.BytesIO of torch.save. All are read without unpickling code.
+
+An op with FP8 quantizers counts as g GEMMs when it has 2g forward quantizers
+(input, weight per GEMM) and g backward ones (grad_output per GEMM); te_fuser
+keeps no output / grad_input scales, so TE's slots for them are written as
+scale 1 with an empty history and ignored on load.
+
+History layouts differ: TE accumulates the current amax in history row 0 and
+keeps the completed amaxes oldest-to-newest in rows 1.., te_fuser accumulates
+in a separate `amax` and keeps the completed ones newest first. Both reduce
+over the same window (the current amax and the last len-1 completed ones), so
+converting between them keeps every future scale identical.
+"""
+
+import io
+from typing import List, Sequence, Tuple
+
+import torch
+
+from ..ops.op import BasicOperation
+from ..recipe import DelayedScaling, Format
+from ._te_pickle import (PickledFormat, PickledRecipe, TEFormat, TERecipe, UnsafeExtraStateError, safe_loads,
+                         te_dumps)
+
+_TE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
+_FWD_SLOTS, _BWD_SLOTS = 3, 2  # TE's per-GEMM scaling slots
+
+
+def _fp8_ops(ops: Sequence[BasicOperation]) -> List[Tuple[BasicOperation, int]]:
+    """(op, number of GEMMs) for each op that owns FP8 quantizers."""
+    found = []
+    for op in tuple(ops):
+        if not isinstance(op, BasicOperation):
+            raise TypeError(f"ops must hold te_fuser BasicOperations, got {type(op).__name__}")
+        nf, nb = op.num_forward_quantizers, op.num_backward_quantizers
+        if nf + nb == 0:
+            continue
+        if nf != 2 * nb:
+            raise TypeError(f"{type(op).__name__} has {nf} forward and {nb} backward FP8 quantizers; TE's "
+                            f"_extra_state layout needs (input, weight) forward and grad_output backward per GEMM")
+        found.append((op, nb))
+    return found
+
+
+def _empty() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+# -- te_fuser history <-> TE history ---------------------------------------------------------
+def _from_te_history(te_history: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    history = torch.zeros_like(te_history)
+    history[:-1] = te_history[1:].flip(0)
+    return te_history[0].clone(), history
+
+
+# -- writing ----------------------------------------------------------------------------------
+def _te_recipe(recipe: DelayedScaling) -> TERecipe:
+    fmt = recipe.fp8_format
+    return TERecipe("DelayedScaling", {
+        "margin": int(recipe.margin), "fp8_format": TEFormat(fmt.max_fwd, fmt.max_bwd),
+        "amax_history_len": int(recipe.amax_history_len), "amax_compute_algo": recipe.amax_compute_algo,
+        "scaling_factor_compute_algo": recipe.scaling_factor_compute_algo, "reduce_amax": bool(recipe.reduce_amax),
+        "fp8_dpa": bool(recipe.fp8_dpa), "fp8_mha": bool(recipe.fp8_mha)})
+
+
+def get_fp8_extra_state(ops: Sequence[BasicOperation]) -> torch.Tensor:
+    """TE's `_extra_state` for a module made of `ops`: a uint8 tensor, empty when there is no state."""
+    fp8_ops = _fp8_ops(ops)
+    if not fp8_ops or any(op._fp8_states is None for op, _ in fp8_ops):
+        return _empty()
+    recipe = fp8_ops[0][0]._fp8_recipe
+    if not isinstance(recipe, DelayedScaling):
+        return _empty()  # stateless recipe, as in TE
+    num_gemms = sum(g for _, g in fp8_ops)
+    length = int(recipe.amax_history_len)
+    scale_fwd, scale_bwd = torch.ones(_FWD_SLOTS * num_gemms), torch.ones(_BWD_SLOTS * num_gemms)
+    hist_fwd, hist_bwd = torch.zeros(length, _FWD_SLOTS * num_gemms), torch.zeros(length, _BWD_SLOTS * num_gemms)
+    gemm = 0
+    for op, g in fp8_ops:
+        if op._fp8_recipe != recipe:
+            raise ValueError("the ops of one module must share one FP8 recipe")
+        fwd, bwd = op._fp8_states
+        fwd_hist, bwd_hist = fwd.te_amax_history().cpu(), bwd.te_amax_history().cpu()
+        for k in range(g):
+            for role in range(2):  # input, weight
+                j, slot = 2 * k + role, _FWD_SLOTS * (gemm + k) + role
+                scale_fwd[slot] = fwd.scale[j]
+                hist_fwd[:, slot] = fwd_hist[:, j]
+            slot = _BWD_SLOTS * (gemm + k)
+            scale_bwd[slot] = bwd.scale[k]
+            hist_bwd[:, slot] = bwd_hist[:, k]
+        gemm += g
+    fmt = recipe.fp8_format
+    state = {"recipe": _te_recipe(recipe), "scale_fwd": scale_fwd, "amax_history_fwd": hist_fwd,
+             "scale_bwd": scale_bwd, "amax_history_bwd": hist_bwd,
+             "extra_fp8_variables": {"fp8_checkpoint": True, "num_gemms": num_gemms,
+                                     "fp8_max_fwd": float(fmt.max_fwd), "fp8_max_bwd": float(fmt.max_bwd)}}
+    return torch.frombuffer(bytearray(te_dumps(state)), dtype=torch.uint8)
+
+
+# -- reading ----------------------------------------------------------------------------------
+def _format_from_maxima(value) -> Format:
+    for fmt in Format:
+        if (float(fmt.max_fwd), float(fmt.max_bwd)) == tuple(value):
+            return fmt
+    raise ValueError(f"_extra_state's recipe has an FP8 format with maxima {tuple(value)}, which te_fuser lacks")
+
+
+def _recipe_from_te(pickled) -> DelayedScaling:
+    if pickled is None:  # TE 1.x: delayed scaling with TE's defaults
+        return DelayedScaling()
+    if not isinstance(pickled, PickledRecipe):
+        raise ValueError(f"_extra_state's recipe must be a TE recipe, got {type(pickled).__name__}")
+    fields = pickled.fields
+    fmt = fields.get("fp8_format", Format.HYBRID)
+    kwargs = {name: fields[name] for name in ("margin", "amax_history_len", "amax_compute_algo", "reduce_amax",
+                                              "fp8_dpa", "fp8_mha") if name in fields}
+    return DelayedScaling(fp8_format=_format_from_maxima(fmt) if isinstance(fmt, PickledFormat) else fmt, **kwargs)
+
+
+def _decode(state):
+    """The payload as a dict (or None when it carries no state)."""
+    if isinstance(state, io.BytesIO):
+        # TE 0.x: torch.save of the state dict; plain tensors and values only.
+        state.seek(0)
+        try:
+            return torch.load(state, weights_only=True)
+        except Exception as exc:  # torch raises UnpicklingError with its own allowlist message
+            raise UnsafeExtraStateError(f"refusing to load an io.BytesIO _extra_state: {exc}") from exc
+    if state.dtype != torch.uint8 or state.dim() != 1:
+        raise ValueError(f"a tensor _extra_state must be TE's 1-D uint8 tensor, got {state.dtype} {tuple(state.shape)}")
+    if state.numel() == 0:
+        return None
+    return safe_loads(state.detach().cpu().numpy().tobytes())
+
+
+def _check(name: str, tensor, shape) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(shape):
+        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"_extra_state '{name}' must have shape {tuple(shape)} for this module, got {got}")
+    return tensor.to(torch.float32)
+
+
+def _load_te(fp8_ops, payload: dict, device) -> None:
+    if not all(key in payload for key in _TE_KEYS):
+        recipe = payload.get("recipe")
+        if isinstance(recipe, PickledRecipe) and recipe.class_name != "DelayedScaling":
+            return  # a stateless recipe: nothing to restore (te_fuser takes the recipe from autocast)
+        raise ValueError(f"_extra_state lacks TE's delayed-scaling tensors {[k for k in _TE_KEYS if k not in payload]}")
+    recipe = _recipe_from_te(payload.get("recipe"))
+    num_gemms = sum(g for _, g in fp8_ops)
+    length = payload["amax_history_fwd"].shape[0] if isinstance(payload["amax_history_fwd"], torch.Tensor) else 0
+    if length != recipe.amax_history_len:
+        recipe = DelayedScaling(**{**{f: getattr(recipe, f) for f in recipe.__dataclass_fields__},
+                                   "amax_history_len": length})
+    scale_fwd = _check("scale_fwd", payload["scale_fwd"], (_FWD_SLOTS * num_gemms,))
+    hist_fwd = _check("amax_history_fwd", payload["amax_history_fwd"], (length, _FWD_SLOTS * num_gemms))
+    scale_bwd = _check("scale_bwd", payload["scale_bwd"], (_BWD_SLOTS * num_gemms,))
+    hist_bwd = _check("amax_history_bwd", payload["amax_history_bwd"], (length, _BWD_SLOTS * num_gemms))
+    gemm = 0
+    for op, g in fp8_ops:
+        fwd_slots = [_FWD_SLOTS * (gemm + k) + role for k in range(g) for role in range(2)]
+        bwd_slots = [_BWD_SLOTS * (gemm + k) for k in range(g)]
+        op_state = {"recipe": recipe}
+        for key, slots, scale, hist in (("forward", fwd_slots, scale_fwd, hist_fwd),
+                                        ("backward", bwd_slots, scale_bwd, hist_bwd)):
+            amax, history = _from_te_history(hist[:, slots])
+            scale_part = scale[slots].clone()
+            op_state[key] = {"amax_history": history, "amax": amax, "scale": scale_part,
+                             "scale_inv": torch.reciprocal(scale_part)}
+        op.load_fp8_extra_state(op_state, device)
+        gemm += g
+
+
+def set_fp8_extra_state(ops: Sequence[BasicOperation], state, device) -> None:
+    """Load TE's `_extra_state` (any of its formats) or an older te_fuser dict state into `ops`."""
+    fp8_ops = _fp8_ops(ops)
+    if state is None:
+        return
+    if isinstance(state, dict):  # te_fuser before TE's format: one op's dict, or {"ops": [...]}
+        states = state["ops"] if "ops" in state else [state]
+        if len(states) != len(fp8_ops):
+            raise ValueError(f"_extra_state holds the FP8 state of {len(states)} ops, this module has {len(fp8_ops)}")
+        for (op, _), op_state in zip(fp8_ops, states):
+            op.load_fp8_extra_state(op_state, device)
+        return
+    if not isinstance(state, (torch.Tensor, io.BytesIO)):
+        raise TypeError(f"_extra_state must be a uint8 tensor, an io.BytesIO, a dict or None, got {type(state).__name__}")
+    payload = _decode(state)
+    if payload is None:
+        return
+    if not isinstance(payload, dict):
+        raise ValueError(f"_extra_state must decode to a dict, got {type(payload).__name__}")
+    if not fp8_ops:
+        raise ValueError("_extra_state holds FP8 state but this module has no FP8 GEMM")
+    _load_te(fp8_ops, payload, device)

@@ -1,0 +1,170 @@
+"""GroupedBasicLinear: y_i = x_i @ W_i.T (+ b_i) for consecutive row groups x_i of the input (MoE experts).
+
+One basic op, so a GroupedLinear is one autograd node on the fuser, with the
+fuser's saved-tensor discipline. Every GEMM has its own FP8 quantizers:
+forward (input_i, weight_i) at indices 2i, 2i + 1, backward grad_output_i at i.
+The weights, biases and split sizes are passed to each forward as keywords
+(`weights`, `biases`, `m_splits`), so the module keeps TransformerEngine's
+parameter names weight0..weight{n-1}, bias0..bias{n-1}.
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ...float8_tensor import Float8Tensor
+from .._fp8_io import with_transpose
+from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt
+from ..op import BasicOperation
+from .linear import _saved_transpose
+
+
+class GroupedBasicLinear(BasicOperation):
+    """num_gemms linear maps over consecutive row groups; in/out features are local (already sharded)."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, *, use_bias: bool,
+                 accumulate_into_main_grad: bool = False):
+        super().__init__()
+        self.num_gemms = int(num_gemms)
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.use_bias = bool(use_bias)
+        self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
+        self.num_forward_quantizers = 2 * self.num_gemms
+        self.num_backward_quantizers = self.num_gemms
+        self._fp8_weight_cache: List[Optional[Float8Tensor]] = [None] * self.num_gemms
+
+    def op_params(self, weights=(), biases=(), **kwargs):
+        del kwargs
+        return tuple(weights) + (tuple(biases) if self.use_bias else ())
+
+    def configure_quantizers(self, input_requires_grad, params_require_grad):
+        if not self._fp8_enabled:
+            return
+        weight_requires_grad = any(params_require_grad[:self.num_gemms])
+        for i in range(self.num_gemms):
+            self._forward_quantizers[2 * i].set_usage(columnwise=weight_requires_grad)
+            self._forward_quantizers[2 * i + 1].set_usage(columnwise=input_requires_grad)
+            self._backward_quantizers[i].set_usage(columnwise=weight_requires_grad)
+
+    def _quantized_weight(self, i: int, weight: torch.Tensor, is_first_microbatch: Optional[bool]) -> Float8Tensor:
+        """As BasicLinear: True quantizes and caches, False reuses the cache, None never caches."""
+        cached = self._fp8_weight_cache[i]
+        if is_first_microbatch is False and cached is not None:
+            return cached
+        wq = self._forward_quantizers[2 * i + 1](weight.detach())
+        self._fp8_weight_cache[i] = wq if is_first_microbatch is not None else None
+        return wq
+
+    def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
+                   weights=(), biases=(), m_splits: Sequence[int] = (), is_first_microbatch=None):
+        del prev_op_grad_output_quantizer, next_op_input_quantizer
+        k, n = self.in_features, self.out_features
+        x = input_.reshape(-1, k)
+        xs = x.split(list(m_splits))
+        weight_requires_grad = weights[0].requires_grad
+        fp8 = self._fp8_enabled
+        if fp8:
+            check_fp8_gemm_dims(**{"in_features": k, "out_features": n})
+            check_fp8_gemm_dims(**{f"m_splits[{i}]": m for i, m in enumerate(m_splits)})
+        outs, saved = [], []
+        for i, (xi, w) in enumerate(zip(xs, weights)):
+            b = biases[i] if self.use_bias else None
+            if xi.dtype != w.dtype:
+                raise TypeError(f"input dtype {xi.dtype} does not match weight{i}'s dtype {w.dtype}")
+            if xi.shape[0] == 0:  # an expert without tokens: no GEMM, nothing to save
+                outs.append(x.new_empty(0, n))
+                saved += [None, None]
+                continue
+            if fp8:
+                xq = self._forward_quantizers[2 * i](xi)
+                wq = self._quantized_weight(i, w, is_first_microbatch)
+                outs.append(fp8_gemm_nt(xq._data, xq._scale_inv, wq._data, wq._scale_inv, w.dtype, b))
+                saved += [_saved_transpose(with_transpose(xq)) if weight_requires_grad else None,
+                          _saved_transpose(with_transpose(wq)) if ctx.input_requires_grad else None]
+            else:
+                outs.append(gemm_nt(xi, w, b))
+                saved += [xi if weight_requires_grad else None, w if ctx.input_requires_grad else None]
+        ctx.save_for_backward(*saved)
+        ctx.fp8 = fp8
+        ctx.m_splits = tuple(m_splits)
+        ctx.lead_shape = tuple(input_.shape[:-1])
+        ctx.dtype = weights[0].dtype
+        ctx.weight_requires_grad = weight_requires_grad
+        ctx.bias_requires_grad = self.use_bias and biases[0].requires_grad
+        ctx.grad_output_quantizers = list(self._backward_quantizers) if fp8 else None
+        ctx.main_grad_weights = list(weights) if self.accumulate_into_main_grad and weight_requires_grad else None
+        return torch.cat(outs).view(*ctx.lead_shape, n)
+
+    def op_backward(self, ctx, grad_output):
+        k, n = self.in_features, self.out_features
+        dys = grad_output.reshape(-1, n).split(list(ctx.m_splits))
+        dxs, dws, dbs = [], [], []
+        for i, dy in enumerate(dys):
+            x_saved, w_saved = ctx.saved_tensors[2 * i], ctx.saved_tensors[2 * i + 1]
+            if dy.shape[0] == 0:
+                dxs.append(dy.new_empty(0, k))
+                dws.append(torch.zeros(n, k, dtype=torch.float32, device=dy.device) if ctx.weight_requires_grad
+                           else None)
+                dbs.append(dy.new_zeros(n) if ctx.bias_requires_grad else None)
+                continue
+            dx = dw = None
+            if ctx.fp8:
+                dyq = ctx.grad_output_quantizers[i](dy.contiguous())
+                if ctx.input_requires_grad:
+                    dx = fp8_gemm_nt(dyq._data, dyq._scale_inv, w_saved._transpose, w_saved._scale_inv, ctx.dtype)
+                if ctx.weight_requires_grad:
+                    with_transpose(dyq)
+                    dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._transpose, x_saved._scale_inv,
+                                     torch.float32)
+            else:
+                if ctx.input_requires_grad:
+                    dx = torch.mm(dy, w_saved)
+                if ctx.weight_requires_grad:
+                    dw = torch.mm(dy.t(), x_saved)
+            dxs.append(dx)
+            dws.append(dw)
+            dbs.append(dy.sum(0) if ctx.bias_requires_grad else None)
+        grad_input = torch.cat(dxs).view(*ctx.lead_shape, k) if ctx.input_requires_grad else None
+        weight_grads = [self._finish_wgrad(ctx, i, dw) for i, dw in enumerate(dws)]
+        return grad_input, tuple(weight_grads) + (tuple(dbs) if self.use_bias else ())
+
+    @staticmethod
+    def _finish_wgrad(ctx, i: int, dw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """dW_i in the weight's dtype, or accumulated into weight_i.main_grad (then no .grad, as in TE)."""
+        if dw is None:
+            return None
+        if ctx.main_grad_weights is None:
+            return dw.to(ctx.dtype)
+        weight = ctx.main_grad_weights[i]
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None:
+            raise RuntimeError(f"fuse_wgrad_accumulation is on but weight{i}.main_grad is not set")
+        if getattr(weight, "overwrite_main_grad", False):
+            main_grad.copy_(dw)
+        else:
+            main_grad.add_(dw)
+        weight.grad_added_to_main_grad = True
+        return None
+
+
+def validate_m_splits(m_splits, num_gemms: int, rows: int) -> List[int]:
+    """m_splits (list or 1-D tensor) as a list of non-negative ints summing to the input's rows."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1 or m_splits.dtype.is_floating_point or m_splits.dtype.is_complex:
+            raise ValueError(f"m_splits must be a 1-D integer tensor or a list of ints, got {m_splits!r}")
+        m_splits = m_splits.tolist()
+    try:
+        splits = [int(m) for m in m_splits]
+    except (TypeError, ValueError):
+        raise TypeError(f"m_splits must be a list of ints or a 1-D integer tensor, got {m_splits!r}") from None
+    if any(s != m for s, m in zip(splits, m_splits)):
+        raise TypeError(f"m_splits must hold integers, got {list(m_splits)}")
+    if len(splits) != num_gemms:
+        raise ValueError(f"m_splits has {len(splits)} entries, expected num_gemms = {num_gemms}")
+    if any(s < 0 for s in splits):
+        raise ValueError(f"m_splits must be non-negative, got {splits}")
+    if sum(splits) != rows:
+        raise ValueError(f"m_splits sums to {sum(splits)}, but the input has {rows} rows "
+                         f"(the product of its leading dimensions)")
+    return splits

@@ -1,0 +1,137 @@
+"""Float64 torch references for MultiheadAttention and TransformerLayer, reading the modules' weights
+by TransformerEngine's parameter names and TransformerEngine's fused-QKV row layout."""
+
+import torch
+import torch.nn.functional as F
+
+
+def float64_params(module) -> dict:
+    """name -> float64 copy of every parameter (give these requires_grad to get reference grads)."""
+    return {n: p.detach().double() for n, p in module.named_parameters()}
+
+
+def sub(params: dict, prefix: str) -> dict:
+    return {n[len(prefix) + 1:]: p for n, p in params.items() if n.startswith(prefix + ".")}
+
+
+def qkv_weights(mha, P, prefix):
+    """(Wq, bq, Wk, bk, Wv, bv) of a self-attention projection, in float64.
+
+    Fused and interleaved: per KV group, its np/ng query heads, its key head, its value head.
+    Fused, not interleaved, or split parameters: all query rows, all key rows, all value rows.
+    """
+    names = P
+    np_, ng, hn = mha.num_attention_heads, mha.num_gqa_groups, mha.hidden_size_per_attention_head
+    if f"{prefix}.weight" in names:
+        w, b = P[f"{prefix}.weight"], P[f"{prefix}.bias"]
+        if mha.qkv_weight_interleaved:
+            per = np_ // ng
+            wg, bg = w.view(ng, per + 2, hn, -1), b.view(ng, per + 2, hn)
+            return (wg[:, :per].reshape(np_ * hn, -1), bg[:, :per].reshape(-1), wg[:, per].reshape(ng * hn, -1),
+                    bg[:, per].reshape(-1), wg[:, per + 1].reshape(ng * hn, -1), bg[:, per + 1].reshape(-1))
+        ws, bs = w.split([np_ * hn, ng * hn, ng * hn]), b.split([np_ * hn, ng * hn, ng * hn])
+        return ws[0], bs[0], ws[1], bs[1], ws[2], bs[2]
+    return tuple(P[f"{prefix}.{part}_{kind}"] for part in ("query", "key", "value") for kind in ("weight", "bias"))
+
+
+def norm(x, P, prefix, normalization, eps, zero_centered_gamma=False):
+    w = P[f"{prefix}layer_norm_weight"] if prefix is not None else P["weight"]
+    if zero_centered_gamma:
+        w = w + 1
+    if normalization == "RMSNorm":
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    b = P[f"{prefix}layer_norm_bias"] if prefix is not None else P["bias"]
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def rope(t, freqs):
+    """Non-interleaved RoPE on [b, s, h, d] as complex rotations of the pairs (t[j], t[j + d2/2])."""
+    d2 = freqs.shape[-1]
+    half = d2 // 2
+    angles = freqs[:t.shape[1], 0, 0, :half].double()  # [s, d2/2]
+    z = torch.complex(t[..., :half], t[..., half:d2]) * torch.polar(torch.ones_like(angles), angles)[None, :, None]
+    return torch.cat((z.real, z.imag, t[..., d2:]), dim=-1)
+
+
+def attention(q, k, v, causal):
+    """[b, s, h, d] float64 attention with GQA (query head i uses KV head i // (h / g))."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def mha(module, x, qkv_format="sbhd", causal=True, encoder_output=None, rotary=None, normalization="LayerNorm",
+        eps=1e-5, P=None):
+    """(output without proj bias, proj bias, layernorm output or None) of a MultiheadAttention, in float64."""
+    P = float64_params(module) if P is None else P
+    to_bshd = (lambda t: t.transpose(0, 1)) if qkv_format == "sbhd" else (lambda t: t)
+    x = to_bshd(x.double())
+    hn = module.hidden_size_per_attention_head
+    ln_out = None
+    if module.input_layernorm:
+        prefix = "layernorm_qkv." if module.attention_type == "self" else "layernorm_query."
+        ln_out = x = norm(x, P, prefix, normalization, eps)
+    if module.attention_type == "self":
+        prefix = "layernorm_qkv" if module.input_layernorm else "qkv"
+        wq, bq, wk, bk, wv, bv = qkv_weights(module, P, prefix)
+        kv_in = x
+    else:
+        prefix = "layernorm_query" if module.input_layernorm else "query_layer"
+        key = f"{prefix}.weight" if f"{prefix}.weight" in P else f"{prefix}.query_weight"
+        wq, bq = P[key], P[key.replace("weight", "bias")]
+        if "key_value.weight" in P:
+            w, b = P["key_value.weight"], P["key_value.bias"]
+            if module.qkv_weight_interleaved:
+                ng = module.num_gqa_groups
+                wg, bg = w.view(ng, 2, hn, -1), b.view(ng, 2, hn)
+                wk, wv, bk, bv = wg[:, 0].reshape(ng * hn, -1), wg[:, 1].reshape(ng * hn, -1), \
+                    bg[:, 0].reshape(-1), bg[:, 1].reshape(-1)
+            else:
+                (wk, wv), (bk, bv) = w.chunk(2), b.chunk(2)
+        else:
+            wk, bk = P["key_value.key_weight"], P["key_value.key_bias"]
+            wv, bv = P["key_value.value_weight"], P["key_value.value_bias"]
+        kv_in = to_bshd(encoder_output.double())
+    q = F.linear(x, wq, bq).unflatten(-1, (-1, hn))
+    k = F.linear(kv_in, wk, bk).unflatten(-1, (-1, hn))
+    v = F.linear(kv_in, wv, bv).unflatten(-1, (-1, hn))
+    if rotary is not None:
+        q, k = rope(q, rotary), rope(k, rotary)
+    context = attention(q, k, v, causal).flatten(-2)
+    out = F.linear(context, P["proj.weight"])
+    back = to_bshd  # the transposition is its own inverse
+    return back(out), P["proj.bias"], (back(ln_out) if ln_out is not None else None)
+
+
+def mlp(module, x, activation="gelu", normalization="LayerNorm", eps=1e-5, P=None):
+    """(LayerNormMLP output without fc2 bias, fc2 bias) in float64."""
+    P = float64_params(module) if P is None else P
+    h = norm(x.double(), P, "", normalization, eps)
+    h = F.linear(h, P["fc1_weight"], P["fc1_bias"])
+    if activation == "gelu":
+        h = F.gelu(h, approximate="tanh")
+    elif activation == "relu":
+        h = F.relu(h)
+    elif activation == "swiglu":
+        a, b = h.chunk(2, dim=-1)
+        h = F.silu(a) * b
+    else:
+        raise ValueError(activation)
+    return F.linear(h, P["fc2_weight"]), P["fc2_bias"]
+
+
+def transformer_layer(layer, x, activation="gelu", normalization="LayerNorm", eps=1e-5, encoder_output=None,
+                      P=None):
+    """TransformerLayer (pre-LN, dropout 0) in float64."""
+    P = float64_params(layer) if P is None else P
+    attn, attn_bias, _ = mha(layer.self_attention, x, layer.attn_input_format, causal=True,
+                             normalization=normalization, eps=eps, P=sub(P, "self_attention"))
+    h = x.double() + attn + attn_bias
+    if layer.layer_type == "decoder":
+        attn, attn_bias, _ = mha(layer.inter_attention, h, layer.attn_input_format, causal=False,
+                                 encoder_output=encoder_output, normalization=normalization, eps=eps,
+                                 P=sub(P, "inter_attention"))
+        h = h + attn + attn_bias
+    out, bias = mlp(layer.layernorm_mlp, h, activation, normalization, eps, P=sub(P, "layernorm_mlp"))
+    return h + out + bias
