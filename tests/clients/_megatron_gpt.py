@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory"))
 
 VOCAB, SEQ, BATCH = 128, 32, 2
 HIDDEN, HEADS, FFN, LAYERS = 64, 4, 256, 2
-STEPS, LR, SEED = 3, 0.05, 1234
+STEPS, MICROBATCHES, LR, SEED = 4, 2, 0.1, 1234
 
 
 def free_port() -> int:
@@ -150,30 +150,44 @@ def copy_weights(local_model, te_model) -> None:
 # Training and the graph walk
 # ---------------------------------------------------------------------------------------------
 def batches():
-    """STEPS batches of tokens, the same on every rank (tensor parallelism wants equal inputs)."""
+    """STEPS x MICROBATCHES batches, the same on every rank (tensor parallelism wants equal inputs).
+    The next token is a fixed permutation of the current one: something to learn in a few steps."""
     g = torch.Generator().manual_seed(SEED)
+    successor = torch.randperm(VOCAB, generator=g)
     out = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    for _ in range(STEPS * MICROBATCHES):
+        tokens = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, VOCAB, (BATCH,), generator=g)
+        for i in range(SEQ):
+            tokens[:, i + 1] = successor[tokens[:, i]]
         out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     return out
 
 
 def train(model, data, on_last_backward=None):
-    """SGD steps; returns the losses. on_last_backward(loss) runs after the last backward while the
-    loss (and with it the whole graph) is still alive."""
+    """SGD steps of MICROBATCHES accumulated microbatches; returns each step's loss.
+    As Megatron's schedule does (pipeline_parallel/schedules.py, forward_step), the model is told
+    when a step's first microbatch starts: TE layers cast their FP8 weights there and reuse the
+    cast for the step's later microbatches. on_last_backward(loss) runs after the last backward
+    while the loss (and with it the whole graph) is still alive."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
     losses = []
     model.train()
-    for step, (tokens, labels) in enumerate(data):
+    for step in range(len(data) // MICROBATCHES):
         opt.zero_grad(set_to_none=True)
-        loss = model(tokens, position_ids, None, labels=labels).float().mean()
-        loss.backward()
-        if on_last_backward is not None and step == len(data) - 1:
+        total = 0.0
+        for micro in range(MICROBATCHES):
+            if micro == 0:
+                model.set_is_first_microbatch()
+            tokens, labels = data[step * MICROBATCHES + micro]
+            loss = model(tokens, position_ids, None, labels=labels).float().mean() / MICROBATCHES
+            loss.backward()
+            total += loss.item()
+        if on_last_backward is not None and step == len(data) // MICROBATCHES - 1:
             on_last_backward(loss)
         opt.step()
-        losses.append(loss.item())
+        losses.append(total)
     return losses
 
 
@@ -213,10 +227,19 @@ def run_case(case: dict) -> dict:
     with _ctx_clearing(not case.get("bug_on", False)):
         result["te"] = train(te_model, data, on_last_backward=walk)
     result["leftovers"] = found
-    result["te_modules"] = sorted({type(m).__module__ + "." + type(m).__name__ for m in te_model.modules()
-                                   if type(m).__module__.startswith(("te_fuser", "transformer_engine"))
-                                   or any(c.__module__.startswith("te_fuser") for c in type(m).__mro__)})
+    result["te_fuser_classes"] = sorted(_te_fuser_classes(te_model))
     return result
+
+
+def _te_fuser_classes(model) -> set:
+    """The te_fuser classes the model's modules are (Megatron's TE wrappers subclass them)."""
+    found = set()
+    for m in model.modules():
+        for cls in type(m).__mro__:
+            if cls.__module__.startswith("te_fuser"):
+                found.add(f"{cls.__module__}.{cls.__qualname__}")
+                break
+    return found
 
 
 @contextlib.contextmanager
