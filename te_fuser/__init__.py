@@ -1,13 +1,15 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import memory, ops, recipe
+from . import distributed, fp8, memory, ops, recipe, tensor
 from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
+from .fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
 from .module.grouped_linear import GroupedLinear
 from .module.linear import Linear
 from .module.multi_head_attention import MultiheadAttention
+from .quantized_tensor import QuantizedTensor
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
 
@@ -19,15 +21,22 @@ __all__ = [
     "Float8Quantizer",
     "Float8Tensor",
     "FP8GlobalState",
+    "FP8GlobalStateManager",
     "GroupedLinear",
     "Linear",
     "MultiheadAttention",
+    "QuantizedTensor",
     "autocast",
     "checkpoint",
+    "distributed",
+    "fp8",
     "fp8_autocast",
+    "fp8_model_init",
     "memory",
     "ops",
     "prepare_for_saving",
+    "quantized_model_init",
     "recipe",
     "restore_from_saved",
+    "tensor",
 ]

@@ -5,12 +5,13 @@ from typing import List, Optional, Tuple
 import torch
 
 from .kernels import fp8 as fp8_kernels
+from .quantized_tensor import QuantizedTensor
 
 
-class Float8Tensor:
+class Float8Tensor(QuantizedTensor):
     """A tensor quantized to FP8 with one per-tensor scale.
 
-    It is a plain container, not a torch.Tensor subclass: the FP8 GEMMs and
+    It is a plain container (a QuantizedTensor, not a torch.Tensor subclass): the FP8 GEMMs and
     kernels consume its parts directly, and `dequantize()` gives a tensor back.
 
     _data:      the FP8 values (torch.float8_e4m3fn / float8_e5m2), the tensor's shape

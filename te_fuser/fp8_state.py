@@ -35,6 +35,8 @@ class FP8GlobalState:
 
     _stack: List[_Context] = []
     _pending: List["DelayedScalingState"] = []
+    # Set when the outermost context is entered; TE's is_first_fp8_module() reads and clears it.
+    is_first_module: bool = False
     _live_states: "weakref.WeakSet[DelayedScalingState]" = weakref.WeakSet()
 
     @classmethod
@@ -61,8 +63,10 @@ class FP8GlobalState:
             cls._pending.append(state)
 
     @classmethod
-    def update_pending(cls) -> None:
-        pending, cls._pending = cls._pending, []
+    def update_pending(cls, forward=None) -> None:
+        """Update the states waiting for it (only the forward or backward ones when `forward` is given)."""
+        pending = [s for s in cls._pending if forward is None or s.forward == forward]
+        cls._pending = [s for s in cls._pending if not any(s is p for p in pending)]
         for state in pending:
             state.update()
 
@@ -76,6 +80,8 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise TypeError(f"fp8_recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if not FP8GlobalState._stack:
+        FP8GlobalState.is_first_module = True
     FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))
     try:
         yield
@@ -193,7 +199,9 @@ class DelayedScalingState:
         if recipe.scaling_factor_compute_algo is not None:
             scale = recipe.scaling_factor_compute_algo(amax, self.scale.clone(), fp8_max, recipe)
         else:  # the kernel's formula (csrc/fp8/fp8_scaling.h)
-            new = torch.clamp(fp8_max / amax, max=torch.finfo(torch.float32).max) / 2.0 ** recipe.margin
+            # (A scalar / tensor in torch multiplies by the reciprocal: divide a full tensor instead.)
+            new = torch.full_like(amax, fp8_max).div(amax).clamp(max=torch.finfo(torch.float32).max)
+            new = new / 2.0 ** recipe.margin
             scale = torch.where((amax > 0) & torch.isfinite(amax), new, self.scale)
         scale = torch.as_tensor(scale, dtype=torch.float32, device=self.scale.device)
         if scale.shape != self.scale.shape:

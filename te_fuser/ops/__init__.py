@@ -9,7 +9,7 @@ from .basic.quantize import Quantize
 from .fused.activation_bias_grad import ActivationBiasGrad
 from .fused.linear_bias_activation import LinearBiasActivation
 from .fuser import OperationFuser
-from .op import BasicOperation, FusedOperation, OperationContext
+from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .sequential import Sequential
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "BasicOperation",
     "Bias",
     "FusedOperation",
+    "FusibleOperation",
     "GELU",
     "LayerNorm",
     "LinearBiasActivation",

@@ -37,7 +37,15 @@ class OperationContext:
         self.__dict__.clear()
 
 
-class BasicOperation(torch.nn.Module):
+class FusibleOperation(torch.nn.Module):
+    """What the fuser runs: a basic op, or a fusion of several (TE's common base class)."""
+
+    @property
+    def basic_ops(self) -> Tuple["BasicOperation", ...]:
+        raise NotImplementedError
+
+
+class BasicOperation(FusibleOperation):
     """One op of a chain: parameters, FP8 quantizers, op_forward and op_backward.
 
     Quantizers: num_forward_quantizers / num_backward_quantizers per op, made
@@ -150,7 +158,7 @@ class BasicOperation(torch.nn.Module):
         self._fp8_states[1].load_state_dict(state["backward"])
 
 
-class FusedOperation(torch.nn.Module):
+class FusedOperation(FusibleOperation):
     """Several adjacent basic ops run as one step; holds no state of its own.
 
     Not registered as a submodule of anything (the basic ops are), so it adds

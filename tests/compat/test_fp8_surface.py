@@ -1,0 +1,147 @@
+"""FP8GlobalStateManager, fp8_model_init / quantized_model_init, TE's recipe arguments, QuantizedTensor."""
+
+import inspect
+
+import pytest
+import torch
+
+import te_fuser
+from te_fuser.fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
+from te_fuser.fp8_state import FP8GlobalState
+from te_fuser.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
+                             MXFP8BlockScaling, NVFP4BlockScaling)
+
+
+def test_manager_reports_the_autocast_state():
+    assert not FP8GlobalStateManager.is_fp8_enabled()
+    assert FP8GlobalStateManager.get_fp8_recipe() == DelayedScaling()  # TE's default outside autocast
+    assert FP8GlobalStateManager.get_fp8_group() is None
+    recipe, group = DelayedScaling(margin=2), object()
+    with te_fuser.fp8_autocast(fp8_recipe=recipe, fp8_group=group):
+        assert FP8GlobalStateManager.is_fp8_enabled() and not FP8GlobalStateManager.is_fp8_calibration()
+        assert FP8GlobalStateManager.get_fp8_recipe() is recipe and FP8GlobalStateManager.get_fp8_group() is group
+        state = FP8GlobalStateManager.quantization_state
+        assert state.fp8_enabled and state.fp8_recipe is recipe and state.fp8_distributed_group is group
+        assert state.autocast_depth == 1 and state.fp8_parameters is False
+        assert FP8GlobalStateManager.is_first_fp8_module()
+        assert not FP8GlobalStateManager.is_first_fp8_module()  # once per outermost autocast
+        with te_fuser.fp8_autocast(enabled=False, calibrating=True):
+            assert not FP8GlobalStateManager.is_fp8_enabled() and FP8GlobalStateManager.is_fp8_calibration()
+            assert not FP8GlobalStateManager.is_first_fp8_module()  # nesting does not reset it
+    with te_fuser.fp8_autocast():
+        assert FP8GlobalStateManager.quantization_state.is_first_fp8_module
+        FP8GlobalStateManager.quantization_state.is_first_fp8_module = False
+        assert not FP8GlobalStateManager.is_first_fp8_module()
+    assert not FP8GlobalStateManager.with_fp8_parameters() and not FP8GlobalStateManager.fp8_graph_capturing()
+
+
+def test_fp8_availability_on_this_machine():
+    available, reason = FP8GlobalStateManager.is_fp8_available()
+    if not torch.cuda.is_available():
+        assert (available, reason) == (True, "")  # te_fuser's FP8 runs on the CPU
+    else:
+        assert available == (torch.cuda.get_device_capability() >= (8, 9))
+    assert FP8GlobalStateManager.is_mxfp8_available() == (False, "te_fuser does not implement MXFP8 (MXFP8BlockScaling)")
+    assert not FP8GlobalStateManager.is_fp8_block_scaling_available()[0]
+
+
+def test_reduce_and_update_updates_only_the_asked_direction():
+    layer = te_fuser.Linear(32, 32, device="cpu")
+    recipe = DelayedScaling(amax_history_len=2)
+    with te_fuser.fp8_autocast(fp8_recipe=recipe):
+        out = layer(torch.randn(16, 32) * 5)
+    out.sum().backward()  # records the backward amax; its update waits for the next autocast exit
+    fwd, bwd = layer._ops[0]._fp8_states
+    with te_fuser.fp8_autocast(fp8_recipe=recipe):
+        layer(torch.randn(16, 32) * 50)  # a larger input amax: its scale must drop
+        before_fwd, before_bwd = fwd.scale.clone(), bwd.scale.clone()
+        FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=True)
+        assert fwd.scale[0] < before_fwd[0] and torch.equal(bwd.scale, before_bwd)
+        assert any(s is bwd for s in FP8GlobalState._pending) and not any(s is fwd for s in FP8GlobalState._pending)
+        FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+        assert not torch.equal(bwd.scale, before_bwd)
+
+
+def test_cuda_graph_paths_raise_naming_themselves():
+    with pytest.raises(NotImplementedError, match="add_fp8_tensors_to_global_buffer.*CUDA-graph"):
+        FP8GlobalStateManager.add_fp8_tensors_to_global_buffer({})
+    with pytest.raises(NotImplementedError, match="set_skip_fp8_weight_update_tensor"):
+        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(True)
+    assert FP8GlobalStateManager.get_skip_fp8_weight_update_tensor() is None
+
+
+@pytest.mark.parametrize("init", [fp8_model_init, quantized_model_init])
+def test_model_init_contexts(init):
+    # Megatron probes the optional arguments with inspect.signature.
+    assert list(inspect.signature(init).parameters) == ["enabled", "recipe", "preserve_high_precision_init_val"]
+    with init(enabled=False, recipe=DelayedScaling(), preserve_high_precision_init_val=True):
+        layer = te_fuser.Linear(16, 16, device="cpu")
+    assert layer.weight.dtype == torch.float32 and not isinstance(layer.weight, te_fuser.QuantizedTensor)
+    with pytest.raises(NotImplementedError, match=r"FP8 weights are not implemented yet \(te_fuser issue 15\)"):
+        init()
+    with pytest.raises(NotImplementedError, match="te_fuser issue 15"):
+        init(enabled=True, recipe=DelayedScaling())
+    assert te_fuser.fp8_model_init is fp8_model_init and te_fuser.quantized_model_init is quantized_model_init
+
+
+def test_recipes_accept_what_te_ignores_and_reject_the_rest():
+    # What megatron/core/fp8_utils.py passes to DelayedScaling.
+    recipe = DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_compute_algo="max", amax_history_len=16,
+                            override_linear_precision=(False, False, True), fp8_dpa=False, fp8_mha=False,
+                            params_dtype=torch.bfloat16, device="cpu")
+    assert recipe == DelayedScaling(amax_history_len=16)
+    assert "params_dtype" not in vars(recipe) and "override_linear_precision" not in vars(recipe)
+    assert Float8CurrentScaling(fp8_format=Format.E4M3, fp8_dpa=True, params_dtype=torch.float32, device="cpu")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'amax_history_length'"):
+        DelayedScaling(amax_history_length=4)
+    with pytest.raises(TypeError, match="scaling_factor_compute_algo must be None or a callable"):
+        DelayedScaling(scaling_factor_compute_algo="max")
+    assert DelayedScaling.delayed() and recipe.delayed() and not recipe.float8_current_scaling()
+    assert Float8CurrentScaling().float8_per_tensor_scaling() and not DelayedScaling.mxfp8()
+
+
+@pytest.mark.parametrize("cls,test", [(Float8BlockScaling, "float8_block_scaling"), (MXFP8BlockScaling, "mxfp8"),
+                                      (NVFP4BlockScaling, "nvfp4"), (CustomRecipe, "custom")])
+def test_unimplemented_recipes_raise_naming_themselves(cls, test):
+    with pytest.raises(NotImplementedError, match=f"the {cls.__name__} FP8 recipe"):
+        cls(fp8_format=Format.HYBRID)
+    assert getattr(cls, test)() and not getattr(DelayedScaling, test)()  # TE's class tests still answer
+
+
+def _te_reference_update(te_history, scale, fp8_max, recipe):
+    """TE's unfused update: amax from the callable (or max), scale from the callable, roll the history."""
+    amax = recipe.amax_compute_algo(te_history) if callable(recipe.amax_compute_algo) else te_history.max(0).values
+    new_scale = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
+    return torch.roll(te_history, -1, 0).index_fill_(0, torch.tensor([0]), 0.0), new_scale
+
+
+def test_callable_amax_and_scaling_factor_algorithms(generator):
+    def mean_of_history(history):  # a window statistic where the rows' meaning matters
+        return history.mean(dim=0) + history[0]
+
+    def quarter_scale(amax, scale, fp8_max, recipe):
+        return torch.where(amax > 0, torch.full_like(amax, fp8_max) / amax / 4, scale)
+
+    recipe = DelayedScaling(amax_history_len=3, amax_compute_algo=mean_of_history,
+                            scaling_factor_compute_algo=quarter_scale)
+    layer = te_fuser.Linear(32, 32, bias=False, device="cpu")
+    te_history, te_scale = torch.zeros(3, 2), torch.ones(2)
+    for factor in (1.0, 8.0, 0.25, 2.0):
+        x = torch.randn(16, 32, generator=generator) * factor
+        with torch.no_grad(), te_fuser.fp8_autocast(fp8_recipe=recipe):
+            layer(x)
+        te_history[0] = torch.stack([x.abs().max(), layer.weight.detach().abs().max()])
+        te_history, te_scale = _te_reference_update(te_history, te_scale, 448.0, recipe)
+        fwd = layer._ops[0]._fp8_states[0]
+        assert torch.equal(fwd.scale, te_scale), (factor, fwd.scale, te_scale)
+        assert torch.equal(fwd.scale_inv, 1.0 / te_scale)
+        assert torch.equal(fwd.te_amax_history(), te_history)
+
+
+def test_quantized_tensor_base():
+    from te_fuser.tensor import Float8Tensor, QuantizedTensor
+
+    x8 = te_fuser.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(torch.randn(16, 16))
+    assert isinstance(x8, QuantizedTensor) and Float8Tensor is te_fuser.Float8Tensor
+    assert te_fuser.QuantizedTensor is QuantizedTensor
+    assert not hasattr(x8, "__dict__")  # the base keeps Float8Tensor's slots
