@@ -6,9 +6,7 @@ from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
-from .module.grouped_linear import GroupedLinear
-from .module.linear import Linear
-from .module.multi_head_attention import MultiheadAttention
+from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm
 from .quantized_tensor import QuantizedTensor
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
@@ -23,6 +21,9 @@ __all__ = [
     "FP8GlobalState",
     "FP8GlobalStateManager",
     "GroupedLinear",
+    "LayerNorm",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "Linear",
     "MultiheadAttention",
     "QuantizedTensor",
@@ -38,5 +39,6 @@ __all__ = [
     "quantized_model_init",
     "recipe",
     "restore_from_saved",
+    "RMSNorm",
     "tensor",
 ]

@@ -9,7 +9,9 @@ from ..ops import _tensor_parallel as tp
 from ..ops.basic.grouped_linear import GroupedBasicLinear, validate_m_splits
 from ..ops.fuser import OperationFuser
 from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
-from .linear import _DEFAULT_INIT_STD, _PARALLEL_MODES, _default_device
+from ._linear_base import _DEFAULT_INIT_STD
+from ._linear_base import default_device as _default_device
+from .linear import _PARALLEL_MODES
 
 
 class GroupedLinear(torch.nn.Module):

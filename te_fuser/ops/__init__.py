@@ -3,6 +3,7 @@
 from ..kernels import fused as _fused_kernels  # noqa: F401  (registers the fake kernels)
 from .basic.activation import GELU, ReLU, SwiGLU
 from .basic.bias import Bias
+from .basic.extra_output import MakeExtraOutput
 from .basic.linear import BasicLinear
 from .basic.norm import LayerNorm, RMSNorm
 from .basic.quantize import Quantize
@@ -22,6 +23,7 @@ __all__ = [
     "GELU",
     "LayerNorm",
     "LinearBiasActivation",
+    "MakeExtraOutput",
     "OperationContext",
     "OperationFuser",
     "Quantize",

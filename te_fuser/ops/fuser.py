@@ -14,6 +14,10 @@ tensors kept as plain ctx attributes lived until the next iteration):
     backward, the node holds no tensor, even while the output is alive.
 _CLEAR_CTX_AFTER_BACKWARD = False turns the dropping off; it exists only so the
 tests can show that they catch the leak.
+
+Extra outputs: an op with num_extra_outputs > 0 sets ctx.extra_outputs in its
+forward; the fuser takes them off the ctx at once and returns (output,
+*extra outputs), and sets ctx.grad_extra_outputs before that op's backward.
 """
 
 from typing import List, Optional, Sequence
@@ -101,12 +105,15 @@ class _FuserFunction(torch.autograd.Function):
         for ctx, needs, (start, end) in zip(ctxs, plan.input_requires_grad, plan.param_slices):
             ctx.input_requires_grad = needs
             ctx.params_require_grad = plan.params_require_grad[start:end]
-        x = input_
+        x, extras = input_, []
         last = len(basic_ops) - 1
         for op, idx in plan.forward_ops:
             prev_q = basic_ops[idx[0] - 1].grad_output_quantizer() if idx[0] > 0 else None
             next_q = basic_ops[idx[-1] + 1].input_quantizer() if idx[-1] < last else None
             x = op.fuser_forward([ctxs[j] for j in idx], x, prev_q, next_q, [kwargs_list[j] for j in idx])
+            for j in idx:
+                if basic_ops[j].num_extra_outputs:
+                    extras.extend(ctxs[j].__dict__.pop("extra_outputs"))
         if isinstance(x, Float8Tensor):
             x = x.dequantize()
 
@@ -122,11 +129,11 @@ class _FuserFunction(torch.autograd.Function):
         state.tensor_objects, state.save_ranges, state.num_params = objects, ranges, len(params)
         func_ctx.state = state
         func_ctx.backward_done = False
-        return x
+        return (x, *extras) if extras else x
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(func_ctx, grad_output):
+    def backward(func_ctx, grad_output, *grad_extra_outputs):
         # Under torch.compile this runs once, at trace time, on trace-time objects: the
         # graph's real autograd node is AOTAutograd's, so there is nothing to mark or clear.
         compiling = torch.compiler.is_compiling()
@@ -143,6 +150,13 @@ class _FuserFunction(torch.autograd.Function):
             ctxs = state.op_ctxs
             for ctx, (start, end) in zip(ctxs, state.save_ranges):
                 ctx.saved_tensors = tuple(saved[start:end])
+
+        basic_ops = [op for fused, _ in state.plan.backward_ops for op in fused.basic_ops]
+        pending = list(grad_extra_outputs)
+        for op, ctx in zip(basic_ops, ctxs):
+            if op.num_extra_outputs:
+                ctx.grad_extra_outputs = tuple(pending[:op.num_extra_outputs])
+                del pending[:op.num_extra_outputs]
 
         param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
         dy = grad_output

@@ -54,6 +54,7 @@ class BasicOperation(FusibleOperation):
 
     num_forward_quantizers = 0
     num_backward_quantizers = 0
+    num_extra_outputs = 0  # tensors the op returns besides its output (see fuser.py)
 
     def __init__(self):
         super().__init__()

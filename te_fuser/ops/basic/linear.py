@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from ...float8_tensor import Float8Tensor
+from ...quantizer import Float8Quantizer
 from .. import _tensor_parallel as tp
 from .._fp8_io import high_precision, with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt
@@ -34,7 +35,9 @@ class BasicLinear(BasicOperation):
 
     create_weight=False leaves the weight to the caller, passed to each
     forward as the `weight` keyword (te_fuser.Linear does this to keep
-    TransformerEngine's parameter names).
+    TransformerEngine's parameter names). The `input_gathered=True` keyword
+    says a "column" + sequence_parallel input was already all-gathered by the
+    previous op (MakeExtraOutput); the backward still reduce-scatters.
     """
 
     num_forward_quantizers = 2
@@ -57,6 +60,9 @@ class BasicLinear(BasicOperation):
         self.local_in_features, self.local_out_features = self._local_shape()
         self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
         self._fp8_weight_cache: Optional[Float8Tensor] = None
+        # Keep the high-precision input for the weight gradient (quantized again in backward under
+        # FP8), not an FP8 copy: saves memory when the caller keeps that input alive anyway.
+        self.save_original_input = False
         if create_weight:
             self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features,
                                                          device=device, dtype=dtype))
@@ -103,7 +109,8 @@ class BasicLinear(BasicOperation):
         if not self._fp8_enabled:
             return
         weight_requires_grad = bool(params_require_grad[0])
-        self._forward_quantizers[0].set_usage(columnwise=weight_requires_grad)  # x.T for wgrad
+        # x.T for wgrad, unless the backward quantizes the saved original input itself
+        self._forward_quantizers[0].set_usage(columnwise=weight_requires_grad and not self.save_original_input)
         self._forward_quantizers[1].set_usage(columnwise=input_requires_grad)   # W.T for dgrad
         self._backward_quantizers[0].set_usage(columnwise=weight_requires_grad)  # dy.T for wgrad
 
@@ -117,36 +124,50 @@ class BasicLinear(BasicOperation):
 
     # -- forward / backward -------------------------------------------------------------
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
-                   weight=None, is_first_microbatch=None):
+                   weight=None, is_first_microbatch=None, input_gathered=False):
         del next_op_input_quantizer
         ctx.grad_input_quantizer = prev_op_grad_output_quantizer
-        return self.forward_gemm(ctx, input_, self.weight if weight is None else weight, None, is_first_microbatch)
+        return self.forward_gemm(ctx, input_, self.weight if weight is None else weight, None, is_first_microbatch,
+                                 input_gathered)
 
     def forward_gemm(self, ctx: OperationContext, x, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                     is_first_microbatch: Optional[bool]) -> torch.Tensor:
+                     is_first_microbatch: Optional[bool], input_gathered: bool = False) -> torch.Tensor:
         """y = x @ W.T (+ bias), saving what the backward needs on ctx. Shared with the fused ops."""
         if x.shape[-1] != self.local_in_features:
             raise ValueError(f"input's last dimension must be in_features = {self.local_in_features}"
                              f"{' (local to this TP rank)' if self.tensor_parallel_size > 1 else ''}, "
                              f"got input shape {tuple(x.shape)}")
-        if self.tensor_parallel_mode == "column" and self.sequence_parallel:
-            x = tp.all_gather_dim0(high_precision(x), self.tensor_parallel_group)
         input_requires_grad = ctx.input_requires_grad
         weight_requires_grad = weight.requires_grad
+        gather = self.tensor_parallel_mode == "column" and self.sequence_parallel
+        # The original (pre-gather, high-precision) input, when the wgrad is to use it.
+        original = x if self.save_original_input and weight_requires_grad and not isinstance(x, Float8Tensor) \
+            else None
+        ctx.regather_input = gather and not input_gathered and original is not None
+        if gather and not input_gathered:
+            x = tp.all_gather_dim0(high_precision(x), self.tensor_parallel_group)
         lead_shape = tuple(x.shape[:-1])
         k, n = self.local_in_features, self.local_out_features
         ctx.fp8 = self._fp8_enabled
         if self._fp8_enabled:
             check_fp8_gemm_dims(**{"the number of input rows (tokens)": math.prod(lead_shape),
                                    "in_features (local)": k, "out_features (local)": n})
-            xq = x if isinstance(x, Float8Tensor) else self._forward_quantizers[0](x)
+            input_quantizer = self._forward_quantizers[0]
+            if original is not None and isinstance(input_quantizer, Float8Quantizer):
+                raise ValueError("save_original_input does not work with the DelayedScaling recipe (as in "
+                                 "TransformerEngine): its backward could not reproduce the forward's scale")
+            xq = x if isinstance(x, Float8Tensor) else input_quantizer(x)
             if xq.dtype != weight.dtype:
                 raise TypeError(f"input dtype {xq.dtype} does not match the weight dtype {weight.dtype}")
             wq = self._quantized_weight(weight, is_first_microbatch)
             y = fp8_gemm_nt(xq._data.reshape(-1, k), xq._scale_inv, wq._data, wq._scale_inv, weight.dtype, bias)
             ctx.grad_output_quantizer = self._backward_quantizers[0]
-            ctx.save_for_backward(_saved_transpose(with_transpose(xq)) if weight_requires_grad else None,
-                                  _saved_transpose(with_transpose(wq)) if input_requires_grad else None)
+            ctx.input_quantizer = input_quantizer if original is not None else None
+            if original is not None:
+                x_saved = original
+            else:
+                x_saved = _saved_transpose(with_transpose(xq)) if weight_requires_grad else None
+            ctx.save_for_backward(x_saved, _saved_transpose(with_transpose(wq)) if input_requires_grad else None)
         else:
             x = high_precision(x)
             if x.dtype != weight.dtype:
@@ -154,7 +175,8 @@ class BasicLinear(BasicOperation):
             if x.device != weight.device:
                 raise ValueError(f"input is on {x.device} but the weight is on {weight.device}")
             y = gemm_nt(x.reshape(-1, k), weight, bias)
-            ctx.save_for_backward(x if weight_requires_grad else None, weight if input_requires_grad else None)
+            x_saved = original if original is not None else (x if weight_requires_grad else None)
+            ctx.save_for_backward(x_saved, weight if input_requires_grad else None)
         ctx.lead_shape = lead_shape
         ctx.dtype = weight.dtype
         ctx.weight_requires_grad = weight_requires_grad
@@ -173,6 +195,8 @@ class BasicLinear(BasicOperation):
         if self.tensor_parallel_mode == "row" and self.sequence_parallel:
             dy = tp.all_gather_dim0(high_precision(dy), self.tensor_parallel_group)
         k, n = self.local_in_features, self.local_out_features
+        if ctx.regather_input:
+            x_saved = tp.all_gather_dim0(x_saved, self.tensor_parallel_group)
         dx = dw = None
         if ctx.fp8:
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
@@ -181,6 +205,8 @@ class BasicLinear(BasicOperation):
                                  w_saved._scale_inv, ctx.dtype)
             if ctx.weight_requires_grad:
                 with_transpose(dyq)
+                if ctx.input_quantizer is not None:  # the saved original input, quantized now
+                    x_saved = with_transpose(ctx.input_quantizer(x_saved))
                 dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._transpose, x_saved._scale_inv,
                                  torch.float32)
         else:

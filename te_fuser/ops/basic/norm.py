@@ -17,21 +17,43 @@ def _feature_size(normalized_shape: Union[int, Iterable[int]]) -> int:
 
 
 class _Norm(BasicOperation):
+    """create_params=False leaves weight (and bias) to the caller, passed to each forward as the
+    `weight` / `bias` keywords (the modules do this to keep TransformerEngine's parameter names)."""
+
     def __init__(self, normalized_shape, eps: float = 1e-5, *, device=None, dtype=None,
-                 zero_centered_gamma: bool = False, with_bias: bool):
+                 zero_centered_gamma: bool = False, with_bias: bool, create_params: bool = True):
         super().__init__()
         self.size = _feature_size(normalized_shape)
+        if self.size <= 0:
+            raise ValueError(f"normalized_shape must be positive, got {normalized_shape}")
         self.eps = float(eps)
         self.zero_centered_gamma = bool(zero_centered_gamma)
-        self.weight = torch.nn.Parameter(torch.empty(self.size, device=device, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.empty(self.size, device=device, dtype=dtype)) if with_bias else None
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
+        self.with_bias = bool(with_bias)
+        self.weight = self.bias = None
+        if create_params:
+            self.weight = torch.nn.Parameter(torch.empty(self.size, device=device, dtype=dtype))
+            if with_bias:
+                self.bias = torch.nn.Parameter(torch.empty(self.size, device=device, dtype=dtype))
+            if self.weight.device.type != "meta":
+                self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        torch.nn.init.zeros_(self.weight) if self.zero_centered_gamma else torch.nn.init.ones_(self.weight)
-        if self.bias is not None:
-            torch.nn.init.zeros_(self.bias)
+        self.init_params(self.weight, self.bias)
+
+    def init_params(self, weight, bias) -> None:
+        """weight = 1 (0 with zero_centered_gamma), bias = 0."""
+        with torch.no_grad():
+            weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
+            if bias is not None:
+                bias.zero_()
+
+    def op_params(self, weight=None, bias=None, **kwargs):
+        del kwargs
+        # getattr, not _parameters: under FSDP1 the parameters are plain attributes.
+        weight = self.weight if weight is None else weight
+        if not self.with_bias:
+            return (weight,)
+        return (weight, self.bias if bias is None else bias)
 
     def _input(self, input_) -> torch.Tensor:
         x = high_precision(input_).contiguous()
@@ -47,23 +69,24 @@ class RMSNorm(_Norm):
     """y = x / sqrt(mean(x^2) + eps) * weight (weight + 1 with zero_centered_gamma)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, *, device=None, dtype=None,
-                 zero_centered_gamma: bool = False):
+                 zero_centered_gamma: bool = False, create_params: bool = True):
         super().__init__(normalized_shape, eps, device=device, dtype=dtype,
-                         zero_centered_gamma=zero_centered_gamma, with_bias=False)
+                         zero_centered_gamma=zero_centered_gamma, with_bias=False, create_params=create_params)
 
-    def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer):
+    def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer, weight=None):
         del prev_op_grad_output_quantizer
         x = self._input(input_)
+        (weight,) = self.op_params(weight)
         fp8_out = direct_fp8_args(next_op_input_quantizer)
-        y, rstd = fused.rmsnorm(x, self.weight, self.eps, self.zero_centered_gamma, fp8_out=fp8_out)
+        y, rstd = fused.rmsnorm(x, weight, self.eps, self.zero_centered_gamma, fp8_out=fp8_out)
         if ctx.input_requires_grad or any(ctx.params_require_grad):
-            ctx.save_for_backward(x, rstd)
+            ctx.save_for_backward(x, rstd, weight)
         return self._output(y, next_op_input_quantizer, fp8_out, x.dtype)
 
     def op_backward(self, ctx, grad_output):
-        x, rstd = ctx.saved_tensors
+        x, rstd, weight = ctx.saved_tensors
         dy = high_precision(grad_output).contiguous()
-        dx, dw = fused.rmsnorm_backward(dy, x, rstd, self.weight, self.zero_centered_gamma)
+        dx, dw = fused.rmsnorm_backward(dy, x, rstd, weight, self.zero_centered_gamma)
         return dx, (dw if ctx.params_require_grad[0] else None,)
 
 
@@ -71,22 +94,23 @@ class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) * weight + bias (weight + 1 with zero_centered_gamma)."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, *, device=None, dtype=None,
-                 zero_centered_gamma: bool = False):
+                 zero_centered_gamma: bool = False, create_params: bool = True):
         super().__init__(normalized_shape, eps, device=device, dtype=dtype,
-                         zero_centered_gamma=zero_centered_gamma, with_bias=True)
+                         zero_centered_gamma=zero_centered_gamma, with_bias=True, create_params=create_params)
 
-    def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer):
+    def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
+                   weight=None, bias=None):
         del prev_op_grad_output_quantizer
         x = self._input(input_)
+        weight, bias = self.op_params(weight, bias)
         fp8_out = direct_fp8_args(next_op_input_quantizer)
-        y, mean, rstd = fused.layernorm(x, self.weight, self.bias, self.eps, self.zero_centered_gamma,
-                                        fp8_out=fp8_out)
+        y, mean, rstd = fused.layernorm(x, weight, bias, self.eps, self.zero_centered_gamma, fp8_out=fp8_out)
         if ctx.input_requires_grad or any(ctx.params_require_grad):
-            ctx.save_for_backward(x, mean, rstd)
+            ctx.save_for_backward(x, mean, rstd, weight)
         return self._output(y, next_op_input_quantizer, fp8_out, x.dtype)
 
     def op_backward(self, ctx, grad_output):
-        x, mean, rstd = ctx.saved_tensors
+        x, mean, rstd, weight = ctx.saved_tensors
         dy = high_precision(grad_output).contiguous()
-        dx, dw, db = fused.layernorm_backward(dy, x, mean, rstd, self.weight, self.zero_centered_gamma)
+        dx, dw, db = fused.layernorm_backward(dy, x, mean, rstd, weight, self.zero_centered_gamma)
         return dx, (dw if ctx.params_require_grad[0] else None, db if ctx.params_require_grad[1] else None)

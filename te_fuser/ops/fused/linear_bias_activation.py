@@ -47,8 +47,9 @@ class LinearBiasActivation(FusedOperation):
         bias_ctx.bias_requires_grad = b.requires_grad
         bias_ctx.grad_input_quantizer = self.linear.grad_output_quantizer()
         first_microbatch = linear_kwargs.get("is_first_microbatch")
+        gathered = bool(linear_kwargs.get("input_gathered", False))
         if self.activation is None:
-            return self.linear.forward_gemm(linear_ctx, input_, weight, b, first_microbatch)
-        z = self.linear.forward_gemm(linear_ctx, input_, weight, None, first_microbatch)
+            return self.linear.forward_gemm(linear_ctx, input_, weight, b, first_microbatch, gathered)
+        z = self.linear.forward_gemm(linear_ctx, input_, weight, None, first_microbatch, gathered)
         return self.activation.forward_with_bias(ctxs[2], z, b, self.linear.grad_output_quantizer(),
                                                  next_op_input_quantizer)

@@ -1,0 +1,154 @@
+"""What te_fuser's linear-family modules share: TE's options, the weight/bias parameters of one
+BasicLinear (with parameters_split), their initialization and the FP8 `_extra_state`."""
+
+import contextlib
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+from ..ops import _tensor_parallel as tp
+from ..ops.basic.linear import BasicLinear
+from ..ops.fuser import OperationFuser
+from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
+from ._noop_cat import noop_cat
+
+_DEFAULT_INIT_STD = 0.023  # TransformerEngine's default init_method: normal(0, 0.023)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def check_unsupported(module_name: str, **options) -> None:
+    """NotImplementedError naming the first option set away from its default."""
+    for option, used in options.items():
+        if used:
+            raise NotImplementedError(f"te_fuser.{module_name} does not support {option} (only its default)")
+
+
+def split_sizes(parameters_split, out_features: int):
+    """OrderedDict name -> size from a dict (sizes given) or a list of names (equal split)."""
+    if parameters_split is None:
+        return None
+    if isinstance(parameters_split, dict):
+        sizes = OrderedDict((str(k), int(v)) for k, v in parameters_split.items())
+    else:
+        names = [str(n) for n in parameters_split]
+        if not names or out_features % len(names):
+            raise ValueError(f"parameters_split {names} must split out_features={out_features} evenly")
+        sizes = OrderedDict((n, out_features // len(names)) for n in names)
+    if sum(sizes.values()) != out_features or any(v <= 0 for v in sizes.values()):
+        raise ValueError(f"parameters_split sizes {dict(sizes)} must be positive and sum to out_features={out_features}")
+    return sizes
+
+
+def positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def rng_fork(get_rng_state_tracker, rng_tracker_name):
+    """The RNG context TE initializes weights under: the tracker's fork, or nothing."""
+    if get_rng_state_tracker is None:
+        return contextlib.nullcontext()
+    tracker = get_rng_state_tracker()
+    return tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()
+
+
+class FusedModule(torch.nn.Module):
+    """A module whose ops (held outside the module tree: they keep FP8 state only, the
+    parameters live on the module) run through one OperationFuser."""
+
+    def _set_ops(self, ops) -> None:
+        object.__setattr__(self, "_ops", tuple(ops))
+        object.__setattr__(self, "_fuser", OperationFuser(ops))
+
+    def _param_device(self) -> torch.device:
+        return next(iter(self.parameters())).device
+
+    # -- FP8 state in the state_dict ----------------------------------------------------
+    def get_extra_state(self):
+        return get_fp8_extra_state(self._ops)
+
+    def set_extra_state(self, state) -> None:
+        set_fp8_extra_state(self._ops, state, self._param_device())
+
+    def backward_dw(self) -> None:
+        """TE computes delayed weight gradients here; te_fuser computes them in backward
+        (delay_wgrad_compute is not supported), so there is nothing left to do."""
+
+
+class LinearWeights:
+    """The weight and bias parameters of one BasicLinear on a module, with TE's names:
+    weight and bias, or <name>_weight / <name>_bias with parameters_split (views of one
+    storage, concatenated without a copy). Parameters are always read with getattr, so
+    FSDP's flat parameters (plain attributes, absent from _parameters) work."""
+
+    def __init__(self, linear_op: BasicLinear, use_bias: bool, parameters_split, prefix: str = ""):
+        self.op = linear_op
+        self.use_bias = use_bias
+        self.prefix = prefix
+        self.split = split_sizes(parameters_split, linear_op.out_features)
+
+    def names(self, kind: str):
+        if self.split is None:
+            return [self.prefix + kind]
+        return [f"{self.prefix}{name}_{kind}" for name in self.split]
+
+    def _local_split_sizes(self):
+        op = self.op
+        if self.split is None:
+            return [op.local_out_features]
+        per_rank = op.tensor_parallel_size if op.tensor_parallel_mode == "column" else 1
+        sizes = []
+        for name, size in self.split.items():
+            if size % per_rank:
+                raise ValueError(f"parameters_split['{name}'] = {size} must be divisible by the TP size {per_rank}")
+            sizes.append(size // per_rank)
+        return sizes
+
+    def create(self, module: torch.nn.Module, device, dtype) -> None:
+        op = self.op
+        sizes = self._local_split_sizes()
+        full_weight = torch.empty(op.local_out_features, op.local_in_features, device=device, dtype=dtype)
+        for pname, piece in zip(self.names("weight"), full_weight.split(sizes)):
+            param = torch.nn.Parameter(piece)
+            op.mark_weight(param)
+            module.register_parameter(pname, param)
+        if self.use_bias:
+            full_bias = torch.empty(op.local_out_features, device=device, dtype=dtype)
+            for pname, piece in zip(self.names("bias"), full_bias.split(sizes)):
+                param = torch.nn.Parameter(piece)
+                param.tensor_model_parallel = False
+                if op.tensor_parallel_mode == "column":
+                    tp.mark_parallel_param(param, 0)
+                # A row-parallel bias under sequence parallelism gets a partial gradient
+                # on each rank; like TE, mark it for the framework's all-reduce.
+                param.sequence_parallel = op.sequence_parallel and op.tensor_parallel_mode == "row"
+                module.register_parameter(pname, param)
+        elif self.split is None:
+            module.register_parameter(self.prefix + "bias", None)
+
+    def initialize(self, module, init_method) -> None:
+        with torch.no_grad():
+            for w in self.weights(module):
+                if init_method is not None:
+                    init_method(w)
+                else:
+                    torch.nn.init.normal_(w, mean=0.0, std=_DEFAULT_INIT_STD)
+            for b in self.biases(module):
+                b.zero_()
+
+    def weights(self, module):
+        return [getattr(module, n) for n in self.names("weight")]
+
+    def biases(self, module):
+        return [getattr(module, n) for n in self.names("bias")] if self.use_bias else []
+
+    def full_weight(self, module) -> torch.Tensor:
+        return noop_cat(self.weights(module))
+
+    def full_bias(self, module) -> Optional[torch.Tensor]:
+        return noop_cat(self.biases(module)) if self.use_bias else None
