@@ -66,26 +66,25 @@ def patch_megatron_for_cpu() -> None:
     fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
 
 
-def init_parallel(rank: int, world: int, port: int, use_te_rng_tracker: bool) -> None:
+def init_parallel(rank: int, world: int, port: int) -> None:
+    """gloo, and Megatron's parallel state with all ranks in one tensor-parallel group."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    model_parallel_cuda_manual_seed(SEED, te_rng_tracker=use_te_rng_tracker, force_reset_rng=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
-def make_config(dtype="fp32", fp8_recipe=None, recompute=False):
+def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0.0):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
                   tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True,
-                  hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05)
+                  hidden_dropout=hidden_dropout, attention_dropout=0.0, init_method_std=0.05)
     if dtype == "bf16":
         kwargs.update(bf16=True, params_dtype=torch.bfloat16)
     if fp8_recipe is not None:
@@ -210,25 +209,36 @@ def graph_leftovers(model):
 # ---------------------------------------------------------------------------------------------
 def run_case(case: dict) -> dict:
     """case: dtype ("fp32"|"bf16"), fp8 (None|"delayed"|"tensorwise"), recompute (bool),
+    hidden_dropout (Megatron's bias-dropout-add, drawn from the generator its RNG states track;
+    attention dropout stays 0: TE's and Megatron's attention draw their masks differently),
     reference ("local" -> also train the local spec; "none"), bug_on (te_fuser's ctx clearing off)."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     result = {}
     data = batches()
-    config = make_config(case.get("dtype", "fp32"), case.get("fp8"), case.get("recompute", False))
+    config = make_config(case.get("dtype", "fp32"), case.get("fp8"), case.get("recompute", False),
+                         case.get("hidden_dropout", 0.0))
     torch.manual_seed(SEED)
-    model_parallel_cuda_manual_seed(SEED, force_reset_rng=True)
     local = build_local_gpt(config)
     te_model = build_te_gpt(config)
     copy_weights(local, te_model)
     if case.get("reference", "local") == "local":
+        _reseed()
         result["local"] = train(local, data)
     found, walk = graph_leftovers(te_model)
+    _reseed()
     with _ctx_clearing(not case.get("bug_on", False)):
         result["te"] = train(te_model, data, on_last_backward=walk)
     result["leftovers"] = found
     result["te_fuser_classes"] = sorted(_te_fuser_classes(te_model))
     return result
+
+
+def _reseed() -> None:
+    """The same RNG states before each training run (dropout masks): Megatron's seeding, with
+    TE's RNG tracker -- te_fuser's CudaRNGStatesTracker under the alias."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(SEED)
+    model_parallel_cuda_manual_seed(SEED, te_rng_tracker=True, force_reset_rng=True)
 
 
 def _te_fuser_classes(model) -> set:
@@ -254,16 +264,16 @@ def _ctx_clearing(enabled: bool):
         fuser._CLEAR_CTX_AFTER_BACKWARD = saved
 
 
-def worker(rank: int, world: int, port: int, cases: dict, results, alias: bool) -> None:
-    """Runs every case on this rank; puts (rank, name, result or {"error": traceback}) on results."""
+def worker(rank: int, world: int, port: int, cases: dict, results) -> None:
+    """Installs the alias, then runs every case on this rank; puts (rank, name, result or
+    {"error": traceback}) on results."""
     torch.set_num_threads(1)
     try:
-        if alias:
-            from te_fuser.compat import install_transformer_engine
+        from te_fuser.compat import install_transformer_engine
 
-            install_transformer_engine()
+        install_transformer_engine()
         patch_megatron_for_cpu()
-        init_parallel(rank, world, port, use_te_rng_tracker=alias)
+        init_parallel(rank, world, port)
     except Exception:
         for name in cases:
             results.put((rank, name, {"error": traceback.format_exc()}))
@@ -278,14 +288,14 @@ def worker(rank: int, world: int, port: int, cases: dict, results, alias: bool) 
         dist.destroy_process_group()
 
 
-def run_cases(cases: dict, world: int, alias: bool = True) -> dict:
+def run_cases(cases: dict, world: int) -> dict:
     """{name: [result of rank 0, result of rank 1, ...]} for every case, from `world` spawned ranks."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(rank, world, port, cases, results, alias)) for rank in range(world)]
+    procs = [ctx.Process(target=worker, args=(rank, world, port, cases, results)) for rank in range(world)]
     for p in procs:
         p.start()
     out = {name: [None] * world for name in cases}

@@ -30,15 +30,23 @@ ONE_RANK = {
     "bf16": dict(dtype="bf16"),
     "fp8_delayed": dict(dtype="fp32", fp8="delayed"),
     "fp8_tensorwise": dict(dtype="bf16", fp8="tensorwise"),
-    "recompute": dict(dtype="fp32", recompute=True),
+    "recompute_fp32": dict(dtype="fp32", recompute=True),
     "recompute_fp8_delayed": dict(dtype="fp32", fp8="delayed", recompute=True),
     "recompute_fp8_tensorwise": dict(dtype="bf16", fp8="tensorwise", recompute=True),
+    # Dropout: the recompute must replay the forward's RNG states (Megatron's own checkpoint
+    # without FP8, te_fuser.distributed.checkpoint with it).
+    "dropout": dict(dtype="fp32", hidden_dropout=0.2),
+    "recompute_dropout": dict(dtype="fp32", hidden_dropout=0.2, recompute=True),
+    "fp8_delayed_dropout": dict(dtype="fp32", fp8="delayed", hidden_dropout=0.2, reference="none"),
+    "recompute_fp8_delayed_dropout": dict(dtype="fp32", fp8="delayed", hidden_dropout=0.2, recompute=True,
+                                          reference="none"),
     # te_fuser's ctx clearing switched off: the graph walk must see what is then left behind.
     "bug_on": dict(dtype="fp32", bug_on=True, reference="none"),
 }
 TWO_RANKS = {
     "fp32": dict(dtype="fp32"),
     "fp8_delayed": dict(dtype="fp32", fp8="delayed"),
+    "fp8_tensorwise": dict(dtype="bf16", fp8="tensorwise"),
     "recompute_fp8_delayed": dict(dtype="fp32", fp8="delayed", recompute=True),
 }
 
@@ -82,7 +90,7 @@ def test_te_spec_is_built_from_te_fuser(one_rank):
         assert any(c.endswith("." + cls) for c in classes), (cls, classes)
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16", "recompute"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "recompute_fp32", "dropout", "recompute_dropout"])
 def test_losses_match_local_spec(one_rank, name):
     result = _ok(one_rank[name][0])
     tol = TOL[ONE_RANK[name]["dtype"]]
@@ -91,9 +99,14 @@ def test_losses_match_local_spec(one_rank, name):
     _assert_graph_clean(result, name)
 
 
-def test_recompute_is_exact(one_rank):
-    """Full recompute gives bit-identical losses to the run that keeps its activations."""
-    assert _ok(one_rank["recompute"][0])["te"] == _ok(one_rank["fp32"][0])["te"]
+@pytest.mark.parametrize("plain", ["fp32", "dropout", "fp8_delayed_dropout"])
+def test_recompute_is_exact(one_rank, plain):
+    """Full recompute gives bit-identical losses to the run that keeps its activations, dropout
+    masks (replayed RNG states) and FP8 scales included."""
+    assert _ok(one_rank[f"recompute_{plain}"][0])["te"] == _ok(one_rank[plain][0])["te"]
+    if "dropout" in plain:  # the masks matter: without dropout the losses are others
+        without = _ok(one_rank[plain.replace("_dropout", "").replace("dropout", "fp32")][0])["te"]
+        assert all(abs(x - y) > 1e-4 for x, y in zip(_ok(one_rank[plain][0])["te"], without))
 
 
 @pytest.mark.parametrize("name", ["fp8_delayed", "fp8_tensorwise", "recompute_fp8_delayed",
@@ -111,7 +124,7 @@ def test_fp8_recompute_matches_fp8(one_rank, recipe):
     """Recompute under FP8 reuses the forward's scales: the same losses as without recompute."""
     plain = _ok(one_rank[f"fp8_{recipe}"][0])["te"]
     recomputed = _ok(one_rank[f"recompute_fp8_{recipe}"][0])["te"]
-    assert _rel(recomputed, plain) < 1e-6, (recomputed, plain)
+    assert recomputed == plain
 
 
 def test_walk_catches_ctx_left_on_bug(one_rank):
