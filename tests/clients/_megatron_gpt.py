@@ -47,20 +47,18 @@ def _for_megatron_only(original, cpu_version):
 
 def patch_megatron_for_cpu() -> None:
     """Megatron 0.16.1 hard-codes CUDA in places a CPU run reaches:
-    - torch.cuda.current_device(): its global memory buffer (local attention), RoPE, device choice;
-    - its RNG tracker and its own activation recompute save/restore the *CUDA* generator
-      (tensor_parallel/random.py: _get_cuda_rng_state, _set_cuda_rng_state, torch.cuda.get_rng_state,
-      torch.cuda.manual_seed): here the CPU default generator stands in for it;
-    - transformer/utils.get_default_causal_mask builds its mask on device="cuda".
+    - torch.cuda.current_device(): its global memory buffer (local-spec attention), RoPE's inv_freq;
+    - its activation recompute (tensor_parallel/random.py CheckpointFunction) and its RNG-tracker fork
+      save and restore the *CUDA* generator (_get_cuda_rng_state/_set_cuda_rng_state): here the CPU
+      default generator stands in for it, as it does for te_fuser's RNG tracker on CPU;
+    - transformer/utils.get_default_causal_mask builds its mask on device="cuda" (local-spec attention).
+    (torch.cuda.manual_seed, which model_parallel_cuda_manual_seed calls, is a lazy no-op without CUDA.)
     """
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.tensor_parallel.random as mrandom
 
     cpu = torch.device("cpu")
     torch.cuda.current_device = _for_megatron_only(torch.cuda.current_device, lambda: cpu)
-    for module in (torch.cuda, torch.cuda.random):
-        module.get_rng_state = _for_megatron_only(module.get_rng_state, lambda device="cuda": torch.get_rng_state())
-        module.manual_seed = _for_megatron_only(module.manual_seed, torch.manual_seed)
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
@@ -79,11 +77,11 @@ def init_parallel(rank: int, world: int, port: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
-def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0.0):
+def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0.0, cpu_init=True):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-                  tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True,
+                  tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=cpu_init,
                   hidden_dropout=hidden_dropout, attention_dropout=0.0, init_method_std=0.05)
     if dtype == "bf16":
         kwargs.update(bf16=True, params_dtype=torch.bfloat16)
@@ -209,14 +207,15 @@ def graph_leftovers(model):
 # ---------------------------------------------------------------------------------------------
 def run_case(case: dict) -> dict:
     """case: dtype ("fp32"|"bf16"), fp8 (None|"delayed"|"tensorwise"), recompute (bool),
-    hidden_dropout (Megatron's bias-dropout-add, drawn from the generator its RNG states track;
+    cpu_init (Megatron's use_cpu_initialization; False: layers built on "the current device",
+    initialized under the RNG tracker), hidden_dropout (Megatron's bias-dropout-add, drawn from the generator its RNG states track;
     attention dropout stays 0: TE's and Megatron's attention draw their masks differently),
     reference ("local" -> also train the local spec; "none"), bug_on (te_fuser's ctx clearing off)."""
     result = {}
     data = batches()
     config = make_config(case.get("dtype", "fp32"), case.get("fp8"), case.get("recompute", False),
-                         case.get("hidden_dropout", 0.0))
-    torch.manual_seed(SEED)
+                         case.get("hidden_dropout", 0.0), case.get("cpu_init", True))
+    _reseed()
     local = build_local_gpt(config)
     te_model = build_te_gpt(config)
     copy_weights(local, te_model)
@@ -229,6 +228,9 @@ def run_case(case: dict) -> dict:
         result["te"] = train(te_model, data, on_last_backward=walk)
     result["leftovers"] = found
     result["te_fuser_classes"] = sorted(_te_fuser_classes(te_model))
+    # Megatron (TE >= 2.6, non-delayed FP8) asks linear_proj to save its unquantized input.
+    result["proj_save_original_input"] = [getattr(m, "save_original_input", None)
+                                          for n, m in te_model.named_modules() if n.endswith("linear_proj")]
     return result
 
 

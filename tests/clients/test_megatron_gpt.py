@@ -28,6 +28,8 @@ import _megatron_gpt as harness  # noqa: E402  (after the skip: it is only usefu
 ONE_RANK = {
     "fp32": dict(dtype="fp32"),
     "bf16": dict(dtype="bf16"),
+    # Layers built on Megatron's current device (the CPU here) and initialized under the RNG tracker.
+    "device_init": dict(dtype="fp32", cpu_init=False),
     "fp8_delayed": dict(dtype="fp32", fp8="delayed"),
     "fp8_tensorwise": dict(dtype="bf16", fp8="tensorwise"),
     "recompute_fp32": dict(dtype="fp32", recompute=True),
@@ -90,7 +92,7 @@ def test_te_spec_is_built_from_te_fuser(one_rank):
         assert any(c.endswith("." + cls) for c in classes), (cls, classes)
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16", "recompute_fp32", "dropout", "recompute_dropout"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "device_init", "recompute_fp32", "dropout", "recompute_dropout"])
 def test_losses_match_local_spec(one_rank, name):
     result = _ok(one_rank[name][0])
     tol = TOL[ONE_RANK[name]["dtype"]]
@@ -116,6 +118,8 @@ def test_fp8_losses_near_local_spec(one_rank, name):
     assert _rel(result["te"], result["local"]) < TOL["fp8"], (result["te"], result["local"])
     # FP8 really ran: the losses are not those of the unquantized model.
     assert all(abs(x - y) > 1e-6 for x, y in zip(result["te"], result["local"])), (result["te"], result["local"])
+    # Megatron sets save_original_input on the attention projections under current scaling.
+    assert result["proj_save_original_input"] == [name.endswith("tensorwise")] * harness.LAYERS
     _assert_graph_clean(result, name)
 
 
