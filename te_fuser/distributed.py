@@ -114,8 +114,11 @@ class activation_recompute_forward(contextlib.ContextDecorator):
     It sets the flags read by is_fp8_activation_recompute_enabled() (True under
     FP8 only) and in_fp8_activation_recompute_phase(), and carries the
     is-first-FP8-module flag of the forward over to its recompute, as TE does.
-    te_fuser's modules need neither flag: the recompute's FP8 state comes from
-    checkpoint's replay.
+    te_fuser's modules read neither flag: under checkpoint() the recompute's FP8
+    state comes from checkpoint's replay of the forward's scales. Code that
+    recomputes through this context alone (Megatron's CheckpointWithoutOutput)
+    gets no replay, which matters only for delayed scaling (Megatron allows that
+    path with stateless recipes only).
     """
 
     def __init__(self, activation_recompute: bool = False, recompute_phase: bool = False):
@@ -211,6 +214,10 @@ def _gather_from_ranks(chunk: torch.Tensor, group, shape) -> torch.Tensor:
     return full.view(shape)
 
 
+# Switched off only by the memory tests, to show that they catch a frame left on ctx.
+_CLEAR_FRAME_AFTER_BACKWARD = True
+
+
 class _ReentrantCheckpoint(torch.autograd.Function):
     """Runs `function` without keeping its activations; backward recomputes them and backpropagates.
 
@@ -237,7 +244,8 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             raise RuntimeError("te_fuser.distributed.checkpoint with use_reentrant=True does not work with "
                                "torch.autograd.grad(); use .backward() or use_reentrant=False")
         frame, non_tensors = ctx.frame, ctx.non_tensors
-        ctx.frame = ctx.non_tensors = None  # nothing of the forward outlives this backward
+        if _CLEAR_FRAME_AFTER_BACKWARD:
+            ctx.frame = ctx.non_tensors = None  # nothing of the forward outlives this backward
         inputs = [t if t is not None else a for t, a in zip(ctx.saved_tensors, non_tensors)]
         if frame.tp_group is not None:
             inputs[0].data = _gather_from_ranks(inputs[0].data, frame.tp_group, frame.input_shape)

@@ -66,7 +66,8 @@ class FP8GlobalState:
     def update_pending(cls, forward=None) -> None:
         """Update the states waiting for it (only the forward or backward ones when `forward` is given)."""
         pending = [s for s in cls._pending if forward is None or s.forward == forward]
-        cls._pending = [s for s in cls._pending if not any(s is p for p in pending)]
+        chosen = {id(s) for s in pending}
+        cls._pending = [s for s in cls._pending if id(s) not in chosen]
         for state in pending:
             state.update()
 

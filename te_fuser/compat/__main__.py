@@ -12,7 +12,8 @@ import sys
 from . import install_transformer_engine
 
 
-def main(argv) -> None:
+def main(argv) -> dict:
+    """Install the alias and run the script / module; returns the globals it ran with."""
     args = list(argv)
     force = False
     if args and args[0] == "--force":
@@ -22,10 +23,9 @@ def main(argv) -> None:
     install_transformer_engine(force=force)
     if args[0] == "-m":
         sys.argv = args[1:]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = args
-        runpy.run_path(args[0], run_name="__main__")
+        return runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    sys.argv = args
+    return runpy.run_path(args[0], run_name="__main__")
 
 
 if __name__ == "__main__":

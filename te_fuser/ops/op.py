@@ -38,11 +38,8 @@ class OperationContext:
 
 
 class FusibleOperation(torch.nn.Module):
-    """What the fuser runs: a basic op, or a fusion of several (TE's common base class)."""
-
-    @property
-    def basic_ops(self) -> Tuple["BasicOperation", ...]:
-        raise NotImplementedError
+    """What the fuser runs, a basic op or a fusion of several: both give `basic_ops` and
+    fuser_forward / fuser_backward (TE's common base class of the two)."""
 
 
 class BasicOperation(FusibleOperation):

@@ -137,3 +137,23 @@ def test_launcher_runs_a_te_script_unchanged(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "te_fuser.module.linear __main__ ['--steps', '2']"
+
+
+def test_launcher_module_form_and_usage(tmp_path, monkeypatch):
+    from te_fuser.compat.__main__ import main
+
+    (tmp_path / "te_client_mod.py").write_text(textwrap.dedent("""
+        import sys
+        import transformer_engine
+        RESULT = (transformer_engine.__version__, __name__, sys.argv[1:])
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    drop_transformer_engine_modules()
+    try:
+        globals_ = main(["-m", "te_client_mod", "--flag"])
+    finally:
+        compat.uninstall_transformer_engine()
+    assert globals_["RESULT"] == (compat.TE_API_VERSION, "__main__", ["--flag"])
+    with pytest.raises(SystemExit, match="python -m te_fuser.compat"):
+        main([])
