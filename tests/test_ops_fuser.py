@@ -101,6 +101,27 @@ def test_chain_is_one_autograd_node():
     assert len(out.grad_fn.next_functions) == 1 + 6
 
 
+def test_make_extra_output_returns_the_tensor_and_adds_its_gradient():
+    """Sequential returns (output, extra); the extra output's gradient joins the chain's, all in
+    one autograd node."""
+    torch.manual_seed(0)
+    model = ops.Sequential(ops.RMSNorm(16), ops.MakeExtraOutput(), ops.BasicLinear(16, 32), ops.ReLU())
+    _randomize(model)
+    x = torch.randn(8, 16, requires_grad=True)
+    out, extra = model(x)
+    assert out.grad_fn is extra.grad_fn and type(out.grad_fn).__name__ == "_FuserFunctionBackward"
+    dy, dextra = torch.randn(8, 32), torch.randn(8, 16)
+    torch.autograd.backward([out, extra], [dy, dextra])
+    x64, w64, lw64 = (t.detach().double().requires_grad_() for t in (x, model[2].weight, model[0].weight))
+    ln = F.rms_norm(x64, (16,), lw64, model[0].eps)
+    ref = F.relu(F.linear(ln, w64))
+    torch.autograd.backward([ref, ln], [dy.double(), dextra.double()])
+    torch.testing.assert_close(extra.double(), ln, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+    for got, expect in [(x.grad, x64.grad), (model[2].weight.grad, w64.grad), (model[0].weight.grad, lw64.grad)]:
+        torch.testing.assert_close(got.double(), expect, rtol=1e-5, atol=1e-5)
+
+
 def test_non_ops_modules_split_the_chain():
     model = ops.Sequential(ops.BasicLinear(8, 8), torch.nn.Tanh(), ops.BasicLinear(8, 8))
     x = torch.randn(2, 8)

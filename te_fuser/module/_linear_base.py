@@ -65,6 +65,13 @@ class FusedModule(torch.nn.Module):
         object.__setattr__(self, "_ops", tuple(ops))
         object.__setattr__(self, "_fuser", OperationFuser(ops))
 
+    def __getattr__(self, name: str):
+        # With parameters_split, weight/bias are the concatenation of the split parameters.
+        if name in ("weight", "bias") and self.__dict__.get("_split") is not None:
+            weights = self.__dict__["_weights"]
+            return weights.full_weight(self) if name == "weight" else weights.full_bias(self)
+        return super().__getattr__(name)
+
     def _param_device(self) -> torch.device:
         return next(iter(self.parameters())).device
 

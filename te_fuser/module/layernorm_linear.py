@@ -150,13 +150,6 @@ class LayerNormLinear(FusedModule):
         with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
             self._weights.initialize(self, self.init_method)
 
-    def __getattr__(self, name: str):
-        # With parameters_split, weight/bias are the concatenation of the split parameters.
-        if name in ("weight", "bias") and self.__dict__.get("_split") is not None:
-            weights = self.__dict__["_weights"]
-            return weights.full_weight(self) if name == "weight" else weights.full_bias(self)
-        return super().__getattr__(name)
-
     def set_tensor_parallel_group(self, tp_group) -> None:
         self.tp_group = tp_group
         self._linear_op.tensor_parallel_group = tp_group

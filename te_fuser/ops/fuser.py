@@ -151,12 +151,13 @@ class _FuserFunction(torch.autograd.Function):
             for ctx, (start, end) in zip(ctxs, state.save_ranges):
                 ctx.saved_tensors = tuple(saved[start:end])
 
-        basic_ops = [op for fused, _ in state.plan.backward_ops for op in fused.basic_ops]
-        pending = list(grad_extra_outputs)
-        for op, ctx in zip(basic_ops, ctxs):
-            if op.num_extra_outputs:
-                ctx.grad_extra_outputs = tuple(pending[:op.num_extra_outputs])
-                del pending[:op.num_extra_outputs]
+        if grad_extra_outputs:  # hand each op the gradients of the extra outputs it made
+            pending = list(grad_extra_outputs)
+            basic_ops = [op for fused, _ in state.plan.backward_ops for op in fused.basic_ops]
+            for op, ctx in zip(basic_ops, ctxs):
+                if op.num_extra_outputs:
+                    ctx.grad_extra_outputs = tuple(pending[:op.num_extra_outputs])
+                    del pending[:op.num_extra_outputs]
 
         param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
         dy = grad_output

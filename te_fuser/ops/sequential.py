@@ -43,9 +43,14 @@ class Sequential(torch.nn.Module):
             groups.append(OperationFuser(run))
         return groups
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        """The output, or (output, *extra outputs) when ops such as MakeExtraOutput made some."""
         if self._groups is None:
             self._groups = self._make_groups()
+        extras = []
         for group in self._groups:
             x = group(x)
-        return x
+            if isinstance(group, OperationFuser) and isinstance(x, tuple):
+                x, *more = x
+                extras.extend(more)
+        return (x, *extras) if extras else x

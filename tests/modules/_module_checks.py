@@ -1,7 +1,10 @@
 """Checks every te_fuser module's tests share: float64 references, the graph walk and
 retained-bytes measurement with its bug-on control, and a 2-rank gloo spawn."""
 
+import atexit
+import datetime
 import os
+import queue
 import socket
 import traceback
 
@@ -120,33 +123,84 @@ def retained_bytes_check(module, make_input, fp8_recipe, monkeypatch, min_leak, 
 
 
 # -- 2 gloo ranks ------------------------------------------------------------------------
+# Starting a process that imports torch takes tens of seconds on a loaded machine, so the
+# distributed tests share one pair of gloo ranks for the whole session: each test sends
+# them a function (by reference: module-level) and waits for both results.
+WORLD = 2
+_JOB_TIMEOUT_S = 300
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, errors):
+def _rank_main(rank, port, jobs, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(rank, *args)
-    except BaseException:  # noqa: BLE001 (reported to the parent)
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            fn(rank, *args)
+            results.put((rank, None))
+        except BaseException:  # noqa: BLE001 (reported to the test)
+            results.put((rank, traceback.format_exc()))
+    dist.destroy_process_group()
 
 
-def spawn(fn, *args, world=2):
-    """Runs fn(rank, *args) on `world` gloo ranks; fails with the ranks' tracebacks."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.spawn(_worker, args=(world, _free_port(), fn, args, errors), nprocs=world, join=True)
-    except Exception as exc:  # noqa: BLE001
-        msgs = []
-        while not errors.empty():
-            msgs.append(errors.get())
-        raise AssertionError("\n".join(msgs) or str(exc)) from None
+class _RankPool:
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(WORLD)]
+        self.procs = [ctx.Process(target=_rank_main, args=(r, port, self.jobs[r], self.results), daemon=True)
+                      for r in range(WORLD)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args):
+        for q in self.jobs:
+            q.put((fn, args))
+        errors = []
+        for _ in range(WORLD):
+            try:
+                rank, err = self.results.get(timeout=_JOB_TIMEOUT_S)
+            except queue.Empty:
+                errors.append(f"no answer from a rank within {_JOB_TIMEOUT_S} s")
+                break
+            if err is not None:
+                errors.append(f"rank {rank}:\n{err}")
+        return errors
+
+    def close(self, graceful=True):
+        for q, p in zip(self.jobs, self.procs):
+            if graceful and p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=30 if graceful else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_POOL = None
+
+
+def spawn(fn, *args):
+    """Runs fn(rank, *args) on the session's 2 gloo ranks; fails with the ranks' tracebacks.
+    After a failure the ranks are replaced (a collective may have been left half done)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = _RankPool()
+        atexit.register(lambda: _POOL is not None and _POOL.close())
+    errors = _POOL.run(fn, args)
+    if errors:
+        _POOL.close(graceful=False)
+        _POOL = None
+        raise AssertionError("\n".join(errors))

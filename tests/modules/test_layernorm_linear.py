@@ -16,7 +16,7 @@ from te_fuser.ops.basic import norm as norm_ops
 from _module_checks import (assert_close64, ctx_walk_check, fuser_nodes, grads_of, leaf64, norm64,
                             retained_bytes_check, spawn)
 
-IN, OUT, TOKENS = 64, 48, 32
+IN, OUT, TOKENS = 64, 64, 32
 
 
 def _module(normalization="LayerNorm", generator=None, **kwargs):
@@ -101,10 +101,10 @@ def test_one_autograd_node_and_te_attributes():
     assert torch.equal(m.layer_norm_weight, torch.zeros(IN))  # zero-centered gamma starts at 0
     out = m(torch.randn(TOKENS, IN, requires_grad=True))
     assert len(fuser_nodes(out)) == 1 and out.grad_fn is fuser_nodes(out)[0]
-    split = te_fuser.LayerNormLinear(IN, OUT, parameters_split=("q", "k", "v"), device="cpu")
+    split = te_fuser.LayerNormLinear(IN, 3 * OUT, parameters_split=("q", "k", "v"), device="cpu")
     assert [n for n, _ in split.named_parameters()] == [
         "layer_norm_weight", "layer_norm_bias", "q_weight", "k_weight", "v_weight", "q_bias", "k_bias", "v_bias"]
-    assert split.weight.shape == (OUT, IN)
+    assert split.weight.shape == (3 * OUT, IN)
 
 
 FP8_RECIPES = {"delayed": lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=4),
@@ -263,7 +263,7 @@ def test_bad_arguments_raise_clear_errors():
 SEQ, BATCH = 16, 2
 
 
-def _tp_case(rank, sequence_parallel, return_ln, gathered):
+def _tp_case(rank, sequence_parallel, return_ln, gathered, fp8_recipe=None):
     world, group = 2, dist.group.WORLD
     torch.manual_seed(1234)  # the same weights on every rank
     g = torch.Generator().manual_seed(1234)
@@ -282,10 +282,18 @@ def _tp_case(rank, sequence_parallel, return_ln, gathered):
     dln = torch.randn(SEQ, BATCH, IN, generator=g)
 
     def run(module, inp, grad, grad_ln):
-        r = module(inp)
+        with te_fuser.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe, fp8_group=group):
+            r = module(inp)
         out, ln = r if return_ln else (r, None)
         torch.autograd.backward([out] + ([ln] if return_ln else []), [grad] + ([grad_ln] if return_ln else []))
         return out.detach(), ln
+
+    def check(name, got, expect):
+        if fp8_recipe is None:
+            torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-5, msg=name)
+        else:  # each rank's weight shard has its own FP8 scale: equal within FP8 precision
+            rel = ((got - expect).norm() / expect.norm()).item()
+            assert rel < 0.1, f"{name}: relative error {rel}"
 
     out_full, ln_full = run(full, x, dy, dln)
     shard = (lambda t: t.chunk(world, 0)[rank].contiguous()) if sequence_parallel else (lambda t: t)
@@ -294,27 +302,46 @@ def _tp_case(rank, sequence_parallel, return_ln, gathered):
     # shards is the sum over ranks: each rank contributes half of it.
     dln_local = dln / world if (gathered and sequence_parallel) else shard(dln)
     out_tp, ln_tp = run(tp, x_local, dy.chunk(world, 2)[rank].contiguous(), dln_local)
-    tol = dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out_tp, out_full.chunk(world, 2)[rank], **tol)
+    check("out", out_tp, out_full.chunk(world, 2)[rank])
     if return_ln:
         expect_ln = ln_full.detach() if (gathered or not sequence_parallel) else shard(ln_full.detach())
-        torch.testing.assert_close(ln_tp.detach(), expect_ln, **tol)
-    torch.testing.assert_close(x_local.grad, shard(x.grad), **tol)
-    torch.testing.assert_close(tp.weight.grad, full.weight.grad.chunk(world, 0)[rank], **tol)
-    torch.testing.assert_close(tp.bias.grad, full.bias.grad.chunk(world, 0)[rank], **tol)
+        check("ln_out", ln_tp.detach(), expect_ln)
+    check("dx", x_local.grad, shard(x.grad))
+    check("dW", tp.weight.grad, full.weight.grad.chunk(world, 0)[rank])
+    check("db", tp.bias.grad, full.bias.grad.chunk(world, 0)[rank])
     # The norm parameters' gradients are partial on each rank (Megatron all-reduces them).
-    for p, ref in [(tp.layer_norm_weight, full.layer_norm_weight), (tp.layer_norm_bias, full.layer_norm_bias)]:
+    for name, p, ref in [("dgamma", tp.layer_norm_weight, full.layer_norm_weight),
+                         ("dbeta", tp.layer_norm_bias, full.layer_norm_bias)]:
         grad = p.grad.clone()
         if sequence_parallel:  # without SP every rank saw the whole sequence: complete already
             dist.all_reduce(grad, group=group)
-        torch.testing.assert_close(grad, ref.grad, **tol)
+        check(name, grad, ref.grad)
 
 
 def _tp_cases(rank):
     for sequence_parallel, return_ln, gathered in [(False, False, False), (True, False, False),
                                                    (True, True, False), (True, True, True)]:
         _tp_case(rank, sequence_parallel, return_ln, gathered)
+    # FP8: under delayed scaling the norm writes FP8 shards that the linear gathers.
+    for fp8_recipe in (recipe.DelayedScaling(), recipe.Float8CurrentScaling()):
+        _tp_case(rank, True, False, False, fp8_recipe)
 
 
 def test_tensor_parallel_column_and_sequence_parallel_on_two_ranks():
     spawn(_tp_cases)
+
+
+def test_fuse_wgrad_accumulation_adds_the_weight_grad_into_main_grad(generator):
+    m = _module("RMSNorm", generator, fuse_wgrad_accumulation=True)
+    ref = _module("RMSNorm", generator)
+    ref.load_state_dict(m.state_dict())
+    m.weight.main_grad = torch.zeros_like(m.weight)
+    x = _input(generator)
+    for _ in range(2):
+        m(x).sum().backward()
+        ref(x).sum().backward()
+    assert m.weight.grad is None and m.weight.grad_added_to_main_grad
+    torch.testing.assert_close(m.weight.main_grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.layer_norm_weight.grad, ref.layer_norm_weight.grad)
+    with pytest.raises(NotImplementedError, match="parameters_split"):
+        te_fuser.LayerNormLinear(IN, 2 * OUT, fuse_wgrad_accumulation=True, parameters_split=("a", "b"), device="cpu")

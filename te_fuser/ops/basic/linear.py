@@ -141,8 +141,8 @@ class BasicLinear(BasicOperation):
         weight_requires_grad = weight.requires_grad
         gather = self.tensor_parallel_mode == "column" and self.sequence_parallel
         # The original (pre-gather, high-precision) input, when the wgrad is to use it.
-        original = x if self.save_original_input and weight_requires_grad and not isinstance(x, Float8Tensor) \
-            else None
+        wgrad_needed = weight_requires_grad and bool(ctx.params_require_grad[0])  # False under no_grad
+        original = x if self.save_original_input and wgrad_needed and not isinstance(x, Float8Tensor) else None
         ctx.regather_input = gather and not input_gathered and original is not None
         if gather and not input_gathered:
             x = tp.all_gather_dim0(high_precision(x), self.tensor_parallel_group)
