@@ -6,7 +6,8 @@ from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
-from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm
+from .module import (GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
+                     TransformerLayer)
 from .quantized_tensor import QuantizedTensor
 from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .saved_tensors import prepare_for_saving, restore_from_saved
@@ -40,5 +41,6 @@ __all__ = [
     "recipe",
     "restore_from_saved",
     "RMSNorm",
+    "TransformerLayer",
     "tensor",
 ]

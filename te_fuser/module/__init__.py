@@ -7,5 +7,7 @@ from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .multi_head_attention import MultiheadAttention
 from .rmsnorm import RMSNorm
+from .transformer_layer import TransformerLayer
 
-__all__ = ["GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm"]
+__all__ = ["GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm",
+           "TransformerLayer"]

@@ -1,6 +1,5 @@
 """te_fuser.GroupedLinear: TransformerEngine's GroupedLinear (MoE experts) on the op fuser."""
 
-import contextlib
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -9,9 +8,9 @@ from ..ops import _tensor_parallel as tp
 from ..ops.basic.grouped_linear import GroupedBasicLinear, validate_m_splits
 from ..ops.fuser import OperationFuser
 from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
-from ._linear_base import _DEFAULT_INIT_STD
-from ._linear_base import default_device as _default_device
-from .linear import _PARALLEL_MODES
+from ._linear_base import _DEFAULT_INIT_STD, default_device as _default_device, rng_fork
+
+_PARALLEL_MODES = (None, "column", "row")
 
 
 class GroupedLinear(torch.nn.Module):
@@ -114,11 +113,7 @@ class GroupedLinear(torch.nn.Module):
             return
         if self.weight0.device.type == "meta":
             self._create_parameters(_default_device())
-        fork = contextlib.nullcontext()
-        if self.get_rng_state_tracker is not None:
-            tracker = self.get_rng_state_tracker()
-            fork = tracker.fork(self.rng_tracker_name) if self.rng_tracker_name else tracker.fork()
-        with torch.no_grad(), fork:
+        with torch.no_grad(), rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
             for w in self._weights():
                 if self.init_method is not None:
                     self.init_method(w)

@@ -7,8 +7,10 @@ import torch
 
 from ..attention.dot_product_attention import DotProductAttention
 from ..attention.rope import apply_rotary_pos_emb
+from ..distributed import checkpoint as te_checkpoint
 from ..fp8_state import FP8GlobalState
 from ..ops import _tensor_parallel as tp
+from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
 ATTENTION_TYPES = ("self", "cross")
@@ -49,6 +51,7 @@ class MultiheadAttention(torch.nn.Module):
     set_parallel_mode=True makes the QKV projections column- and proj row-parallel.
     Each linear is one node on the op fuser and the attention one FusedAttentionFunction,
     so every tensor saved for backward is released when backward ends.
+    checkpoint_core_attention=True recomputes the attention in backward (te_fuser.distributed.checkpoint).
     Not supported (NotImplementedError naming it): userbuffer overlap (ub_*),
     qk_norm_type, softmax_type other than "vanilla", bottom_right_diagonal=True,
     recipes with fp8_mha=True, and the DotProductAttention options it lacks.
@@ -131,7 +134,6 @@ class MultiheadAttention(torch.nn.Module):
             kwargs = dict(init_method=init_method, bias=bias, return_bias=False, parallel_mode=qkv_mode,
                           parameters_split=split, name=f"{name}.{sub_name}" if name is not None else None, **common)
             if with_norm:
-                from .layernorm_linear import LayerNormLinear
                 return LayerNormLinear(in_features, out_features, **norm_kwargs, **kwargs)
             return Linear(in_features, out_features, **kwargs)
 
@@ -234,15 +236,21 @@ class MultiheadAttention(torch.nn.Module):
             query = apply_rotary_pos_emb(query, q_emb, self.qkv_format, self.rotary_pos_interleaved)
             key = apply_rotary_pos_emb(key, k_emb, self.qkv_format, self.rotary_pos_interleaved)
 
-        context = self.core_attention(
-            query, key, value, attention_mask=attention_mask, qkv_format=self.qkv_format,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+        attention_kwargs = dict(
+            attention_mask=attention_mask, qkv_format=self.qkv_format, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
             cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             attn_mask_type=attn_mask_type or self.attn_mask_type,
             window_size=window_size if window_size is not None else self.window_size,
-            checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
-            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill,
-            pad_between_seqs=pad_between_seqs)
+            core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+            alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
+        if checkpoint_core_attention:
+            # Recomputed in backward from q, k, v, with the forward's RNG (tracker) and FP8 states.
+            context = te_checkpoint(self.core_attention, query, key, value, use_reentrant=False,
+                                    get_rng_state_tracker=self.get_rng_state_tracker, tp_group=self.tp_group,
+                                    **attention_kwargs)
+        else:
+            context = self.core_attention(query, key, value, **attention_kwargs)
 
         projection = self.proj(context, is_first_microbatch=is_first_microbatch)
         outputs = projection if self.return_bias else (projection,)

@@ -7,9 +7,10 @@ import torch
 
 from ..attention.masks import check_mask_type
 from ..ops import _tensor_parallel as tp
-from .layernorm import LayerNorm, RMSNorm
+from .layernorm import LayerNorm
 from .layernorm_mlp import LayerNormMLP
 from .multi_head_attention import NORMALIZATIONS, MultiheadAttention, check_unsupported
+from .rmsnorm import RMSNorm
 
 LAYER_TYPES = ("encoder", "decoder")
 
@@ -67,8 +68,7 @@ class TransformerLayer(torch.nn.Module):
         # The ub_* flags only take effect with ub_tp_comm_overlap, as in TransformerEngine.
         del ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad
         check_unsupported("TransformerLayer", {
-            "ub_tp_comm_overlap": ub_tp_comm_overlap, "activation_params": activation_params is not None,
-            "bottom_right_diagonal": bool(bottom_right_diagonal),
+            "ub_tp_comm_overlap": ub_tp_comm_overlap, "bottom_right_diagonal": bool(bottom_right_diagonal),
             "enc_dec_bottom_right_diagonal": bool(enc_dec_bottom_right_diagonal)})
         if layer_type not in LAYER_TYPES:
             raise ValueError(f"layer_type must be one of {LAYER_TYPES}, got {layer_type!r}")
@@ -142,7 +142,8 @@ class TransformerLayer(torch.nn.Module):
             return_bias=not self.parallel_attention_mlp, sequence_parallel=self.sequence_parallel,
             params_dtype=params_dtype, return_layernorm_output=self.apply_residual_connection_post_layernorm,
             seq_length=seq_length, micro_batch_size=micro_batch_size, set_parallel_mode=set_parallel_mode,
-            zero_centered_gamma=zero_centered_gamma, activation=activation, normalization=normalization,
+            zero_centered_gamma=zero_centered_gamma, activation=activation, activation_params=activation_params,
+            normalization=normalization,
             device=device, name=child_name("layernorm_mlp"))
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0.0 else None
         if self.output_layernorm:

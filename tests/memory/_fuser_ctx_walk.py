@@ -48,7 +48,7 @@ def allowed_storages(*modules) -> set:
 def _collect(obj, path, out, seen, depth=0):
     if depth > 12 or id(obj) in seen or isinstance(obj, _SKIP):
         return
-    seen[id(obj)] = obj  # held until the walk ends: a freed temporary's id could be reused
+    seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
     elif isinstance(obj, Float8Tensor):
@@ -70,14 +70,18 @@ def _collect(obj, path, out, seen, depth=0):
 
 def reachable_tensors(output: torch.Tensor, allowed: set) -> list:
     """[(path, tensor)] reachable from output's graph, except the allowed storages."""
-    # id -> object, so that nothing visited is freed (and its id reused) before the walk ends
-    found, seen_nodes, seen_objs = [], {}, {}
+    found, seen_nodes, seen_objs = [], set(), set()
+    # Nodes and the lists, dicts and values read from them stay referenced until the walk ends:
+    # the seen sets hold ids, and a freed object's id could be reused by the next one, which
+    # would then be skipped.
+    temporaries = []
     stack = [(output.grad_fn, "grad_fn")]
     while stack:
         node, path = stack.pop()
         if node is None or id(node) in seen_nodes:
             continue
-        seen_nodes[id(node)] = node
+        seen_nodes.add(id(node))
+        temporaries.append(node)
         name = f"{path}<{type(node).__name__}>"
         for i, (nxt, _) in enumerate(node.next_functions):
             stack.append((nxt, f"{name}.next[{i}]"))
@@ -86,14 +90,16 @@ def reachable_tensors(output: torch.Tensor, allowed: set) -> list:
                 saved = node.saved_tensors
             except RuntimeError:  # freed after backward
                 saved = ()
-            _collect(list(saved), f"{name}.saved_tensors", found, seen_objs)
-            _collect(dict(vars(node)), name, found, seen_objs)
+            temporaries += [list(saved), dict(vars(node))]
+            _collect(temporaries[-2], f"{name}.saved_tensors", found, seen_objs)
+            _collect(temporaries[-1], name, found, seen_objs)
         for attr in dir(node):
             if attr.startswith("_saved_"):
                 try:
                     value = getattr(node, attr)
                 except RuntimeError:
                     continue
+                temporaries.append(value)
                 _collect(value, f"{name}.{attr}", found, seen_objs)
     return [(p, t) for p, t in found if t.untyped_storage().data_ptr() not in allowed and t.numel() > 0]
 

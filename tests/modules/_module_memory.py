@@ -5,6 +5,7 @@ The graph walk and the profiler measurement live in tests/memory/_fuser_ctx_walk
 """
 
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -61,11 +62,14 @@ class _LeakyAttentionFunction(FusedAttentionFunction):
 
     @staticmethod
     def backward(ctx, dout):
+        # Saved tensors are read once (activation checkpointing allows one unpack); the fixed
+        # backward runs on a copy of ctx, so what it drops stays on the real ctx.
         objects, saved = ctx.tensor_objects, ctx.saved_tensors
-        grads = FusedAttentionFunction.backward(ctx, dout)
+        view = types.SimpleNamespace(**vars(ctx))
+        view.saved_tensors = saved
+        grads = FusedAttentionFunction.backward(view, dout)
         if objects is not None:
-            restore_from_saved(objects, saved)
-        ctx.tensor_objects = objects
+            restore_from_saved(objects, saved)  # the shells hold their buffers again
         ctx.leaked = saved if objects is None else None
         return grads
 

@@ -105,9 +105,9 @@ def mha(module, x, qkv_format="sbhd", causal=True, encoder_output=None, rotary=N
 
 
 def mlp(module, x, activation="gelu", normalization="LayerNorm", eps=1e-5, P=None):
-    """(LayerNormMLP output without fc2 bias, fc2 bias) in float64."""
+    """(LayerNormMLP output without fc2 bias, fc2 bias, layernorm output) in float64."""
     P = float64_params(module) if P is None else P
-    h = norm(x.double(), P, "", normalization, eps)
+    ln_out = h = norm(x.double(), P, "", normalization, eps)
     h = F.linear(h, P["fc1_weight"], P["fc1_bias"])
     if activation == "gelu":
         h = F.gelu(h, approximate="tanh")
@@ -118,20 +118,44 @@ def mlp(module, x, activation="gelu", normalization="LayerNorm", eps=1e-5, P=Non
         h = F.silu(a) * b
     else:
         raise ValueError(activation)
-    return F.linear(h, P["fc2_weight"]), P["fc2_bias"]
+    return F.linear(h, P["fc2_weight"]), P["fc2_bias"], ln_out
 
 
 def transformer_layer(layer, x, activation="gelu", normalization="LayerNorm", eps=1e-5, encoder_output=None,
                       P=None):
-    """TransformerLayer (pre-LN, dropout 0) in float64."""
+    """TransformerLayer with dropout 0, in float64: pre-LN residual blocks (or residuals from the
+    norm outputs, one shared input for parallel_attention_mlp, a final norm for output_layernorm)."""
     P = float64_params(layer) if P is None else P
-    attn, attn_bias, _ = mha(layer.self_attention, x, layer.attn_input_format, causal=True,
-                             normalization=normalization, eps=eps, P=sub(P, "self_attention"))
-    h = x.double() + attn + attn_bias
+    fmt = layer.attn_input_format
+    x = x.double()
+    post = layer.apply_residual_connection_post_layernorm
+    attn, attn_bias, ln = mha(layer.self_attention, x, fmt, causal=True, normalization=normalization, eps=eps,
+                              P=sub(P, "self_attention"))
+    if layer.parallel_attention_mlp:
+        out, bias, _ = mlp(layer.layernorm_mlp, x, activation, normalization, eps, P=sub(P, "layernorm_mlp"))
+        return x + attn + attn_bias + out + bias
+    h = (ln if post and ln is not None else x) + attn + attn_bias
     if layer.layer_type == "decoder":
-        attn, attn_bias, _ = mha(layer.inter_attention, h, layer.attn_input_format, causal=False,
-                                 encoder_output=encoder_output, normalization=normalization, eps=eps,
-                                 P=sub(P, "inter_attention"))
-        h = h + attn + attn_bias
-    out, bias = mlp(layer.layernorm_mlp, h, activation, normalization, eps, P=sub(P, "layernorm_mlp"))
-    return h + out + bias
+        attn, attn_bias, ln = mha(layer.inter_attention, h, fmt, causal=False, encoder_output=encoder_output,
+                                  normalization=normalization, eps=eps, P=sub(P, "inter_attention"))
+        h = (ln if post else h) + attn + attn_bias
+    out, bias, ln = mlp(layer.layernorm_mlp, h, activation, normalization, eps, P=sub(P, "layernorm_mlp"))
+    out = (ln if post else h) + out + bias
+    if layer.output_layernorm:
+        out = norm(out, sub(P, "layernorm"), None, normalization, eps)
+    return out
+
+
+def check_against_reference(module, x, out, reference_fn, tol):
+    """out and the grads of x and every parameter against reference_fn(x64, float64 params) and autograd."""
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(dy)
+    x64 = x.detach().double().requires_grad_()
+    P = {n: p.requires_grad_() for n, p in float64_params(module).items()}
+    ref_out = reference_fn(x64, P)
+    torch.testing.assert_close(out.detach().double(), ref_out.detach(), rtol=tol, atol=tol)
+    grads = torch.autograd.grad((ref_out * dy.double()).sum(), [x64] + list(P.values()))
+    torch.testing.assert_close(x.grad.double(), grads[0], rtol=tol, atol=tol)
+    params = dict(module.named_parameters())
+    for name, g in zip(P, grads[1:]):
+        torch.testing.assert_close(params[name].grad.double(), g, rtol=tol, atol=tol, msg=name)

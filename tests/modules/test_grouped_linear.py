@@ -199,3 +199,22 @@ def test_nothing_left_on_ctx_after_backward_and_the_bug_is_caught(fp8_recipe, mo
     held_leaky, expected = retained_step_bytes(layer, forward, [x])
     # At least the saved inputs of both GEMMs (float32, or the FP8 transposes).
     assert held_leaky >= expected + 64 * IN * (4 if fp8_recipe is None else 1), (held_leaky, expected)
+
+
+def test_is_first_microbatch_caches_each_fp8_weight(generator):
+    layer = _layer(2)
+    x = torch.randn(32, IN, generator=generator)
+    fp8_recipe = recipe.Float8CurrentScaling()
+    with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+        first = layer(x, [16, 16], is_first_microbatch=True)
+    cache = list(layer._ops[0]._fp8_weight_cache)
+    assert all(c is not None for c in cache)
+    with torch.no_grad():
+        layer.weight0.mul_(2)  # not seen by the next microbatch: its FP8 copy is cached
+    with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+        second = layer(x, [16, 16], is_first_microbatch=False)
+    assert all(a is b for a, b in zip(layer._ops[0]._fp8_weight_cache, cache))
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+        fresh = layer(x, [16, 16])  # None: quantize now, keep nothing
+    assert not torch.allclose(fresh[:16], first[:16]) and layer._ops[0]._fp8_weight_cache == [None, None]

@@ -30,21 +30,6 @@ def _input(generator, qkv_format="sbhd", seq=SEQ, dtype=torch.float32):
     return torch.randn(shape, generator=generator).to(dtype).requires_grad_()
 
 
-def check_against_reference(module, x, out, reference_fn, tol):
-    """out and the grads of x and every parameter against reference_fn(x64, float64 params) and autograd."""
-    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    out.backward(dy)
-    x64 = x.detach().double().requires_grad_()
-    P = {n: p.requires_grad_() for n, p in ref.float64_params(module).items()}
-    ref_out = reference_fn(x64, P)
-    torch.testing.assert_close(out.detach().double(), ref_out.detach(), rtol=tol, atol=tol)
-    grads = torch.autograd.grad((ref_out * dy.double()).sum(), [x64] + list(P.values()))
-    torch.testing.assert_close(x.grad.double(), grads[0], rtol=tol, atol=tol)
-    params = dict(module.named_parameters())
-    for name, g in zip(P, grads[1:]):
-        torch.testing.assert_close(params[name].grad.double(), g, rtol=tol, atol=tol, msg=name)
-
-
 LAYOUTS = [  # (fuse_qkv_params, qkv_weight_interleaved, num_gqa_groups, qkv_format)
     (True, True, None, "sbhd"),
     (True, True, 2, "bshd"),
@@ -65,7 +50,7 @@ def test_self_attention_matches_float64(fuse_qkv_params, interleaved, gqa, qkv_f
         attn, bias, _ = ref.mha(module, x64, qkv_format, P=P)
         return attn + bias
 
-    check_against_reference(module, x, out, reference, 1e-4)
+    ref.check_against_reference(module, x, out, reference, 1e-4)
 
 
 def test_te_parameter_names():
@@ -85,10 +70,37 @@ def test_te_parameter_names():
     assert set(dict(no_bias.named_parameters())) == {"qkv.weight", "proj.weight"}
 
 
-@pytest.mark.parametrize("fuse_qkv_params", [True, False])
-def test_cross_attention_matches_float64(fuse_qkv_params, generator):
+@pytest.mark.parametrize("normalization,zero_centered_gamma,fuse_qkv_params", [
+    ("LayerNorm", False, True), ("RMSNorm", True, False)])
+def test_input_layernorm_and_return_layernorm_output(normalization, zero_centered_gamma, fuse_qkv_params, generator):
+    module = _mha(input_layernorm=True, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                  fuse_qkv_params=fuse_qkv_params, return_layernorm_output=True, return_bias=True,
+                  layernorm_epsilon=1e-3)
+    assert isinstance(module.layernorm_qkv, te_fuser.LayerNormLinear)
+    x = _input(generator)
+    out, bias, ln_out = module(x)
+
+    def with_gamma(P):  # zero_centered_gamma: the norm multiplies by (1 + gamma)
+        key = "layernorm_qkv.layer_norm_weight"
+        return P | {key: P[key] + 1} if zero_centered_gamma else P
+
+    with torch.no_grad():
+        _, _, ref_ln = ref.mha(module, x, normalization=normalization, eps=1e-3,
+                               P=with_gamma(ref.float64_params(module)))
+    torch.testing.assert_close(ln_out.double(), ref_ln, rtol=1e-5, atol=1e-5)
+    assert bias is module.proj.bias
+
+    def reference(x64, P):
+        attn, bias, _ = ref.mha(module, x64, normalization=normalization, eps=1e-3, P=with_gamma(P))
+        return attn + bias
+
+    ref.check_against_reference(module, x, out + bias, reference, 1e-4)
+
+
+@pytest.mark.parametrize("fuse_qkv_params,input_layernorm", [(True, False), (False, True)])
+def test_cross_attention_matches_float64(fuse_qkv_params, input_layernorm, generator):
     module = _mha(attention_type="cross", fuse_qkv_params=fuse_qkv_params, num_gqa_groups=2,
-                  attn_mask_type="no_mask")
+                  attn_mask_type="no_mask", input_layernorm=input_layernorm)
     x = _input(generator)
     enc = torch.randn(24, BATCH, HIDDEN, generator=generator)
     out = module(x, encoder_output=enc)
@@ -97,7 +109,7 @@ def test_cross_attention_matches_float64(fuse_qkv_params, generator):
         attn, bias, _ = ref.mha(module, x64, causal=False, encoder_output=enc, P=P)
         return attn + bias
 
-    check_against_reference(module, x, out, reference, 1e-4)
+    ref.check_against_reference(module, x, out, reference, 1e-4)
 
 
 def _rotary(seq, dim, base=10000.0):
@@ -118,7 +130,7 @@ def test_rotary_pos_emb_matches_complex_rotation(qkv_format, rot_dim, generator)
         attn, bias, _ = ref.mha(module, x64, qkv_format, rotary=freqs, P=P)
         return attn + bias
 
-    check_against_reference(module, x, out, reference, 1e-4)
+    ref.check_against_reference(module, x, out, reference, 1e-4)
     plain = module(x.detach())
     assert not torch.allclose(plain, out.detach(), atol=1e-3)
 
@@ -126,7 +138,7 @@ def test_rotary_pos_emb_matches_complex_rotation(qkv_format, rot_dim, generator)
 @pytest.mark.parametrize("fp8_recipe", [recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4),
                                         recipe.Float8CurrentScaling(fp8_dpa=True)], ids=["delayed", "current"])
 def test_fp8_and_fp8_dpa_within_tolerance(fp8_recipe, generator):
-    module = _mha(fuse_qkv_params=True, num_gqa_groups=2)
+    module = _mha(fuse_qkv_params=True, num_gqa_groups=2, input_layernorm=True)
     x = _input(generator, seq=32)
     with torch.no_grad():
         expect, bias, _ = ref.mha(module, x)
@@ -161,8 +173,6 @@ def test_fp8_mha_recipe_and_unsupported_options_raise():
             module(x)
     with pytest.raises(NotImplementedError, match="inference_params"):
         module(x, inference_params=object())
-    with pytest.raises(NotImplementedError, match="checkpoint_core_attention"):
-        module(x, checkpoint_core_attention=True)
     with pytest.raises(ValueError, match="encoder_output"):
         _mha(attention_type="cross")(x)
     with pytest.raises(ValueError, match="rotary_pos_emb covers 4 positions"):
@@ -216,8 +226,41 @@ def test_attention_dropout_draws_from_the_rng_tracker(generator):
 
 @pytest.mark.parametrize("fp8_recipe", [None, recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)],
                          ids=["no_fp8", "delayed_fp8_dpa"])
+def test_checkpoint_core_attention_recomputes_the_same_values(fp8_recipe, generator):
+    """With dropout drawn from the RNG tracker: the recompute replays the tracker's state, so values and
+    grads equal the run without checkpointing, and the attention's own saved tensors are recomputed."""
+    class Tracker(te_fuser.distributed.CudaRNGStatesTracker):
+        forks = 0
+
+        def fork(self, *args, **kwargs):
+            self.forks += 1
+            return super().fork(*args, **kwargs)
+
+    trackers = [Tracker(), Tracker()]
+    for tracker in trackers:
+        tracker.add("model-parallel-rng", 99)
+    modules = []
+    for tracker in trackers:
+        torch.manual_seed(5)
+        modules.append(te_fuser.MultiheadAttention(HIDDEN, HEADS, attention_dropout=0.3, fuse_qkv_params=True,
+                                                   device="cpu", get_rng_state_tracker=lambda t=tracker: t))
+    x = _input(generator, seq=32)
+    results = []
+    for module, checkpointed in zip(modules, (False, True)):
+        xi = x.detach().clone().requires_grad_()
+        with te_fuser.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+            out = module(xi, checkpoint_core_attention=checkpointed)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), xi.grad, module.qkv.weight.grad))
+    for got, expect in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expect, rtol=0, atol=0)
+    assert trackers[1].forks == trackers[0].forks + 1  # the recompute forked the tracker again
+
+
+@pytest.mark.parametrize("fp8_recipe", [None, recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4)],
+                         ids=["no_fp8", "delayed_fp8_dpa"])
 def test_nothing_left_on_ctx_after_backward_and_both_bugs_are_caught(fp8_recipe, monkeypatch, generator):
-    module = _mha(fuse_qkv_params=True, input_layernorm=False)
+    module = _mha(fuse_qkv_params=True, input_layernorm=True)
     x = _input(generator, seq=32)
 
     def forward():
