@@ -77,12 +77,14 @@ def init_parallel(rank: int, world: int, port: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
-def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0.0, cpu_init=True):
+def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0.0, cpu_init=True,
+                normalization="LayerNorm"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
                   tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=cpu_init,
-                  hidden_dropout=hidden_dropout, attention_dropout=0.0, init_method_std=0.05)
+                  hidden_dropout=hidden_dropout, attention_dropout=0.0, init_method_std=0.05,
+                  normalization=normalization)
     if dtype == "bf16":
         kwargs.update(bf16=True, params_dtype=torch.bfloat16)
     if fp8_recipe is not None:
@@ -100,7 +102,8 @@ def build_local_gpt(config):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    spec = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec()] * LAYERS, layer_norm=WrappedTorchNorm)
+    layer = get_gpt_layer_local_spec(normalization=config.normalization)
+    spec = TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=WrappedTorchNorm)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                     position_embedding_type="rope")
 
@@ -207,14 +210,15 @@ def graph_leftovers(model):
 # ---------------------------------------------------------------------------------------------
 def run_case(case: dict) -> dict:
     """case: dtype ("fp32"|"bf16"), fp8 (None|"delayed"|"tensorwise"), recompute (bool),
-    cpu_init (Megatron's use_cpu_initialization; False: layers built on "the current device",
+    normalization ("LayerNorm"|"RMSNorm"), cpu_init (Megatron's use_cpu_initialization; False: layers built on "the current device",
     initialized under the RNG tracker), hidden_dropout (Megatron's bias-dropout-add, drawn from the generator its RNG states track;
     attention dropout stays 0: TE's and Megatron's attention draw their masks differently),
     reference ("local" -> also train the local spec; "none"), bug_on (te_fuser's ctx clearing off)."""
     result = {}
     data = batches()
     config = make_config(case.get("dtype", "fp32"), case.get("fp8"), case.get("recompute", False),
-                         case.get("hidden_dropout", 0.0), case.get("cpu_init", True))
+                         case.get("hidden_dropout", 0.0), case.get("cpu_init", True),
+                         case.get("normalization", "LayerNorm"))
     _reseed()
     local = build_local_gpt(config)
     te_model = build_te_gpt(config)

@@ -28,6 +28,7 @@ import _megatron_gpt as harness  # noqa: E402  (after the skip: it is only usefu
 ONE_RANK = {
     "fp32": dict(dtype="fp32"),
     "bf16": dict(dtype="bf16"),
+    "rmsnorm": dict(dtype="fp32", normalization="RMSNorm"),
     # Layers built on Megatron's current device (the CPU here) and initialized under the RNG tracker.
     "device_init": dict(dtype="fp32", cpu_init=False),
     "fp8_delayed": dict(dtype="fp32", fp8="delayed"),
@@ -86,13 +87,15 @@ def _assert_graph_clean(result, name):
     assert not left, f"{name}: tensors still reachable after backward:\n" + "\n".join(map(str, left))
 
 
-def test_te_spec_is_built_from_te_fuser(one_rank):
-    classes = _ok(one_rank["fp32"][0])["te_fuser_classes"]
-    for cls in ("Linear", "LayerNormLinear", "DotProductAttention", "LayerNorm"):
+@pytest.mark.parametrize("name, norm", [("fp32", "LayerNorm"), ("rmsnorm", "RMSNorm")])
+def test_te_spec_is_built_from_te_fuser(one_rank, name, norm):
+    classes = _ok(one_rank[name][0])["te_fuser_classes"]
+    for cls in ("Linear", "LayerNormLinear", "DotProductAttention", norm):
         assert any(c.endswith("." + cls) for c in classes), (cls, classes)
 
 
-@pytest.mark.parametrize("name", ["fp32", "bf16", "device_init", "recompute_fp32", "dropout", "recompute_dropout"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "rmsnorm", "device_init", "recompute_fp32", "dropout",
+                                  "recompute_dropout"])
 def test_losses_match_local_spec(one_rank, name):
     result = _ok(one_rank[name][0])
     tol = TOL[ONE_RANK[name]["dtype"]]
