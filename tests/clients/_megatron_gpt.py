@@ -9,8 +9,10 @@ what the autograd graph still holds after backward. Everything runs in spawned w
 
 import contextlib
 import os
+import queue
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory"))
 VOCAB, SEQ, BATCH = 128, 32, 2
 HIDDEN, HEADS, FFN, LAYERS = 64, 4, 256, 2
 STEPS, MICROBATCHES, LR, SEED = 4, 2, 0.1, 1234
+TIMEOUT_S = 600
 
 
 def free_port() -> int:
@@ -78,7 +81,7 @@ def init_parallel(rank: int, world: int, port: int) -> None:
 # Models
 # ---------------------------------------------------------------------------------------------
 def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0.0, cpu_init=True,
-                normalization="LayerNorm"):
+                normalization="LayerNorm", distribute_saved_activations=False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
@@ -90,7 +93,8 @@ def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0
     if fp8_recipe is not None:
         kwargs.update(fp8="hybrid", fp8_recipe=fp8_recipe)
     if recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+                      distribute_saved_activations=distribute_saved_activations)
     return TransformerConfig(**kwargs)
 
 
@@ -209,16 +213,21 @@ def graph_leftovers(model):
 # Cases (run inside a worker; return plain data)
 # ---------------------------------------------------------------------------------------------
 def run_case(case: dict) -> dict:
-    """case: dtype ("fp32"|"bf16"), fp8 (None|"delayed"|"tensorwise"), recompute (bool),
-    normalization ("LayerNorm"|"RMSNorm"), cpu_init (Megatron's use_cpu_initialization; False: layers built on "the current device",
-    initialized under the RNG tracker), hidden_dropout (Megatron's bias-dropout-add, drawn from the generator its RNG states track;
-    attention dropout stays 0: TE's and Megatron's attention draw their masks differently),
-    reference ("local" -> also train the local spec; "none"), bug_on (te_fuser's ctx clearing off)."""
+    """One training run of the TE-spec GPT (and of the local-spec reference on the same weights).
+
+    case keys: dtype ("fp32"|"bf16"), fp8 (None|"delayed"|"tensorwise"), recompute (bool),
+    distribute_saved_activations (bool), normalization ("LayerNorm"|"RMSNorm"),
+    cpu_init (Megatron's use_cpu_initialization; False: layers built on "the current device" and
+    initialized under the RNG tracker), hidden_dropout (Megatron's bias-dropout-add; attention
+    dropout stays 0: TE's and Megatron's attention draw their masks differently),
+    reference ("local": also train the local spec; "none"), bug_on (a te_fuser switch that
+    releases saved state after backward, turned off: "fuser" or "checkpoint").
+    """
     result = {}
     data = batches()
     config = make_config(case.get("dtype", "fp32"), case.get("fp8"), case.get("recompute", False),
                          case.get("hidden_dropout", 0.0), case.get("cpu_init", True),
-                         case.get("normalization", "LayerNorm"))
+                         case.get("normalization", "LayerNorm"), case.get("distribute_saved_activations", False))
     _reseed()
     local = build_local_gpt(config)
     te_model = build_te_gpt(config)
@@ -228,7 +237,7 @@ def run_case(case: dict) -> dict:
         result["local"] = train(local, data)
     found, walk = graph_leftovers(te_model)
     _reseed()
-    with _ctx_clearing(not case.get("bug_on", False)):
+    with _release_switch_off(case.get("bug_on")):
         result["te"] = train(te_model, data, on_last_backward=walk)
     result["leftovers"] = found
     result["te_fuser_classes"] = sorted(_te_fuser_classes(te_model))
@@ -258,16 +267,26 @@ def _te_fuser_classes(model) -> set:
     return found
 
 
-@contextlib.contextmanager
-def _ctx_clearing(enabled: bool):
-    import te_fuser.ops.fuser as fuser
+# te_fuser's switches that release what backward no longer needs; off only to show the walk sees it.
+_RELEASE_SWITCHES = {"fuser": ("te_fuser.ops.fuser", "_CLEAR_CTX_AFTER_BACKWARD"),
+                     "checkpoint": ("te_fuser.distributed", "_CLEAR_FRAME_AFTER_BACKWARD")}
 
-    saved = fuser._CLEAR_CTX_AFTER_BACKWARD
-    fuser._CLEAR_CTX_AFTER_BACKWARD = enabled
+
+@contextlib.contextmanager
+def _release_switch_off(which):
+    if which is None:
+        yield
+        return
+    import importlib
+
+    module_name, flag = _RELEASE_SWITCHES[which]
+    module = importlib.import_module(module_name)
+    saved = getattr(module, flag)
+    setattr(module, flag, False)
     try:
         yield
     finally:
-        fuser._CLEAR_CTX_AFTER_BACKWARD = saved
+        setattr(module, flag, saved)
 
 
 def worker(rank: int, world: int, port: int, cases: dict, results) -> None:
@@ -305,9 +324,24 @@ def run_cases(cases: dict, world: int) -> dict:
     for p in procs:
         p.start()
     out = {name: [None] * world for name in cases}
-    for _ in range(world * len(cases)):
-        rank, name, result = results.get(timeout=600)
+    pending = world * len(cases)
+    deadline = time.monotonic() + TIMEOUT_S
+    while pending:
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise TimeoutError(f"Megatron workers gave no result within {TIMEOUT_S} s (a hang in gloo?)")
+        try:
+            rank, name, result = results.get(timeout=5)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:  # a rank died without reporting (a crash): stop the others and say which
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"Megatron worker ranks died (rank, exit code): {dead}")
+            continue
         out[name][rank] = result
+        pending -= 1
     for p in procs:
         p.join(timeout=60)
     return out

@@ -7,6 +7,7 @@ CI installs Megatron with `python3 -m pip install --no-deps megatron-core==0.16.
 """
 
 import importlib.metadata
+import re
 
 import pytest
 
@@ -43,14 +44,18 @@ ONE_RANK = {
     "fp8_delayed_dropout": dict(dtype="fp32", fp8="delayed", hidden_dropout=0.2, reference="none"),
     "recompute_fp8_delayed_dropout": dict(dtype="fp32", fp8="delayed", hidden_dropout=0.2, recompute=True,
                                           reference="none"),
-    # te_fuser's ctx clearing switched off: the graph walk must see what is then left behind.
-    "bug_on": dict(dtype="fp32", bug_on=True, reference="none"),
+    # te_fuser's release switches off: the graph walk must see what is then left behind.
+    "bug_on_fuser": dict(dtype="fp32", bug_on="fuser", reference="none"),
+    "bug_on_checkpoint": dict(dtype="fp32", fp8="delayed", recompute=True, bug_on="checkpoint", reference="none"),
 }
 TWO_RANKS = {
     "fp32": dict(dtype="fp32"),
     "fp8_delayed": dict(dtype="fp32", fp8="delayed"),
     "fp8_tensorwise": dict(dtype="bf16", fp8="tensorwise"),
     "recompute_fp8_delayed": dict(dtype="fp32", fp8="delayed", recompute=True),
+    # Each rank keeps only its chunk of the layer's input until backward (te_fuser's checkpoint).
+    "recompute_fp8_delayed_distributed": dict(dtype="fp32", fp8="delayed", recompute=True,
+                                              distribute_saved_activations=True),
 }
 
 # Relative loss tolerances against the local spec, per step. fp32: the two specs differ only in the
@@ -134,10 +139,13 @@ def test_fp8_recompute_matches_fp8(one_rank, recipe):
     assert recomputed == plain
 
 
-def test_walk_catches_ctx_left_on_bug(one_rank):
-    """Control: with te_fuser's ctx clearing off, the same walk finds the tensors left behind."""
-    result = _ok(one_rank["bug_on"][0])
-    assert result["leftovers"], "the graph walk found nothing with the ctx clearing switched off"
+@pytest.mark.parametrize("switch, node", [("fuser", "_FuserFunctionBackward"),
+                                          ("checkpoint", "_ReentrantCheckpointBackward")])
+def test_walk_catches_ctx_left_on_bug(one_rank, switch, node):
+    """Control: with a te_fuser release switch off, the same walk finds what that node keeps."""
+    leftovers = _ok(one_rank[f"bug_on_{switch}"][0])["leftovers"]
+    holders = {re.findall(r"<(\w+)>", path)[-1] for path, _, _ in leftovers}
+    assert node in holders, leftovers
 
 
 @pytest.mark.parametrize("name", list(TWO_RANKS))
@@ -152,6 +160,11 @@ def test_tensor_parallel_two_ranks(two_ranks, name):
         assert all(abs(x - y) > 1e-6 for x, y in zip(result["te"], result["local"]))
     for r in ranks:
         _assert_graph_clean(r, name)
+
+
+@pytest.mark.parametrize("name", ["recompute_fp8_delayed", "recompute_fp8_delayed_distributed"])
+def test_tensor_parallel_recompute_is_exact(two_ranks, name):
+    assert _ok(two_ranks[name][0])["te"] == _ok(two_ranks["fp8_delayed"][0])["te"]
 
 
 def test_tensor_parallel_matches_one_rank(one_rank, two_ranks):
