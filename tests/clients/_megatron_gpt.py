@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "memory"))
+MEMORY_TESTS = str(Path(__file__).resolve().parents[1] / "memory")  # home of the graph walk
 
 VOCAB, SEQ, BATCH = 128, 32, 2
 HIDDEN, HEADS, FFN, LAYERS = 64, 4, 256, 2
@@ -198,6 +198,8 @@ def train(model, data, on_last_backward=None):
 def graph_leftovers(model):
     """A callback for train(): records [(path, shape, dtype)] of the tensors still reachable from the
     graph after backward, apart from the model's parameters and te_fuser's FP8 recipe state."""
+    if MEMORY_TESTS not in sys.path:
+        sys.path.append(MEMORY_TESTS)
     from _fuser_ctx_walk import allowed_storages, reachable_tensors
 
     found = []
