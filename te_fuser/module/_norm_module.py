@@ -7,6 +7,14 @@ import torch
 from ._linear_base import FusedModule, default_device
 
 
+def _shape(normalized_shape, hidden_size, module_name: str):
+    """normalized_shape, or hidden_size: TE's older name for it, which Megatron's TENorm still passes."""
+    if (normalized_shape is None) == (hidden_size is None):
+        raise TypeError(f"te_fuser.{module_name} takes normalized_shape or hidden_size (its older name): "
+                        f"exactly one, got normalized_shape={normalized_shape!r}, hidden_size={hidden_size!r}")
+    return normalized_shape if hidden_size is None else hidden_size
+
+
 class NormModule(FusedModule):
     """A norm over the last dimension with parameters weight (and bias) kept on the module.
 

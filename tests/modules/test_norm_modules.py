@@ -53,6 +53,9 @@ def test_te_constructor_and_attributes():
         assert ln(x).dtype == torch.float32
     torch.testing.assert_close(ln(x), torch.nn.functional.layer_norm(x, (SIZE,), eps=1e-6))
     assert ln.get_extra_state().numel() == 0  # no FP8 quantizers: TE's empty state
+    # Megatron's TENorm passes TE's older keyword hidden_size instead of normalized_shape.
+    by_old_name = te_fuser.RMSNorm(hidden_size=SIZE, eps=1e-6, device="cpu")
+    assert by_old_name.normalized_shape == (SIZE,) and by_old_name.eps == 1e-6
 
 
 @pytest.mark.parametrize("name", list(NORMS))
@@ -82,6 +85,10 @@ def test_bad_arguments_raise_clear_errors():
         te_fuser.RMSNorm(8, sm_margin=4, device="cpu")
     with pytest.raises(ValueError, match="eps"):
         te_fuser.LayerNorm(8, eps=-1.0, device="cpu")
+    with pytest.raises(TypeError, match="normalized_shape or hidden_size"):
+        te_fuser.LayerNorm(8, hidden_size=8, device="cpu")
+    with pytest.raises(TypeError, match="normalized_shape or hidden_size"):
+        te_fuser.RMSNorm(device="cpu")
     m = te_fuser.RMSNorm(8, device="cpu")
     with pytest.raises(ValueError, match="last dimension must be 8"):
         m(torch.randn(2, 7))
