@@ -1,0 +1,245 @@
+/*
+ * The FP8 quantizer kernels on AVX2 + F16C, 8 lanes at a time.
+ *
+ * The encoder is fp8_format.h's, lane-wise and without a table or a branch:
+ *   - |v| is clamped (as an integer) to the largest finite value, which is
+ *     what saturation means, Inf and NaN included (NaN is redone last);
+ *   - normal results round the float32 bit pattern to mbits mantissa bits
+ *     (ties to even), carrying into the exponent;
+ *   - results below the smallest normal come from one float add: |v| + C,
+ *     where the float32 step at C = 2^(24 - bias - mbits) is the FP8
+ *     subnormal step, rounds |v| to the FP8 grid (ties to even) and leaves
+ *     the code in the low bits of the sum;
+ *   - NaN gives the code 0x7F, and the input's sign bit is put back.
+ * Each step gives the same result as the portable encoder for every input,
+ * which tests/c/test_fp8_core.c checks over all 16-bit inputs and random
+ * float32 bit patterns. float16 is widened by F16C's vcvtph2ps, which is
+ * exact and quiets a signalling NaN like the portable conversion.
+ *
+ * Only whole vectors and whole 32 x 32 tiles are done here; the few elements
+ * past them are handed to the portable kernels, which give the same bytes.
+ */
+#include "fp8_kernels.h"
+
+#include "../common/cpu_features.h"
+
+#if TF_X86
+#include <immintrin.h>
+
+#define TF_AVX2_INLINE static inline __attribute__((always_inline)) TF_TARGET_AVX2
+
+/* 8 float32 codes (0..255 in each 32-bit lane) of v, for the format (mbits, bias, max). */
+TF_AVX2_INLINE __m256i encode8(__m256 v, uint32_t mbits, uint32_t bias, float max_value) {
+  const uint32_t shift = 23u - mbits;
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i c = _mm256_min_epu32(a, _mm256_set1_epi32((int)tf_f32_bits(max_value)));
+  /* Normal: round to nearest even at bit `shift`, then rebias the exponent. */
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(c, (int)shift), _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_add_epi32(_mm256_add_epi32(c, _mm256_set1_epi32((int)((1u << (shift - 1u)) - 1u))), odd);
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, (int)shift),
+                                          _mm256_set1_epi32((int)((127u - bias) << mbits)));
+  /* Subnormal: the add rounds to the FP8 grid; the code is the sum's bits past C's. */
+  const uint32_t magic_bits = (127u + 24u - bias - mbits) << 23;
+  const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(_mm256_set1_epi32((int)magic_bits)));
+  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32((int)magic_bits));
+  /* c < 2^31, so the signed compares are exact. */
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)((128u - bias) << 23)), c);
+  __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
+  /* NaN: c is the max value's code, to which OR-ing 0x7F gives 0x7F. */
+  const __m256i is_nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+  code = _mm256_or_si256(code, _mm256_and_si256(is_nan, _mm256_set1_epi32(0x7F)));
+  return _mm256_or_si256(code, sign);
+}
+
+TF_AVX2_INLINE __m256i encode8_e4m3(__m256 v) { return encode8(v, 3u, 7u, TF_FP8_E4M3_MAX); }
+TF_AVX2_INLINE __m256i encode8_e5m2(__m256 v) { return encode8(v, 2u, 15u, TF_FP8_E5M2_MAX); }
+
+/* Four vectors of 32-bit codes, elements 0..31 in order, as 32 bytes. */
+TF_AVX2_INLINE __m256i pack32(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i lo = _mm256_packus_epi32(c0, c1); /* per 128-bit lane: c0[0..3] c1[0..3] | c0[4..7] c1[4..7] */
+  const __m256i hi = _mm256_packus_epi32(c2, c3);
+  const __m256i bytes = _mm256_packus_epi16(lo, hi); /* 4-byte groups: c0 c1 c2 c3 | c0' c1' c2' c3' */
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* 8 elements from x + i as float32. */
+TF_AVX2_INLINE __m256 load8_f32(const void *x, int64_t i) { return _mm256_loadu_ps((const float *)x + i); }
+TF_AVX2_INLINE __m256 load8_bf16(const void *x, int64_t i) {
+  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+TF_AVX2_INLINE __m256 load8_f16(const void *x, int64_t i) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)));
+}
+
+TF_AVX2_INLINE __m256i abs_bits8(__m256 v) {
+  return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
+}
+
+TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
+  __m128i r = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  r = _mm_max_epu32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(1, 0, 3, 2)));
+  r = _mm_max_epu32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(2, 3, 0, 1)));
+  return (uint32_t)_mm_cvtsi128_si32(r);
+}
+
+/*
+ * Encodes the 32 elements at x + i (scaled), folds their |x| bits into *amax
+ * and returns their codes.
+ */
+#define DEFINE_ENCODE32(NAME, LOAD, ENCODE)                                             \
+  TF_AVX2_INLINE __m256i NAME(const void *x, int64_t i, __m256 scale, __m256i *amax) { \
+    __m256i c[4];                                                                       \
+    for (int k = 0; k < 4; ++k) {                                                       \
+      const __m256 v = LOAD(x, i + 8 * k);                                              \
+      *amax = _mm256_max_epu32(*amax, abs_bits8(v));                                    \
+      c[k] = ENCODE(_mm256_mul_ps(v, scale));                                           \
+    }                                                                                   \
+    return pack32(c[0], c[1], c[2], c[3]);                                              \
+  }
+
+DEFINE_ENCODE32(encode32_f32_e4m3, load8_f32, encode8_e4m3)
+DEFINE_ENCODE32(encode32_f32_e5m2, load8_f32, encode8_e5m2)
+DEFINE_ENCODE32(encode32_bf16_e4m3, load8_bf16, encode8_e4m3)
+DEFINE_ENCODE32(encode32_bf16_e5m2, load8_bf16, encode8_e5m2)
+DEFINE_ENCODE32(encode32_f16_e4m3, load8_f16, encode8_e4m3)
+DEFINE_ENCODE32(encode32_f16_e5m2, load8_f16, encode8_e5m2)
+
+#define DEFINE_QUANTIZE(NAME, ENCODE32, DTYPE, FORMAT)                                       \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale, \
+                                      uint8_t *y) {                                          \
+    const __m256 s = _mm256_set1_ps(scale);                                                  \
+    __m256i amax = _mm256_setzero_si256();                                                   \
+    int64_t i = begin;                                                                       \
+    for (; end - i >= 32; i += 32)                                                           \
+      _mm256_storeu_si256((__m256i *)(y + i), ENCODE32(x, i, s, &amax));                     \
+    const uint32_t tail = tf_fp8_kernels_portable.quantize[DTYPE][FORMAT](x, i, end, scale, y); \
+    const uint32_t head = hmax_u32(amax);                                                    \
+    return head > tail ? head : tail;                                                        \
+  }
+
+DEFINE_QUANTIZE(quantize_f32_e4m3, encode32_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_f32_e5m2, encode32_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
+DEFINE_QUANTIZE(quantize_bf16_e4m3, encode32_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_bf16_e5m2, encode32_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
+DEFINE_QUANTIZE(quantize_f16_e4m3, encode32_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_f16_e5m2, encode32_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+
+#define DEFINE_AMAX(NAME, LOAD, DTYPE)                                                          \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end) {               \
+    __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();                          \
+    int64_t i = begin;                                                                          \
+    for (; end - i >= 16; i += 16) {                                                            \
+      m0 = _mm256_max_epu32(m0, abs_bits8(LOAD(x, i)));                                         \
+      m1 = _mm256_max_epu32(m1, abs_bits8(LOAD(x, i + 8)));                                     \
+    }                                                                                           \
+    const uint32_t tail = tf_fp8_kernels_portable.amax[DTYPE](x, i, end);                       \
+    const uint32_t head = hmax_u32(_mm256_max_epu32(m0, m1));                                   \
+    return head > tail ? head : tail;                                                           \
+  }
+
+DEFINE_AMAX(amax_f32, load8_f32, TF_FLOAT32)
+DEFINE_AMAX(amax_bf16, load8_bf16, TF_BFLOAT16)
+DEFINE_AMAX(amax_f16, load8_f16, TF_FLOAT16)
+
+/*
+ * Transposes 16 rows of 32 bytes (row r in t[r]; bytes 0..15 and 16..31 are
+ * two 16 x 16 blocks, one per 128-bit lane) with four rounds of interleaves:
+ * afterwards out[j] holds column j of the first block in its low lane and
+ * column 16 + j of the second in its high lane.
+ */
+TF_AVX2_INLINE void transpose_16x32(const __m256i t[16], __m256i out[16]) {
+  __m256i s1[16], s2[16], s3[16];
+  for (int k = 0; k < 8; ++k) { /* 16-bit units: rows 2k, 2k+1 of one column */
+    s1[2 * k] = _mm256_unpacklo_epi8(t[2 * k], t[2 * k + 1]);
+    s1[2 * k + 1] = _mm256_unpackhi_epi8(t[2 * k], t[2 * k + 1]);
+  }
+  for (int m = 0; m < 4; ++m) /* 32-bit units: rows 4m..4m+3; s2[4m + q] holds columns 4q..4q+3 */
+    for (int h = 0; h < 2; ++h) {
+      s2[4 * m + 2 * h] = _mm256_unpacklo_epi16(s1[4 * m + h], s1[4 * m + 2 + h]);
+      s2[4 * m + 2 * h + 1] = _mm256_unpackhi_epi16(s1[4 * m + h], s1[4 * m + 2 + h]);
+    }
+  for (int p = 0; p < 2; ++p) /* 64-bit units: rows 8p..8p+7; s3[8p + t] holds columns 2t, 2t+1 */
+    for (int q = 0; q < 4; ++q) {
+      s3[8 * p + 2 * q] = _mm256_unpacklo_epi32(s2[8 * p + q], s2[8 * p + 4 + q]);
+      s3[8 * p + 2 * q + 1] = _mm256_unpackhi_epi32(s2[8 * p + q], s2[8 * p + 4 + q]);
+    }
+  for (int k = 0; k < 8; ++k) { /* whole columns, rows 0..15 */
+    out[2 * k] = _mm256_unpacklo_epi64(s3[k], s3[8 + k]);
+    out[2 * k + 1] = _mm256_unpackhi_epi64(s3[k], s3[8 + k]);
+  }
+}
+
+/*
+ * Whole 32 x 32 tiles: each row of a tile is encoded into one register,
+ * stored to y and kept in an L1 buffer, which is then transposed in two
+ * halves of 16 rows into y_t. The ragged right and bottom edges go to the
+ * portable kernel as blocks of their own.
+ */
+#define DEFINE_CAST_TRANSPOSE(NAME, ENCODE32, DTYPE, FORMAT)                                     \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols,   \
+                                      float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,       \
+                                      int64_t ld_t) {                                            \
+    const int64_t size = tf_dtype_size(DTYPE);                                                   \
+    const int64_t full_rows = rows - rows % 32, full_cols = cols - cols % 32;                    \
+    const __m256 s = _mm256_set1_ps(scale);                                                      \
+    __m256i amax_v = _mm256_setzero_si256();                                                     \
+    for (int64_t r0 = 0; r0 < full_rows; r0 += 32) {                                             \
+      for (int64_t c0 = 0; c0 < full_cols; c0 += 32) {                                           \
+        __m256i tile[32];                                                                        \
+        for (int r = 0; r < 32; ++r) {                                                           \
+          tile[r] = ENCODE32(x, (r0 + r) * ld_x + c0, s, &amax_v);                               \
+          _mm256_storeu_si256((__m256i *)(y + (r0 + r) * ld_y + c0), tile[r]);                   \
+        }                                                                                        \
+        for (int h = 0; h < 2; ++h) {                                                            \
+          __m256i col[16];                                                                       \
+          transpose_16x32(tile + 16 * h, col);                                                   \
+          uint8_t *out = y_t + c0 * ld_t + r0 + 16 * h;                                          \
+          for (int j = 0; j < 16; ++j) {                                                         \
+            _mm_storeu_si128((__m128i *)(out + j * ld_t), _mm256_castsi256_si128(col[j]));       \
+            _mm_storeu_si128((__m128i *)(out + (16 + j) * ld_t), _mm256_extracti128_si256(col[j], 1)); \
+          }                                                                                      \
+        }                                                                                        \
+      }                                                                                          \
+    }                                                                                            \
+    const tf_fp8_cast_transpose_fn edge = tf_fp8_kernels_portable.cast_transpose[DTYPE][FORMAT]; \
+    uint32_t amax = hmax_u32(amax_v), a;                                                         \
+    if (full_cols < cols) { /* right edge of the whole-tile rows */                              \
+      a = edge((const char *)x + full_cols * size, ld_x, full_rows, cols - full_cols, scale,     \
+               y + full_cols, ld_y, y_t + full_cols * ld_t, ld_t);                               \
+      amax = a > amax ? a : amax;                                                                \
+    }                                                                                            \
+    if (full_rows < rows) { /* bottom rows, every column */                                      \
+      a = edge((const char *)x + full_rows * ld_x * size, ld_x, rows - full_rows, cols, scale,   \
+               y + full_rows * ld_y, ld_y, y_t + full_rows, ld_t);                               \
+      amax = a > amax ? a : amax;                                                                \
+    }                                                                                            \
+    return amax;                                                                                 \
+  }
+
+DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, encode32_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e5m2, encode32_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
+DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e4m3, encode32_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e5m2, encode32_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e4m3, encode32_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e5m2, encode32_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+
+static const tf_fp8_kernel_set avx2_kernels = {
+    .quantize = {{quantize_f32_e4m3, quantize_f32_e5m2},
+                 {quantize_bf16_e4m3, quantize_bf16_e5m2},
+                 {quantize_f16_e4m3, quantize_f16_e5m2}},
+    .amax = {amax_f32, amax_bf16, amax_f16},
+    .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
+                       {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
+                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}}};
+
+const tf_fp8_kernel_set *const tf_fp8_kernels_avx2 = &avx2_kernels;
+
+#else /* not x86-64 */
+
+const tf_fp8_kernel_set *const tf_fp8_kernels_avx2 = 0;
+
+#endif
