@@ -29,46 +29,50 @@
 #define TF_AVX2_INLINE static inline __attribute__((always_inline)) TF_TARGET_AVX2
 
 /*
- * The codes of 8 values without their sign: 0..max_code for numbers and Inf,
- * a value above 0x7F (and below 0x8000) for NaN, which the byte packing turns
- * into 0x7F.
+ * The codes of 8 values without their sign, less 2^mbits (the code of the
+ * smallest normal value): -2^mbits..max_code - 2^mbits for numbers and Inf, a
+ * value above 0x7F and below 0x7000 for NaN. The offset lets the sign of the
+ * rounding sum choose between the normal and the subnormal result.
  */
 TF_AVX2_INLINE __m256i magnitude8(__m256 v, uint32_t mbits, uint32_t bias, float max_value) {
   const uint32_t shift = 23u - mbits;
   const __m256 abs = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
   /* vminps returns its second operand when either is NaN: numbers and Inf saturate, NaN stays. */
   const __m256i c = _mm256_castps_si256(_mm256_min_ps(_mm256_set1_ps(max_value), abs));
-  /* Normal: round to nearest even at bit `shift`; the exponent's rebias is folded into the add. */
+  /*
+   * Normal: round to nearest even at bit `shift`, less the smallest normal. t < 0 exactly when
+   * c lies more than half a step below the smallest normal; in that half step both results are 0.
+   */
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(c, (int)shift), _mm256_set1_epi32(1));
-  const uint32_t round_rebias = ((1u << (shift - 1u)) - 1u) - ((127u - bias) << 23);
-  const __m256i normal =
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(c, _mm256_set1_epi32((int)round_rebias)), odd),
-                        (int)shift);
+  const uint32_t round_rebias = ((1u << (shift - 1u)) - 1u) - ((128u - bias) << 23);
+  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(c, _mm256_set1_epi32((int)round_rebias)), odd);
+  const __m256i normal = _mm256_srai_epi32(t, (int)shift);
   /* Subnormal: the add rounds to the FP8 grid; the code is the sum's bits past C's. */
   const uint32_t magic_bits = (127u + 24u - bias - mbits) << 23;
   const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(_mm256_set1_epi32((int)magic_bits)));
-  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32((int)magic_bits));
-  /* c < 2^31, so the signed compare is exact. */
-  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)((128u - bias) << 23)), c);
-  return _mm256_blendv_epi8(normal, sub, is_sub);
+  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32((int)(magic_bits + (1u << mbits))));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub),
+                                              _mm256_castsi256_ps(t)));
 }
 
 TF_AVX2_INLINE __m256i magnitude8_e4m3(__m256 v) { return magnitude8(v, 3u, 7u, TF_FP8_E4M3_MAX); }
 TF_AVX2_INLINE __m256i magnitude8_e5m2(__m256 v) { return magnitude8(v, 2u, 15u, TF_FP8_E5M2_MAX); }
 
 /*
- * The 32 codes of v[0..3] (elements 0..31 in order) as 32 bytes. Packing
- * saturates a NaN's magnitude to 0x7F or above, and vpminub brings it to 0x7F;
- * the signs come from packing the values with signed saturation, which keeps
- * each one's sign bit.
+ * The 32 codes of v[0..3] (elements 0..31 in order) as 32 bytes. Packing to
+ * 16 bits keeps the offset magnitudes, which then get 2^mbits back; packing to
+ * bytes saturates a NaN's to 0x7F or above, and vpminub brings it to 0x7F. The
+ * signs come from packing the values with signed saturation, which keeps each
+ * one's sign bit.
  */
-TF_AVX2_INLINE __m256i codes32(const __m256 v[4], __m256i (*magnitude)(__m256)) {
-  const __m256i m = _mm256_packus_epi16(_mm256_packus_epi32(magnitude(v[0]), magnitude(v[1])),
-                                        _mm256_packus_epi32(magnitude(v[2]), magnitude(v[3])));
+TF_AVX2_INLINE __m256i codes32(const __m256 v[4], __m256i (*magnitude)(__m256), uint32_t mbits) {
+  const __m256i offset = _mm256_set1_epi16((short)(1u << mbits));
+  const __m256i lo = _mm256_add_epi16(_mm256_packs_epi32(magnitude(v[0]), magnitude(v[1])), offset);
+  const __m256i hi = _mm256_add_epi16(_mm256_packs_epi32(magnitude(v[2]), magnitude(v[3])), offset);
   const __m256i sign = _mm256_packs_epi16(
       _mm256_packs_epi32(_mm256_castps_si256(v[0]), _mm256_castps_si256(v[1])),
       _mm256_packs_epi32(_mm256_castps_si256(v[2]), _mm256_castps_si256(v[3])));
-  const __m256i bytes = _mm256_or_si256(_mm256_min_epu8(m, _mm256_set1_epi8(0x7F)),
+  const __m256i bytes = _mm256_or_si256(_mm256_min_epu8(_mm256_packus_epi16(lo, hi), _mm256_set1_epi8(0x7F)),
                                         _mm256_and_si256(sign, _mm256_set1_epi8((char)0x80)));
   /* The packs work per 128-bit lane: 4-byte groups 0 2 4 6 | 1 3 5 7 back in order. */
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -99,7 +103,7 @@ TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
  * Encodes the 32 elements at x + i (scaled), folds their |x| bits into *amax
  * and returns their codes.
  */
-#define DEFINE_ENCODE32(NAME, LOAD, MAGNITUDE)                                          \
+#define DEFINE_ENCODE32(NAME, LOAD, MAGNITUDE, MBITS)                                        \
   TF_AVX2_INLINE __m256i NAME(const void *x, int64_t i, __m256 scale, __m256i *amax) { \
     __m256 v[4];                                                                        \
     for (int k = 0; k < 4; ++k) {                                                       \
@@ -107,15 +111,15 @@ TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
       *amax = _mm256_max_epu32(*amax, abs_bits8(xk));                                   \
       v[k] = _mm256_mul_ps(xk, scale);                                                  \
     }                                                                                   \
-    return codes32(v, MAGNITUDE);                                                       \
+    return codes32(v, MAGNITUDE, MBITS);                                                \
   }
 
-DEFINE_ENCODE32(encode32_f32_e4m3, load8_f32, magnitude8_e4m3)
-DEFINE_ENCODE32(encode32_f32_e5m2, load8_f32, magnitude8_e5m2)
-DEFINE_ENCODE32(encode32_bf16_e4m3, load8_bf16, magnitude8_e4m3)
-DEFINE_ENCODE32(encode32_bf16_e5m2, load8_bf16, magnitude8_e5m2)
-DEFINE_ENCODE32(encode32_f16_e4m3, load8_f16, magnitude8_e4m3)
-DEFINE_ENCODE32(encode32_f16_e5m2, load8_f16, magnitude8_e5m2)
+DEFINE_ENCODE32(encode32_f32_e4m3, load8_f32, magnitude8_e4m3, 3u)
+DEFINE_ENCODE32(encode32_f32_e5m2, load8_f32, magnitude8_e5m2, 2u)
+DEFINE_ENCODE32(encode32_bf16_e4m3, load8_bf16, magnitude8_e4m3, 3u)
+DEFINE_ENCODE32(encode32_bf16_e5m2, load8_bf16, magnitude8_e5m2, 2u)
+DEFINE_ENCODE32(encode32_f16_e4m3, load8_f16, magnitude8_e4m3, 3u)
+DEFINE_ENCODE32(encode32_f16_e5m2, load8_f16, magnitude8_e5m2, 2u)
 
 #define DEFINE_QUANTIZE(NAME, ENCODE32, DTYPE, FORMAT)                                       \
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale, \
