@@ -172,6 +172,31 @@ def test_amax_at_chunk_boundaries(device, generator, dtype):
         assert amax.item() == 100.0, f"cast_transpose, position {p}"
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_paths_agree_with_flushed_denormals(generator, isa_path, dtype):
+    """Under torch.set_flush_denormal(True) (FTZ and DAZ), a SIMD path gives the portable bytes."""
+    if isa_path == "portable":
+        pytest.skip("compares the other paths with the portable one")
+    if dtype == torch.float32:
+        bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=generator, dtype=torch.int64)
+        x = bits.to(torch.int32).view(torch.float32)
+    else:
+        x = all_16bit_patterns(dtype)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for s in (1.0, 2.0**-100, 3.0):
+            scale = torch.tensor([s])
+            for fp8_dtype in FP8_DTYPES:
+                data, amax = quantize(x, scale, fp8_dtype)
+                with cpu.isa("portable"):
+                    ref, ref_amax = quantize(x, scale, fp8_dtype)
+                torch.testing.assert_close(as_bytes(data), as_bytes(ref), rtol=0, atol=0)
+                assert amax.view(torch.int32).item() == ref_amax.view(torch.int32).item()
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def test_empty_tensors_work(device):
     for shape in [(0,), (0, 16), (16, 0)]:
         x = torch.empty(shape, device=device)

@@ -1,22 +1,23 @@
 /*
- * The FP8 quantizer kernels on AVX2 + F16C, 8 lanes at a time.
+ * The FP8 quantizer kernels on AVX2 + F16C, 8 lanes at a time, 32 elements a step.
  *
  * The encoder is fp8_format.h's, lane-wise and without a table or a branch:
- *   - |v| is clamped (as an integer) to the largest finite value, which is
- *     what saturation means, Inf and NaN included (NaN is redone last);
+ *   - |v| is clamped to the largest finite value by vminps, which is what
+ *     saturation means for numbers and Inf, and which lets NaN through;
  *   - normal results round the float32 bit pattern to mbits mantissa bits
  *     (ties to even), carrying into the exponent;
  *   - results below the smallest normal come from one float add: |v| + C,
  *     where the float32 step at C = 2^(24 - bias - mbits) is the FP8
  *     subnormal step, rounds |v| to the FP8 grid (ties to even) and leaves
  *     the code in the low bits of the sum;
- *   - NaN gives the code 0x7F, and the input's sign bit is put back.
+ *   - packing the 32-bit codes to bytes saturates NaN's to 0x7F, and the
+ *     signs are packed from the values themselves.
  * Each step gives the same result as the portable encoder for every input,
  * which tests/c/test_fp8_core.c checks over all 16-bit inputs and random
  * float32 bit patterns. float16 is widened by F16C's vcvtph2ps, which is
  * exact and quiets a signalling NaN like the portable conversion.
  *
- * Only whole vectors and whole 32 x 32 tiles are done here; the few elements
+ * Only whole steps and whole 32 x 32 tiles are done here; the few elements
  * past them are handed to the portable kernels, which give the same bytes.
  */
 #include "fp8_kernels.h"
