@@ -154,7 +154,7 @@ def test_amax_at_chunk_boundaries(device, generator, dtype):
     """The maximum just before, on and after each boundary of the CPU's work split, and last.
 
     quantize splits the elements into chunks of CHUNK; cast_transpose of this (2049, 96)
-    matrix splits its rows into bands of 704 (whole 32-row tiles of about CHUNK elements)."""
+    matrix splits its rows into bands of 704 (whole 64-row tiles of about CHUNK elements)."""
     x = torch.randn(3 * CHUNK + 96, generator=generator).to(dtype).to(device)
     band = 704 * 96
     positions = [0, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK - 1, 3 * CHUNK,

@@ -17,10 +17,11 @@
  * float32 bit patterns. float16 is widened by F16C's vcvtph2ps, which is
  * exact and quiets a signalling NaN like the portable conversion.
  *
- * Only whole steps and whole 32 x 32 tiles are done here; the few elements
+ * Only whole steps and whole cast-transpose tiles are done here; the few elements
  * past them are handed to the portable kernels, which give the same bytes.
  */
 #include "fp8_kernels.h"
+#include "fp8_quantize.h"
 
 #include "../common/cpu_features.h"
 
@@ -187,38 +188,85 @@ TF_AVX2_INLINE void transpose_16x32(const __m256i t[16], __m256i out[16]) {
   }
 }
 
+typedef __m256i (*encode32_fn)(const void *, int64_t, __m256, __m256i *);
+
+enum { TILE_ROWS = TF_FP8_CT_TILE };
+
 /*
- * Whole 32 x 32 tiles: each row of a tile is encoded into one register,
- * stored to y and kept in an L1 buffer, which is then transposed in two
- * halves of 16 rows into y_t. The ragged right and bottom edges go to the
- * portable kernel as blocks of their own.
+ * One tile of TILE_ROWS (64) rows by 32 * width columns at (r0, c0), width 1
+ * or 2: each row is encoded into `width` registers, stored to y and kept in an
+ * L1 buffer; the buffer is transposed 16 rows by 32 columns at a time into a
+ * second one, from which each column goes out as one 64-byte run of its row
+ * of y_t. With width 2, the rows of y get whole 64-byte runs too: no cache line
+ * of y or y_t is left half written for a later tile, and with `stream` (set
+ * when these runs are 32-byte aligned) they are written with non-temporal
+ * stores, which skip reading the lines they overwrite and keep the large
+ * outputs from evicting x's next rows.
+ */
+TF_AVX2_INLINE void store32(__m256i *p, __m256i v, int stream) {
+  if (stream)
+    _mm256_stream_si256(p, v);
+  else
+    _mm256_storeu_si256(p, v);
+}
+
+TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_x, int64_t r0,
+                                        int64_t c0, int width, int stream, encode32_fn encode32,
+                                        __m256 s, __m256i *amax, uint8_t *y, int64_t ld_y,
+                                        uint8_t *y_t, int64_t ld_t) {
+  __m256i tile[2][TILE_ROWS];        /* tile[k][r]: row r, columns 32k..32k+31 */
+  __m256i tile_t[64][TILE_ROWS / 32]; /* tile_t[c]: column c, TILE_ROWS codes */
+  for (int r = 0; r < TILE_ROWS; ++r) {
+    /* The next tile's part of the row: the hardware prefetchers follow few of the 64 rows. */
+    const char *next = (const char *)x + ((r0 + r) * ld_x + c0 + 32 * width) * size;
+    for (int64_t line = 0; line < 32 * width * size; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    for (int k = 0; k < width; ++k) {
+      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, amax);
+      store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
+    }
+  }
+  for (int k = 0; k < width; ++k)
+    for (int h = 0; h < TILE_ROWS / 16; ++h) {
+      __m256i col[16];
+      transpose_16x32(tile[k] + 16 * h, col);
+      for (int j = 0; j < 16; ++j) {
+        _mm_store_si128((__m128i *)tile_t[32 * k + j] + h, _mm256_castsi256_si128(col[j]));
+        _mm_store_si128((__m128i *)tile_t[32 * k + 16 + j] + h, _mm256_extracti128_si256(col[j], 1));
+      }
+    }
+  for (int c = 0; c < 32 * width; ++c)
+    for (int k = 0; k < TILE_ROWS / 32; ++k)
+      store32((__m256i *)(y_t + (c0 + c) * ld_t + r0) + k, tile_t[c][k], stream);
+}
+
+/*
+ * Whole tiles, 64 columns wide and then one 32 wide where 32 to 63 columns
+ * are left; the ragged right and bottom edges go to the portable kernel as
+ * blocks of their own.
  */
 #define DEFINE_CAST_TRANSPOSE(NAME, ENCODE32, DTYPE, FORMAT)                                     \
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols,   \
                                       float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,       \
                                       int64_t ld_t) {                                            \
     const int64_t size = tf_dtype_size(DTYPE);                                                   \
-    const int64_t full_rows = rows - rows % 32, full_cols = cols - cols % 32;                    \
+    const int64_t full_rows = rows - rows % TILE_ROWS, wide_cols = cols - cols % 64;             \
+    const int64_t full_cols = cols - cols % 32;                                                  \
     const __m256 s = _mm256_set1_ps(scale);                                                      \
     __m256i amax_v = _mm256_setzero_si256();                                                     \
-    for (int64_t r0 = 0; r0 < full_rows; r0 += 32) {                                             \
-      for (int64_t c0 = 0; c0 < full_cols; c0 += 32) {                                           \
-        __m256i tile[32];                                                                        \
-        for (int r = 0; r < 32; ++r) {                                                           \
-          tile[r] = ENCODE32(x, (r0 + r) * ld_x + c0, s, &amax_v);                               \
-          _mm256_storeu_si256((__m256i *)(y + (r0 + r) * ld_y + c0), tile[r]);                   \
-        }                                                                                        \
-        for (int h = 0; h < 2; ++h) {                                                            \
-          __m256i col[16];                                                                       \
-          transpose_16x32(tile + 16 * h, col);                                                   \
-          uint8_t *out = y_t + c0 * ld_t + r0 + 16 * h;                                          \
-          for (int j = 0; j < 16; ++j) {                                                         \
-            _mm_storeu_si128((__m128i *)(out + j * ld_t), _mm256_castsi256_si128(col[j]));       \
-            _mm_storeu_si128((__m128i *)(out + (16 + j) * ld_t), _mm256_extracti128_si256(col[j], 1)); \
-          }                                                                                      \
-        }                                                                                        \
+    const int stream = (uintptr_t)y % 32 == 0 && ld_y % 32 == 0 && (uintptr_t)y_t % 32 == 0 &&   \
+                       ld_t % 32 == 0;                                                           \
+    for (int64_t r0 = 0; r0 < full_rows; r0 += TILE_ROWS) {                                      \
+      for (int64_t c0 = 0; c0 < wide_cols; c0 += 64) {                                           \
+        if (stream)                                                                              \
+          cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, ENCODE32, s, &amax_v, y, ld_y, y_t, ld_t); \
+        else                                                                                     \
+          cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, ENCODE32, s, &amax_v, y, ld_y, y_t, ld_t); \
       }                                                                                          \
+      if (wide_cols < full_cols)                                                                 \
+        cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, ENCODE32, s, &amax_v, y, ld_y, \
+                            y_t, ld_t);                                                          \
     }                                                                                            \
+    if (stream) _mm_sfence(); /* the streamed stores are visible before the caller's next step */ \
     const tf_fp8_cast_transpose_fn edge = tf_fp8_kernels_portable.cast_transpose[DTYPE][FORMAT]; \
     uint32_t amax = hmax_u32(amax_v), a;                                                         \
     if (full_cols < cols) { /* right edge of the whole-tile rows */                              \

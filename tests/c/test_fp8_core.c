@@ -302,7 +302,7 @@ static void test_amax_special_values(void) {
 }
 
 static void test_cast_transpose(void) {
-  enum { R = 37, C = 70, LD = 75 };
+  enum { R = TF_FP8_CT_TILE + 37, C = 70, LD = 75 };
   static float x[R * LD];
   static uint8_t y[R * C], y_t[C * R], q[R * LD];
   fill_f32(x, R * LD);
@@ -512,11 +512,13 @@ static void test_paths_amax_every_position(const isa_path *path) {
 /* Cast-transpose blocks of whole and ragged tiles, with a row stride, against the portable set. */
 static void test_paths_cast_transpose(const isa_path *path) {
   static const int64_t shapes[][3] = {{64, 64, 64}, {96, 130, 135}, {37, 70, 75}, {33, 31, 31},
-                                       {1, 1, 1},    {128, 32, 40},  {32, 96, 97}, {65, 33, 33}};
-  enum { MAX_X = 128 * 135, MAX_Y = 128 * 135 };
+                                       {1, 1, 1},    {128, 32, 40},  {32, 96, 97}, {65, 33, 33},
+                                       {192, 96, 100}, {130, 64, 64}};
+  enum { MAX_X = 192 * 135, MAX_Y = 192 * 135 };
   static uint32_t x32[MAX_X];
   static uint16_t x16[MAX_X];
-  static uint8_t y[MAX_Y + PAD], y_ref[MAX_Y + PAD], t[MAX_Y + PAD], t_ref[MAX_Y + PAD];
+  /* 64-byte aligned: shapes whose rows and columns are multiples of 32 take the streaming stores. */
+  static _Alignas(64) uint8_t y[MAX_Y + PAD], y_ref[MAX_Y + PAD], t[MAX_Y + PAD], t_ref[MAX_Y + PAD];
   for (int i = 0; i < MAX_X; ++i) {
     x32[i] = rand_u32();
     if (i % 3) x32[i] = (x32[i] & 0x807FFFFFu) | ((uint32_t)(100 + rand_u32() % 40) << 23);
