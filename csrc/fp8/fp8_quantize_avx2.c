@@ -57,8 +57,12 @@ TF_AVX2_INLINE __m256i magnitude8(__m256 v, uint32_t mbits, uint32_t bias, float
                                               _mm256_castsi256_ps(t)));
 }
 
-TF_AVX2_INLINE __m256i magnitude8_e4m3(__m256 v) { return magnitude8(v, 3u, 7u, TF_FP8_E4M3_MAX); }
-TF_AVX2_INLINE __m256i magnitude8_e5m2(__m256 v) { return magnitude8(v, 2u, 15u, TF_FP8_E5M2_MAX); }
+/* Mantissa bits of a format. The kernels pass the dtype and the format as constants, which fold. */
+TF_AVX2_INLINE uint32_t format_mbits(tf_fp8_format f) { return f == TF_FP8_E4M3 ? 3u : 2u; }
+
+TF_AVX2_INLINE __m256i magnitude8_of(__m256 v, tf_fp8_format f) {
+  return f == TF_FP8_E4M3 ? magnitude8(v, 3u, 7u, TF_FP8_E4M3_MAX) : magnitude8(v, 2u, 15u, TF_FP8_E5M2_MAX);
+}
 
 /*
  * The 32 codes of v[0..3] (elements 0..31 in order) as 32 bytes. Packing to
@@ -67,10 +71,10 @@ TF_AVX2_INLINE __m256i magnitude8_e5m2(__m256 v) { return magnitude8(v, 2u, 15u,
  * signs come from packing the values with signed saturation, which keeps each
  * one's sign bit.
  */
-TF_AVX2_INLINE __m256i codes32(const __m256 v[4], __m256i (*magnitude)(__m256), uint32_t mbits) {
-  const __m256i offset = _mm256_set1_epi16((short)(1u << mbits));
-  const __m256i lo = _mm256_add_epi16(_mm256_packs_epi32(magnitude(v[0]), magnitude(v[1])), offset);
-  const __m256i hi = _mm256_add_epi16(_mm256_packs_epi32(magnitude(v[2]), magnitude(v[3])), offset);
+TF_AVX2_INLINE __m256i codes32(const __m256 v[4], tf_fp8_format f) {
+  const __m256i offset = _mm256_set1_epi16((short)(1u << format_mbits(f)));
+  const __m256i lo = _mm256_add_epi16(_mm256_packs_epi32(magnitude8_of(v[0], f), magnitude8_of(v[1], f)), offset);
+  const __m256i hi = _mm256_add_epi16(_mm256_packs_epi32(magnitude8_of(v[2], f), magnitude8_of(v[3], f)), offset);
   const __m256i sign = _mm256_packs_epi16(
       _mm256_packs_epi32(_mm256_castps_si256(v[0]), _mm256_castps_si256(v[1])),
       _mm256_packs_epi32(_mm256_castps_si256(v[2]), _mm256_castps_si256(v[3])));
@@ -90,6 +94,10 @@ TF_AVX2_INLINE __m256 load8_f16(const void *x, int64_t i) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)));
 }
 
+TF_AVX2_INLINE __m256 load8(const void *x, int64_t i, tf_dtype d) {
+  return d == TF_FLOAT32 ? load8_f32(x, i) : d == TF_BFLOAT16 ? load8_bf16(x, i) : load8_f16(x, i);
+}
+
 TF_AVX2_INLINE __m256i abs_bits8(__m256 v) {
   return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
 }
@@ -105,60 +113,53 @@ TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
  * Encodes the 32 elements at x + i (scaled), folds their |x| bits into *amax
  * and returns their codes.
  */
-#define DEFINE_ENCODE32(NAME, LOAD, MAGNITUDE, MBITS)                                        \
-  TF_AVX2_INLINE __m256i NAME(const void *x, int64_t i, __m256 scale, __m256i *amax) { \
-    __m256 v[4];                                                                        \
-    for (int k = 0; k < 4; ++k) {                                                       \
-      const __m256 xk = LOAD(x, i + 8 * k);                                             \
-      *amax = _mm256_max_epu32(*amax, abs_bits8(xk));                                   \
-      v[k] = _mm256_mul_ps(xk, scale);                                                  \
-    }                                                                                   \
-    return codes32(v, MAGNITUDE, MBITS);                                                \
+TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 scale, __m256i *amax, tf_dtype d,
+                                tf_fp8_format f) {
+  __m256 v[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m256 xk = load8(x, i + 8 * k, d);
+    *amax = _mm256_max_epu32(*amax, abs_bits8(xk));
+    v[k] = _mm256_mul_ps(xk, scale);
   }
+  return codes32(v, f);
+}
 
-DEFINE_ENCODE32(encode32_f32_e4m3, load8_f32, magnitude8_e4m3, 3u)
-DEFINE_ENCODE32(encode32_f32_e5m2, load8_f32, magnitude8_e5m2, 2u)
-DEFINE_ENCODE32(encode32_bf16_e4m3, load8_bf16, magnitude8_e4m3, 3u)
-DEFINE_ENCODE32(encode32_bf16_e5m2, load8_bf16, magnitude8_e5m2, 2u)
-DEFINE_ENCODE32(encode32_f16_e4m3, load8_f16, magnitude8_e4m3, 3u)
-DEFINE_ENCODE32(encode32_f16_e5m2, load8_f16, magnitude8_e5m2, 2u)
-
-#define DEFINE_QUANTIZE(NAME, ENCODE32, DTYPE, FORMAT)                                       \
+#define DEFINE_QUANTIZE(NAME, DTYPE, FORMAT)                                                 \
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale, \
                                       uint8_t *y) {                                          \
     const __m256 s = _mm256_set1_ps(scale);                                                  \
     __m256i amax = _mm256_setzero_si256();                                                   \
     int64_t i = begin;                                                                       \
     for (; end - i >= 32; i += 32)                                                           \
-      _mm256_storeu_si256((__m256i *)(y + i), ENCODE32(x, i, s, &amax));                     \
+      _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, &amax, DTYPE, FORMAT));      \
     const uint32_t tail = tf_fp8_kernels_portable.quantize[DTYPE][FORMAT](x, i, end, scale, y); \
     const uint32_t head = hmax_u32(amax);                                                    \
     return head > tail ? head : tail;                                                        \
   }
 
-DEFINE_QUANTIZE(quantize_f32_e4m3, encode32_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
-DEFINE_QUANTIZE(quantize_f32_e5m2, encode32_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
-DEFINE_QUANTIZE(quantize_bf16_e4m3, encode32_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
-DEFINE_QUANTIZE(quantize_bf16_e5m2, encode32_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
-DEFINE_QUANTIZE(quantize_f16_e4m3, encode32_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
-DEFINE_QUANTIZE(quantize_f16_e5m2, encode32_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+DEFINE_QUANTIZE(quantize_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
+DEFINE_QUANTIZE(quantize_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
+DEFINE_QUANTIZE(quantize_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
 
-#define DEFINE_AMAX(NAME, LOAD, DTYPE)                                                          \
+#define DEFINE_AMAX(NAME, DTYPE)                                                                \
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end) {               \
     __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();                          \
     int64_t i = begin;                                                                          \
     for (; end - i >= 16; i += 16) {                                                            \
-      m0 = _mm256_max_epu32(m0, abs_bits8(LOAD(x, i)));                                         \
-      m1 = _mm256_max_epu32(m1, abs_bits8(LOAD(x, i + 8)));                                     \
+      m0 = _mm256_max_epu32(m0, abs_bits8(load8(x, i, DTYPE)));                                         \
+      m1 = _mm256_max_epu32(m1, abs_bits8(load8(x, i + 8, DTYPE)));                                     \
     }                                                                                           \
     const uint32_t tail = tf_fp8_kernels_portable.amax[DTYPE](x, i, end);                       \
     const uint32_t head = hmax_u32(_mm256_max_epu32(m0, m1));                                   \
     return head > tail ? head : tail;                                                           \
   }
 
-DEFINE_AMAX(amax_f32, load8_f32, TF_FLOAT32)
-DEFINE_AMAX(amax_bf16, load8_bf16, TF_BFLOAT16)
-DEFINE_AMAX(amax_f16, load8_f16, TF_FLOAT16)
+DEFINE_AMAX(amax_f32, TF_FLOAT32)
+DEFINE_AMAX(amax_bf16, TF_BFLOAT16)
+DEFINE_AMAX(amax_f16, TF_FLOAT16)
 
 /*
  * Transposes 16 rows of 32 bytes (row r in t[r]; bytes 0..15 and 16..31 are
@@ -188,8 +189,6 @@ TF_AVX2_INLINE void transpose_16x32(const __m256i t[16], __m256i out[16]) {
   }
 }
 
-typedef __m256i (*encode32_fn)(const void *, int64_t, __m256, __m256i *);
-
 enum { TILE_ROWS = TF_FP8_CT_TILE };
 
 /*
@@ -211,8 +210,8 @@ TF_AVX2_INLINE void store32(__m256i *p, __m256i v, int stream) {
 }
 
 TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_x, int64_t r0,
-                                        int64_t c0, int width, int stream, encode32_fn encode32,
-                                        __m256 s, __m256i *amax, uint8_t *y, int64_t ld_y,
+                                        int64_t c0, int width, int stream, tf_dtype d,
+                                        tf_fp8_format f, __m256 s, __m256i *amax, uint8_t *y, int64_t ld_y,
                                         uint8_t *y_t, int64_t ld_t) {
   __m256i tile[2][TILE_ROWS];        /* tile[k][r]: row r, columns 32k..32k+31 */
   __m256i tile_t[64][TILE_ROWS / 32]; /* tile_t[c]: column c, TILE_ROWS codes */
@@ -221,7 +220,7 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     const char *next = (const char *)x + ((r0 + r) * ld_x + c0 + 32 * width) * size;
     for (int64_t line = 0; line < 32 * width * size; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     for (int k = 0; k < width; ++k) {
-      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, amax);
+      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, amax, d, f);
       store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
     }
   }
@@ -244,7 +243,7 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
  * are left; the ragged right and bottom edges go to the portable kernel as
  * blocks of their own.
  */
-#define DEFINE_CAST_TRANSPOSE(NAME, ENCODE32, DTYPE, FORMAT)                                     \
+#define DEFINE_CAST_TRANSPOSE(NAME, DTYPE, FORMAT)                                               \
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols,   \
                                       float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,       \
                                       int64_t ld_t) {                                            \
@@ -258,12 +257,12 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     for (int64_t r0 = 0; r0 < full_rows; r0 += TILE_ROWS) {                                      \
       for (int64_t c0 = 0; c0 < wide_cols; c0 += 64) {                                           \
         if (stream)                                                                              \
-          cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, ENCODE32, s, &amax_v, y, ld_y, y_t, ld_t); \
+          cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, DTYPE, FORMAT, s, &amax_v, y, ld_y, y_t, ld_t); \
         else                                                                                     \
-          cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, ENCODE32, s, &amax_v, y, ld_y, y_t, ld_t); \
+          cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, DTYPE, FORMAT, s, &amax_v, y, ld_y, y_t, ld_t); \
       }                                                                                          \
       if (wide_cols < full_cols)                                                                 \
-        cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, ENCODE32, s, &amax_v, y, ld_y, \
+        cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, DTYPE, FORMAT, s, &amax_v, y, ld_y, \
                             y_t, ld_t);                                                          \
     }                                                                                            \
     if (stream) _mm_sfence(); /* the streamed stores are visible before the caller's next step */ \
@@ -282,12 +281,12 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     return amax;                                                                                 \
   }
 
-DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, encode32_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
-DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e5m2, encode32_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
-DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e4m3, encode32_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
-DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e5m2, encode32_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
-DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e4m3, encode32_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
-DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e5m2, encode32_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
+DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
 
 static const tf_fp8_kernel_set avx2_kernels = {
     .quantize = {{quantize_f32_e4m3, quantize_f32_e5m2},
