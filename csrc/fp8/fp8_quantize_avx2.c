@@ -51,8 +51,10 @@ TF_AVX2_INLINE __m256i magnitude8(__m256 v, uint32_t mbits, uint32_t bias, float
   const __m256i normal = _mm256_srai_epi32(t, (int)shift);
   /* Subnormal: the add rounds to the FP8 grid; the code is the sum's bits past C's. */
   const uint32_t magic_bits = (127u + 24u - bias - mbits) << 23;
-  const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(c), _mm256_castsi256_ps(_mm256_set1_epi32((int)magic_bits)));
-  const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32((int)(magic_bits + (1u << mbits))));
+  const __m256 magic = _mm256_castsi256_ps(_mm256_set1_epi32((int)magic_bits));
+  const __m256 sum = _mm256_add_ps(_mm256_castsi256_ps(c), magic);
+  const __m256i sub =
+      _mm256_sub_epi32(_mm256_castps_si256(sum), _mm256_set1_epi32((int)(magic_bits + (1u << mbits))));
   return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub),
                                               _mm256_castsi256_ps(t)));
 }
@@ -73,8 +75,10 @@ TF_AVX2_INLINE __m256i magnitude8_of(__m256 v, tf_fp8_format f) {
  */
 TF_AVX2_INLINE __m256i codes32(const __m256 v[4], tf_fp8_format f) {
   const __m256i offset = _mm256_set1_epi16((short)(1u << format_mbits(f)));
-  const __m256i lo = _mm256_add_epi16(_mm256_packs_epi32(magnitude8_of(v[0], f), magnitude8_of(v[1], f)), offset);
-  const __m256i hi = _mm256_add_epi16(_mm256_packs_epi32(magnitude8_of(v[2], f), magnitude8_of(v[3], f)), offset);
+  const __m256i lo =
+      _mm256_add_epi16(_mm256_packs_epi32(magnitude8_of(v[0], f), magnitude8_of(v[1], f)), offset);
+  const __m256i hi =
+      _mm256_add_epi16(_mm256_packs_epi32(magnitude8_of(v[2], f), magnitude8_of(v[3], f)), offset);
   const __m256i sign = _mm256_packs_epi16(
       _mm256_packs_epi32(_mm256_castps_si256(v[0]), _mm256_castps_si256(v[1])),
       _mm256_packs_epi32(_mm256_castps_si256(v[2]), _mm256_castps_si256(v[3])));
@@ -149,8 +153,8 @@ DEFINE_QUANTIZE(quantize_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
     __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();                          \
     int64_t i = begin;                                                                          \
     for (; end - i >= 16; i += 16) {                                                            \
-      m0 = _mm256_max_epu32(m0, abs_bits8(load8(x, i, DTYPE)));                                         \
-      m1 = _mm256_max_epu32(m1, abs_bits8(load8(x, i + 8, DTYPE)));                                     \
+      m0 = _mm256_max_epu32(m0, abs_bits8(load8(x, i, DTYPE)));                                 \
+      m1 = _mm256_max_epu32(m1, abs_bits8(load8(x, i + 8, DTYPE)));                             \
     }                                                                                           \
     const uint32_t tail = tf_fp8_kernels_portable.amax[DTYPE](x, i, end);                       \
     const uint32_t head = hmax_u32(_mm256_max_epu32(m0, m1));                                   \
