@@ -1,72 +1,131 @@
-"""Fused quantize+amax against the torch path a user would write, in one run.
+"""FP8 quantize+amax and cast-transpose against the memory ceiling (x.clone()) and the torch path, in one run.
 
-    python benchmarks/bench_quantize.py [--numel N] [--device cpu|cuda]
+    python benchmarks/bench_quantize.py [--numel N] [--device cpu|cuda] [--isa portable,avx2,...]
 
-The torch path is `amax = x.abs().amax()` then `(x * scale).clamp(-m, m).to(fp8)`.
-Bandwidth counts bytes read plus bytes written once (input + FP8 output);
-x.clone() bandwidth of the same input is printed as the memory ceiling, and on
-CUDA the fraction of a device-to-device copy of the same bytes.
+Bandwidth counts bytes read plus bytes written once: quantize reads x and writes one byte per
+element; cast-transpose reads x and writes two (the FP8 matrix and its transpose); x.clone()
+reads and writes x. "of clone" is te_fuser's bandwidth over x.clone()'s, measured in the same
+run. On the CPU every instruction-set path that this machine has is measured (te_fuser.kernels.cpu
+caps the tier; the FP8 quantizer has a portable and an AVX2 path).
+
+The torch path is `amax = x.abs().amax()` then `(x * scale).clamp(-m, m).to(fp8)`, and for
+cast-transpose also `.t().contiguous()` of the FP8 matrix. Times are medians over --repeats
+runs in which every variant takes its turn (alternating order), so that machine noise hits
+them alike. Cast-transpose views x as a square matrix (4096 x 4096 for 16 Mi elements).
 """
 
 import argparse
+import contextlib
+import math
 import statistics
 import time
 
 import torch
 
+from te_fuser.kernels import cpu
 from te_fuser.kernels import fp8 as k
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
-def timed(fn, device, repeats):
-    """Median seconds of fn() over `repeats` runs, after a warm-up."""
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
+
+def time_interleaved(steps, device, repeats):
+    """Median seconds per call of each step; the steps take turns, in alternating order."""
+    def sync():
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
+            torch.cuda.synchronize()
+
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    samples = {name: [] for name in steps}
+    order = list(steps.items())
+    for r in range(repeats):
+        for name, step in order if r % 2 == 0 else order[::-1]:
+            sync()
             t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+            step()
+            sync()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def torch_path(x, scale):
+def torch_quantize(x, scale):
     amax = x.abs().amax()
-    return (x * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), amax
+    return (x * scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), amax
+
+
+def torch_cast_transpose(x, scale):
+    data, amax = torch_quantize(x, scale)
+    return data, data.t().contiguous(), amax
+
+
+def check_same_answer(x, scale):
+    """te_fuser and the torch path agree bit for bit before anything is timed."""
+    amax = torch.zeros(1, device=x.device)
+    ours = k.quantize(x, scale, amax, FP8)
+    ref, ref_amax = torch_quantize(x, scale)
+    assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)) and amax.item() == ref_amax.item()
+    amax.zero_()
+    data, data_t = k.cast_transpose(x, scale, amax, FP8)
+    ref, ref_t, _ = torch_cast_transpose(x, scale)
+    assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
+    assert torch.equal(data_t.view(torch.uint8), ref_t.view(torch.uint8)) and amax.item() == ref_amax.item()
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=16 * 2**20)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--isa", default=None,
+                        help="comma-separated CPU tiers to measure (default: the quantizer's paths this CPU has)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    print(f"device={device} numel={args.numel} threads={torch.get_num_threads()}")
-    print(f"{'dtype':>9} {'te_fuser GB/s':>14} {'torch GB/s':>11} {'clone GB/s':>11} {'speedup':>8} {'of clone':>9}")
+    side = math.isqrt(args.numel)
+    if side * side != args.numel:
+        parser.error("--numel must be a perfect square (cast-transpose uses a square matrix)")
+    if device.type == "cpu":
+        paths = args.isa.split(",") if args.isa else [t for t in ("portable", "avx2") if t in cpu.available_isa()]
+    else:
+        paths = [None]
+    print(f"device={device} numel={args.numel} threads={torch.get_num_threads()} repeats={args.repeats}"
+          + (f" cpu_tier_detected={cpu.detected_isa()}" if device.type == "cpu" else ""))
+    print(f"{'op':>14} {'dtype':>9} {'path':>9} {'te_fuser GB/s':>14} {'clone GB/s':>11} {'of clone':>9} "
+          f"{'torch GB/s':>11} {'vs torch':>9}")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x = torch.randn(args.numel, device=device).to(dtype)
+        x = torch.randn(side, side, device=device).to(dtype)
         scale = torch.tensor([2.0], device=device)
         amax = torch.zeros(1, device=device)
-        # Same answer from both paths before timing anything.
-        ours = k.quantize(x, scale, amax, torch.float8_e4m3fn)
-        ref, ref_amax = torch_path(x, scale)
-        assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8)) and amax.item() == ref_amax.item()
-        t_ours = timed(lambda: k.quantize(x, scale, amax, torch.float8_e4m3fn), device, args.repeats)
-        t_torch = timed(lambda: torch_path(x, scale), device, args.repeats)
-        t_clone = timed(lambda: x.clone(), device, args.repeats)
-        moved = x.numel() * (x.element_size() + 1)
-        clone_moved = 2 * x.numel() * x.element_size()
-        gbs, clone_gbs = moved / t_ours / 1e9, clone_moved / t_clone / 1e9
-        print(f"{str(dtype).split('.')[-1]:>9} {gbs:14.1f} {moved / t_torch / 1e9:11.1f} {clone_gbs:11.1f} "
-              f"{t_torch / t_ours:7.2f}x {gbs / clone_gbs:8.0%}")
+        steps = {"clone": lambda: x.clone(),
+                 "torch quantize": lambda: torch_quantize(x, scale),
+                 "torch cast_transpose": lambda: torch_cast_transpose(x, scale)}
+        for path in paths:
+            with cpu.isa(path) if path else contextlib.nullcontext():
+                check_same_answer(x, scale)
+            steps[f"quantize {path}"] = _under(path, lambda: k.quantize(x, scale, amax, FP8))
+            steps[f"cast_transpose {path}"] = _under(path, lambda: k.cast_transpose(x, scale, amax, FP8))
+        t = time_interleaved(steps, device, args.repeats)
+        n, size = x.numel(), x.element_size()
+        clone_gbs = 2 * n * size / t["clone"] / 1e9
+        for op, written in (("quantize", 1), ("cast_transpose", 2)):
+            moved = n * (size + written)
+            torch_gbs = moved / t[f"torch {op}"] / 1e9
+            for path in paths:
+                gbs = moved / t[f"{op} {path}"] / 1e9
+                print(f"{op:>14} {str(dtype).split('.')[-1]:>9} {path or '-':>9} {gbs:14.2f} {clone_gbs:11.2f} "
+                      f"{gbs / clone_gbs:9.0%} {torch_gbs:11.2f} {gbs / torch_gbs:8.1f}x")
+
+
+def _under(path, fn):
+    """fn run with the CPU tier capped at `path` (None: as it is)."""
+    if path is None:
+        return fn
+
+    def step():
+        with cpu.isa(path):
+            fn()
+    return step
 
 
 if __name__ == "__main__":

@@ -1,13 +1,34 @@
-"""FP8 quantizer kernels against torch's own float8 casts and plain-Python formulas."""
+"""FP8 quantizer kernels against torch's own float8 casts and plain-Python formulas.
+
+Every test runs once per instruction-set path of the CPU kernels that this machine has
+(te_fuser.kernels.cpu caps the tier): the quantizer has a portable path and an AVX2 one,
+which the higher tiers also take.
+"""
 
 import pytest
 import torch
 
+from te_fuser.kernels import cpu
 from te_fuser.kernels import fp8 as k
 from fp8_reference import (
     FLOAT_DTYPES, FP8_DTYPES, all_16bit_patterns, edge_values, fp8_max, random_decades,
     reference_amax, reference_quantize,
 )
+
+
+ISA_PATHS = [tier for tier in ("portable", "avx2") if tier in cpu.available_isa()]
+CHUNK = 1 << 16  # elements per task of the CPU binding (kGrainElements)
+
+
+@pytest.fixture(autouse=True, params=ISA_PATHS)
+def isa_path(request):
+    """The CPU kernels' tier for the test; CUDA tests run once, under the highest one."""
+    if "device" in request.fixturenames and request.getfixturevalue("device").type != "cpu":
+        if request.param != ISA_PATHS[-1]:
+            pytest.skip("the tier applies to the CPU kernels only")
+    with cpu.isa(request.param):
+        assert cpu.current_isa() == request.param
+        yield request.param
 
 
 def as_bytes(t):
@@ -114,7 +135,7 @@ def test_dequantize_matches_reference(device, generator, dtype, fp8_dtype):
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1), (33, 65), (64, 512), (3, 70, 31), (2049, 7)])
+@pytest.mark.parametrize("shape", [(1, 1), (33, 65), (64, 512), (3, 70, 31), (2049, 7), (1000, 160), (517, 200)])
 def test_cast_transpose(device, generator, dtype, fp8_dtype, shape):
     x = (torch.randn(shape, generator=generator) * 50).to(dtype).to(device)
     x.view(-1)[0] = float("inf")
@@ -126,6 +147,54 @@ def test_cast_transpose(device, generator, dtype, fp8_dtype, shape):
     as_matrix = as_bytes(expected).reshape(-1, shape[-1])
     torch.testing.assert_close(as_bytes(data_t), as_matrix.t().contiguous(), rtol=0, atol=0)
     assert amax.item() == float("inf")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_amax_at_chunk_boundaries(device, generator, dtype):
+    """The maximum just before, on and after each boundary of the CPU's work split, and last.
+
+    quantize splits the elements into chunks of CHUNK; cast_transpose of this (2049, 96)
+    matrix splits its rows into bands of 704 (whole 64-row tiles of about CHUNK elements)."""
+    x = torch.randn(3 * CHUNK + 96, generator=generator).to(dtype).to(device)
+    band = 704 * 96
+    positions = [0, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK - 1, 3 * CHUNK,
+                 band - 1, band, 2 * band - 1, 2 * band, x.numel() - 1]
+    one = torch.ones(1, device=device)
+    for p in positions:
+        y = x.clone()
+        y[p] = -100.0
+        amax = torch.zeros(1, device=device)
+        k.quantize(y, one, amax, torch.float8_e4m3fn)
+        assert amax.item() == 100.0, f"quantize, position {p}"
+        assert k.compute_amax(y).item() == 100.0, f"compute_amax, position {p}"
+        amax.zero_()
+        k.cast_transpose(y.view(-1, 96), one, amax, torch.float8_e5m2)
+        assert amax.item() == 100.0, f"cast_transpose, position {p}"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_paths_agree_with_flushed_denormals(generator, isa_path, dtype):
+    """Under torch.set_flush_denormal(True) (FTZ and DAZ), a SIMD path gives the portable bytes."""
+    if isa_path == "portable":
+        pytest.skip("compares the other paths with the portable one")
+    if dtype == torch.float32:
+        bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=generator, dtype=torch.int64)
+        x = bits.to(torch.int32).view(torch.float32)
+    else:
+        x = all_16bit_patterns(dtype)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for s in (1.0, 2.0**-100, 3.0):
+            scale = torch.tensor([s])
+            for fp8_dtype in FP8_DTYPES:
+                data, amax = quantize(x, scale, fp8_dtype)
+                with cpu.isa("portable"):
+                    ref, ref_amax = quantize(x, scale, fp8_dtype)
+                torch.testing.assert_close(as_bytes(data), as_bytes(ref), rtol=0, atol=0)
+                assert amax.view(torch.int32).item() == ref_amax.view(torch.int32).item()
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def test_empty_tensors_work(device):

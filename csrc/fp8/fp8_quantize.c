@@ -1,6 +1,8 @@
 #include "fp8_quantize.h"
 
+#include "../common/cpu_features.h"
 #include "../common/tf_checks.h"
+#include "fp8_kernels.h"
 
 /* Element loads as float32, one per input dtype. */
 #define TF_LOAD_F32(p, i) (((const float *)(p))[i])
@@ -14,11 +16,7 @@
 
 #define TF_ABS_BITS(v) (tf_f32_bits(v) & 0x7FFFFFFFu)
 
-typedef uint32_t (*quantize_fn)(const void *, int64_t, int64_t, float, uint8_t *);
-typedef uint32_t (*amax_fn)(const void *, int64_t, int64_t);
 typedef void (*dequantize_fn)(const uint8_t *, int64_t, int64_t, float, void *);
-typedef uint32_t (*cast_transpose_fn)(const void *, int64_t, int64_t, int64_t, int64_t,
-                                      int64_t, float, uint8_t *, uint8_t *);
 
 #define DEFINE_QUANTIZE(NAME, LOAD, ENCODE)                                             \
   static uint32_t NAME(const void *restrict x, int64_t begin, int64_t end, float scale, \
@@ -54,31 +52,31 @@ typedef uint32_t (*cast_transpose_fn)(const void *, int64_t, int64_t, int64_t, i
  * into a small buffer from row-contiguous reads, written out row-major, then
  * written out transposed with contiguous stores into y_t's rows.
  */
-#define DEFINE_CAST_TRANSPOSE(NAME, LOAD, ENCODE)                                         \
-  static uint32_t NAME(const void *restrict x, int64_t rows, int64_t cols, int64_t ld,    \
-                       int64_t row_begin, int64_t row_end, float scale,                   \
-                       uint8_t *restrict y, uint8_t *restrict y_t) {                      \
-    uint32_t amax = 0;                                                                    \
-    uint8_t tile[TF_FP8_CT_TILE][TF_FP8_CT_TILE];                                         \
-    for (int64_t r0 = row_begin; r0 < row_end; r0 += TF_FP8_CT_TILE) {                    \
-      const int64_t nr = row_end - r0 < TF_FP8_CT_TILE ? row_end - r0 : TF_FP8_CT_TILE;   \
-      for (int64_t c0 = 0; c0 < cols; c0 += TF_FP8_CT_TILE) {                             \
-        const int64_t nc = cols - c0 < TF_FP8_CT_TILE ? cols - c0 : TF_FP8_CT_TILE;       \
-        for (int64_t r = 0; r < nr; ++r) {                                                \
-          const int64_t row = r0 + r;                                                     \
-          for (int64_t c = 0; c < nc; ++c) {                                              \
-            const float v = LOAD(x, row * ld + c0 + c);                                   \
-            const uint32_t a = TF_ABS_BITS(v);                                            \
-            amax = a > amax ? a : amax;                                                   \
-            tile[r][c] = ENCODE(v * scale);                                               \
-          }                                                                               \
-          for (int64_t c = 0; c < nc; ++c) y[row * cols + c0 + c] = tile[r][c];           \
-        }                                                                                 \
-        for (int64_t c = 0; c < nc; ++c)                                                  \
-          for (int64_t r = 0; r < nr; ++r) y_t[(c0 + c) * rows + r0 + r] = tile[r][c];    \
-      }                                                                                   \
-    }                                                                                     \
-    return amax;                                                                          \
+#define DEFINE_CAST_TRANSPOSE(NAME, LOAD, ENCODE)                                              \
+  static uint32_t NAME(const void *restrict x, int64_t ld_x, int64_t rows, int64_t cols,       \
+                       float scale, uint8_t *restrict y, int64_t ld_y, uint8_t *restrict y_t,  \
+                       int64_t ld_t) {                                                         \
+    uint32_t amax = 0;                                                                         \
+    uint8_t tile[TF_FP8_CT_TILE][TF_FP8_CT_TILE];                                              \
+    for (int64_t r0 = 0; r0 < rows; r0 += TF_FP8_CT_TILE) {                                    \
+      const int64_t nr = rows - r0 < TF_FP8_CT_TILE ? rows - r0 : TF_FP8_CT_TILE;              \
+      for (int64_t c0 = 0; c0 < cols; c0 += TF_FP8_CT_TILE) {                                  \
+        const int64_t nc = cols - c0 < TF_FP8_CT_TILE ? cols - c0 : TF_FP8_CT_TILE;            \
+        for (int64_t r = 0; r < nr; ++r) {                                                     \
+          const int64_t row = r0 + r;                                                          \
+          for (int64_t c = 0; c < nc; ++c) {                                                   \
+            const float v = LOAD(x, row * ld_x + c0 + c);                                      \
+            const uint32_t a = TF_ABS_BITS(v);                                                 \
+            amax = a > amax ? a : amax;                                                        \
+            tile[r][c] = ENCODE(v * scale);                                                    \
+          }                                                                                    \
+          for (int64_t c = 0; c < nc; ++c) y[row * ld_y + c0 + c] = tile[r][c];                \
+        }                                                                                      \
+        for (int64_t c = 0; c < nc; ++c)                                                       \
+          for (int64_t r = 0; r < nr; ++r) y_t[(c0 + c) * ld_t + r0 + r] = tile[r][c];         \
+      }                                                                                        \
+    }                                                                                          \
+    return amax;                                                                               \
   }
 
 DEFINE_QUANTIZE(quantize_f32_e4m3, TF_LOAD_F32, tf_fp8_e4m3_encode)
@@ -106,20 +104,25 @@ DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e5m2, TF_LOAD_BF16, tf_fp8_e5m2_encode
 DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e4m3, TF_LOAD_F16, tf_fp8_e4m3_encode)
 DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e5m2, TF_LOAD_F16, tf_fp8_e5m2_encode)
 
-/* Tables indexed [dtype][format]; dtype and format are checked before indexing. */
-static const quantize_fn quantize_table[3][2] = {
-    {quantize_f32_e4m3, quantize_f32_e5m2},
-    {quantize_bf16_e4m3, quantize_bf16_e5m2},
-    {quantize_f16_e4m3, quantize_f16_e5m2}};
-static const amax_fn amax_table[3] = {amax_f32, amax_bf16, amax_f16};
+const tf_fp8_kernel_set tf_fp8_kernels_portable = {
+    .quantize = {{quantize_f32_e4m3, quantize_f32_e5m2},
+                 {quantize_bf16_e4m3, quantize_bf16_e5m2},
+                 {quantize_f16_e4m3, quantize_f16_e5m2}},
+    .amax = {amax_f32, amax_bf16, amax_f16},
+    .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
+                       {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
+                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}}};
+
+/* Indexed [dtype][format]; dtype and format are checked before indexing. */
 static const dequantize_fn dequantize_table[3][2] = {
     {dequantize_e4m3_f32, dequantize_e5m2_f32},
     {dequantize_e4m3_bf16, dequantize_e5m2_bf16},
     {dequantize_e4m3_f16, dequantize_e5m2_f16}};
-static const cast_transpose_fn cast_transpose_table[3][2] = {
-    {cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
-    {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
-    {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}};
+
+const tf_fp8_kernel_set *tf_fp8_kernels_active(void) {
+  return tf_fp8_kernels_avx2 && tf_cpu_isa() >= TF_ISA_AVX2 ? tf_fp8_kernels_avx2
+                                                            : &tf_fp8_kernels_portable;
+}
 
 static int dtype_ok(tf_dtype dtype) {
   return dtype == TF_FLOAT32 || dtype == TF_BFLOAT16 || dtype == TF_FLOAT16;
@@ -135,7 +138,7 @@ tf_status tf_fp8_quantize(const void *x, tf_dtype dtype, int64_t begin, int64_t 
   if (!dtype_ok(dtype) || !format_ok(format)) return TF_ERR_BAD_DTYPE;
   if (begin < 0 || begin > end) return TF_ERR_BAD_SIZE;
   if (end > begin && (!x || !y)) return TF_ERR_NULL_POINTER;
-  *amax_bits = quantize_table[dtype][format](x, begin, end, scale, y);
+  *amax_bits = tf_fp8_kernels_active()->quantize[dtype][format](x, begin, end, scale, y);
   return TF_OK;
 }
 
@@ -145,7 +148,7 @@ tf_status tf_fp8_amax(const void *x, tf_dtype dtype, int64_t begin, int64_t end,
   if (!dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
   if (begin < 0 || begin > end) return TF_ERR_BAD_SIZE;
   if (end > begin && !x) return TF_ERR_NULL_POINTER;
-  *amax_bits = amax_table[dtype](x, begin, end);
+  *amax_bits = tf_fp8_kernels_active()->amax[dtype](x, begin, end);
   return TF_OK;
 }
 
@@ -168,8 +171,16 @@ tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int
   if (!tf_range_ok(row_begin, row_end, rows)) return TF_ERR_BAD_SIZE;
   /* The largest index read is (rows - 1) * x_row_stride + cols - 1; written, rows * cols - 1. */
   if (!tf_mul_fits(rows, x_row_stride) || !tf_mul_fits(rows, cols)) return TF_ERR_OVERFLOW;
+  if (!tf_mul_fits(rows * x_row_stride, tf_dtype_size(dtype))) return TF_ERR_OVERFLOW;
   if (row_end > row_begin && cols > 0 && (!x || !y || !y_t)) return TF_ERR_NULL_POINTER;
-  *amax_bits = cast_transpose_table[dtype][format](x, rows, cols, x_row_stride, row_begin,
-                                                   row_end, scale, y, y_t);
+  if (row_end == row_begin || cols == 0) {
+    *amax_bits = 0;
+    return TF_OK;
+  }
+  /* The band as a block of its own: its first row, its rows of y and its columns of y_t. */
+  const char *band = (const char *)x + row_begin * x_row_stride * tf_dtype_size(dtype);
+  *amax_bits = tf_fp8_kernels_active()->cast_transpose[dtype][format](
+      band, x_row_stride, row_end - row_begin, cols, scale, y + row_begin * cols, cols,
+      y_t + row_begin, rows);
   return TF_OK;
 }

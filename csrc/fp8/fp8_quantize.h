@@ -42,6 +42,6 @@ tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int
                                 uint32_t *amax_bits);
 
 /* Row band height that tf_fp8_cast_transpose works in; callers split rows at multiples of it. */
-#define TF_FP8_CT_TILE 32
+#define TF_FP8_CT_TILE 64
 
 #endif /* TF_FP8_QUANTIZE_H */

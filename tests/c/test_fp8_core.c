@@ -10,10 +10,12 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/cpu_features.h"
 #include "common/tf_checks.h"
 #include "common/tf_dtype.h"
 #include "common/tf_status.h"
 #include "fp8/fp8_format.h"
+#include "fp8/fp8_kernels.h"
 #include "fp8/fp8_quantize.h"
 #include "fp8/fp8_scaling.h"
 
@@ -300,7 +302,7 @@ static void test_amax_special_values(void) {
 }
 
 static void test_cast_transpose(void) {
-  enum { R = 37, C = 70, LD = 75 };
+  enum { R = TF_FP8_CT_TILE + 37, C = 70, LD = 75 };
   static float x[R * LD];
   static uint8_t y[R * C], y_t[C * R], q[R * LD];
   fill_f32(x, R * LD);
@@ -377,6 +379,229 @@ static void test_size_checks(void) {
   CHECK(tf_range_ok(0, 0, 0) && !tf_range_ok(-1, 0, 3) && !tf_range_ok(2, 1, 3) &&
             !tf_range_ok(0, 4, 3),
         "tf_range_ok");
+}
+
+/* ---- Every instruction-set path against the portable one (fp8_kernels.h). ---- */
+
+typedef struct isa_path {
+  const char *name;
+  const tf_fp8_kernel_set *set;
+} isa_path;
+
+/* The paths this CPU runs besides the portable one. */
+static int simd_paths(isa_path paths[1]) {
+  int n = 0;
+  if (tf_fp8_kernels_avx2 && tf_cpu_isa_detected() >= TF_ISA_AVX2)
+    paths[n++] = (isa_path){"avx2", tf_fp8_kernels_avx2};
+  return n;
+}
+
+static const char *const dtype_names[3] = {"f32", "bf16", "f16"};
+static const float path_scales[5] = {1.0f, 0.5f, 3.0f, 0x1p-7f, 0.37f};
+
+/* Canary bytes around every output: a kernel writing outside its range changes them. */
+#define PAD 64
+#define CANARY 0xA5u
+
+static int canaries_intact(const uint8_t *buf, int64_t lo, int64_t hi, int64_t size) {
+  for (int64_t i = 0; i < size; ++i)
+    if ((i < lo || i >= hi) && buf[i] != CANARY) return 0;
+  return 1;
+}
+
+/*
+ * quantize and amax of x[begin, end) on `path` and on the portable set: same
+ * bytes, same amax bits, nothing written outside [begin, end).
+ */
+static int same_quantize(const isa_path *path, const void *x, tf_dtype d, int64_t begin,
+                         int64_t end, float scale, tf_fp8_format f, uint8_t *y, uint8_t *y_ref) {
+  memset(y, CANARY, (size_t)end + PAD);
+  memset(y_ref, CANARY, (size_t)end + PAD);
+  const uint32_t a = path->set->quantize[d][f](x, begin, end, scale, y);
+  const uint32_t a_ref = tf_fp8_kernels_portable.quantize[d][f](x, begin, end, scale, y_ref);
+  const uint32_t m = path->set->amax[d](x, begin, end);
+  return a == a_ref && m == a_ref && memcmp(y + begin, y_ref + begin, (size_t)(end - begin)) == 0 &&
+         canaries_intact(y, begin, end, end + PAD);
+}
+
+static void test_paths_every_16bit_value(const isa_path *path) {
+  enum { LEN = 65536 };
+  static uint16_t x[LEN];
+  static uint8_t y[LEN + PAD], y_ref[LEN + PAD];
+  for (int i = 0; i < LEN; ++i) x[i] = (uint16_t)i;
+  for (int d = TF_BFLOAT16; d <= TF_FLOAT16; ++d)
+    for (int f = 0; f < 2; ++f)
+      for (int k = 0; k < 5; ++k) {
+        int ok = same_quantize(path, x, (tf_dtype)d, 0, LEN, path_scales[k], (tf_fp8_format)f, y, y_ref);
+        /* Odd sub-ranges start and end inside vectors. */
+        ok &= same_quantize(path, x, (tf_dtype)d, 3, LEN - 5, path_scales[k], (tf_fp8_format)f, y, y_ref);
+        CHECK(ok, "%s: every %s value, %s, scale %a", path->name, dtype_names[d], f ? "e5m2" : "e4m3",
+              (double)path_scales[k]);
+      }
+}
+
+static void test_paths_random_f32_bits(const isa_path *path) {
+  enum { LEN = 1 << 18 };
+  static uint32_t x[LEN];
+  static uint8_t y[LEN + PAD], y_ref[LEN + PAD];
+  for (int i = 0; i < LEN; ++i) {
+    uint32_t u = rand_u32();
+    /* Half of them near the FP8 ranges (float32 exponents 97..144), the rest anywhere. */
+    if (i % 2) u = (u & 0x807FFFFFu) | ((uint32_t)(97 + rand_u32() % 48) << 23);
+    x[i] = u;
+  }
+  for (int f = 0; f < 2; ++f)
+    for (int k = 0; k < 5; ++k)
+      CHECK(same_quantize(path, x, TF_FLOAT32, 1, LEN - 2, path_scales[k], (tf_fp8_format)f, y, y_ref),
+            "%s: random f32 bits, %s, scale %a", path->name, f ? "e5m2" : "e4m3",
+            (double)path_scales[k]);
+}
+
+/* Every short length at several offsets: the vector loops, their tails and empty ranges. */
+static void test_paths_lengths(const isa_path *path) {
+  enum { LEN = 200 };
+  static uint32_t x32[LEN];
+  static uint16_t x16[LEN];
+  static uint8_t y[LEN + PAD], y_ref[LEN + PAD];
+  for (int i = 0; i < LEN; ++i) {
+    x32[i] = rand_u32();
+    x16[i] = (uint16_t)rand_u32();
+  }
+  int bad = 0;
+  for (int d = 0; d < 3; ++d)
+    for (int f = 0; f < 2; ++f)
+      for (int64_t begin = 0; begin < 9; ++begin)
+        for (int64_t len = 0; begin + len <= LEN - 8; ++len)
+          bad += !same_quantize(path, d == TF_FLOAT32 ? (const void *)x32 : (const void *)x16,
+                                (tf_dtype)d, begin, begin + len, 0.75f, (tf_fp8_format)f, y, y_ref);
+  CHECK(bad == 0, "%s: %d (dtype, format, begin, length) cases differ from portable", path->name, bad);
+}
+
+/* The amax element (a large value, Inf or NaN) at every position, first and last included. */
+static void test_paths_amax_every_position(const isa_path *path) {
+  enum { LEN = 131 };
+  static float x32[LEN];
+  static uint16_t xb[LEN], xh[LEN];
+  static uint8_t y[LEN + PAD], y_ref[LEN + PAD];
+  const float specials[3] = {1000.0f, INFINITY, NAN};
+  int bad = 0;
+  for (int sp = 0; sp < 3; ++sp)
+    for (int p = 0; p < LEN; ++p) {
+      for (int i = 0; i < LEN; ++i) {
+        x32[i] = i == p ? -specials[sp] : (float)((int)(rand_u32() % 2000) - 1000) / 8.0f;
+        xb[i] = tf_f32_to_bf16(x32[i]);
+        xh[i] = tf_f32_to_f16(x32[i]);
+      }
+      const void *xs[3] = {x32, xb, xh};
+      for (int d = 0; d < 3; ++d) {
+        const uint32_t a_path = path->set->amax[d](xs[d], 0, LEN);
+        const uint32_t expect = d == TF_FLOAT32   ? f_bits(x32[p]) & 0x7FFFFFFFu
+                                : d == TF_BFLOAT16 ? f_bits(tf_bf16_to_f32(xb[p])) & 0x7FFFFFFFu
+                                                   : f_bits(tf_f16_to_f32(xh[p])) & 0x7FFFFFFFu;
+        bad += a_path != expect;
+        bad += !same_quantize(path, xs[d], (tf_dtype)d, 0, LEN, 1.0f, TF_FP8_E4M3, y, y_ref);
+        bad += path->set->quantize[d][TF_FP8_E5M2](xs[d], 0, LEN, 2.0f, y) != expect;
+        /* A range that ends right after the special element, and one that starts on it. */
+        bad += path->set->amax[d](xs[d], 0, p + 1) != expect;
+        bad += path->set->amax[d](xs[d], p, LEN) != expect;
+      }
+    }
+  CHECK(bad == 0, "%s: amax with the maximum at every position: %d wrong", path->name, bad);
+}
+
+/* Cast-transpose blocks of whole and ragged tiles, with a row stride, against the portable set. */
+static void test_paths_cast_transpose(const isa_path *path) {
+  static const int64_t shapes[][3] = {{64, 64, 64}, {96, 130, 135}, {37, 70, 75}, {33, 31, 31},
+                                       {1, 1, 1},    {128, 32, 40},  {32, 96, 97}, {65, 33, 33},
+                                       {192, 96, 100}, {130, 64, 64}};
+  enum { MAX_X = 192 * 135, MAX_Y = 192 * 135 };
+  static uint32_t x32[MAX_X];
+  static uint16_t x16[MAX_X];
+  /* 64-byte aligned: shapes whose rows and columns are multiples of 32 take the streaming stores. */
+  static _Alignas(64) uint8_t y[MAX_Y + PAD], y_ref[MAX_Y + PAD], t[MAX_Y + PAD], t_ref[MAX_Y + PAD];
+  for (int i = 0; i < MAX_X; ++i) {
+    x32[i] = rand_u32();
+    if (i % 3) x32[i] = (x32[i] & 0x807FFFFFu) | ((uint32_t)(100 + rand_u32() % 40) << 23);
+    x16[i] = (uint16_t)rand_u32();
+  }
+  int bad = 0;
+  for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; ++sh) {
+    const int64_t rows = shapes[sh][0], cols = shapes[sh][1], ld = shapes[sh][2];
+    for (int d = 0; d < 3; ++d)
+      for (int f = 0; f < 2; ++f) {
+        const void *x = d == TF_FLOAT32 ? (const void *)x32 : (const void *)x16;
+        memset(y, CANARY, sizeof y);
+        memset(y_ref, CANARY, sizeof y_ref);
+        memset(t, CANARY, sizeof t);
+        memset(t_ref, CANARY, sizeof t_ref);
+        const uint32_t a = path->set->cast_transpose[d][f](x, ld, rows, cols, 1.3f, y, cols, t, rows);
+        const uint32_t a_ref = tf_fp8_kernels_portable.cast_transpose[d][f](x, ld, rows, cols, 1.3f,
+                                                                          y_ref, cols, t_ref, rows);
+        uint32_t amax_ref = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint32_t m = tf_fp8_kernels_portable.amax[d](x, r * ld, r * ld + cols);
+          amax_ref = m > amax_ref ? m : amax_ref;
+        }
+        const size_t n = (size_t)(rows * cols);
+        bad += a != a_ref || a != amax_ref || memcmp(y, y_ref, n) != 0 || memcmp(t, t_ref, n) != 0 ||
+               !canaries_intact(y, 0, (int64_t)n, MAX_Y + PAD) ||
+               !canaries_intact(t, 0, (int64_t)n, MAX_Y + PAD);
+      }
+  }
+  CHECK(bad == 0, "%s: cast_transpose: %d (shape, dtype, format) cases differ", path->name, bad);
+}
+
+/*
+ * The public entry points under the ISA cap: the same bytes with and without
+ * it, over a tensor split into chunks the way the binding splits it, with the
+ * maximum just before, on and after each chunk boundary and at the last element.
+ */
+static void test_public_api_under_cap(void) {
+  enum { CHUNK = 1 << 16, LEN = 3 * CHUNK + 37 };
+  static float x[LEN];
+  static uint8_t y[2][LEN];
+  for (int i = 0; i < LEN; ++i) x[i] = (float)((int)(rand_u32() % 20000) - 10000) / 64.0f;
+  const int64_t positions[] = {0, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, 3 * CHUNK - 1, 3 * CHUNK, LEN - 1};
+  int bad = 0;
+  for (size_t pi = 0; pi < sizeof positions / sizeof positions[0]; ++pi) {
+    const int64_t p = positions[pi];
+    const float saved = x[p];
+    x[p] = -7777.0f;
+    for (int capped = 0; capped < 2; ++capped) {
+      CHECK(tf_set_cpu_isa_cap(capped ? TF_ISA_PORTABLE : -1) == TF_OK, "set cap");
+      CHECK(capped ? tf_fp8_kernels_active() == &tf_fp8_kernels_portable
+                   : tf_fp8_kernels_active() != NULL,
+            "active kernel set under the cap");
+      uint32_t amax = 0;
+      for (int64_t b = 0; b < LEN; b += CHUNK) {
+        uint32_t a = 0;
+        const int64_t e = LEN - b < CHUNK ? LEN : b + CHUNK;
+        bad += tf_fp8_quantize(x, TF_FLOAT32, b, e, 0.05f, TF_FP8_E4M3, y[capped], &a) != TF_OK;
+        amax = a > amax ? a : amax;
+      }
+      bad += amax != f_bits(7777.0f);
+      uint32_t m = 0;
+      bad += tf_fp8_amax(x, TF_FLOAT32, 0, LEN, &m) != TF_OK || m != f_bits(7777.0f);
+    }
+    bad += memcmp(y[0], y[1], LEN) != 0;
+    x[p] = saved;
+  }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK && tf_cpu_isa() == tf_cpu_isa_detected(), "cap removed");
+  CHECK(bad == 0, "public API with and without the portable cap: %d differences", bad);
+}
+
+static void test_isa_paths(void) {
+  isa_path paths[1];
+  const int n = simd_paths(paths);
+  printf("instruction-set paths compared with the portable one: %d (%s)\n", n, n ? paths[0].name : "-");
+  for (int i = 0; i < n; ++i) {
+    test_paths_every_16bit_value(&paths[i]);
+    test_paths_random_f32_bits(&paths[i]);
+    test_paths_lengths(&paths[i]);
+    test_paths_amax_every_position(&paths[i]);
+    test_paths_cast_transpose(&paths[i]);
+  }
+  test_public_api_under_cap();
 }
 
 /* ---- Scaling. ---- */
@@ -470,6 +695,7 @@ int main(void) {
   test_amax_special_values();
   test_cast_transpose();
   test_size_checks();
+  test_isa_paths();
   test_delayed_scaling();
   test_current_scaling();
   return check_report();

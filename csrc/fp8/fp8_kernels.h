@@ -1,0 +1,49 @@
+/*
+ * The kernel sets behind fp8_quantize.h, one per instruction-set path.
+ *
+ * fp8_quantize.c checks every argument, then calls the set of the path the
+ * CPU runs. Every set gives the same bytes and the same amax bits as the
+ * portable one for every input; tests/c/test_fp8_core.c compares them. The
+ * kernels take checked arguments only and do no checking of their own.
+ */
+#ifndef TF_FP8_KERNELS_H
+#define TF_FP8_KERNELS_H
+
+#include <stdint.h>
+
+#include "../common/tf_dtype.h"
+#include "fp8_format.h"
+
+/* y[i] = fp8(x[i] * scale) for i in [begin, end); returns the bits of max |x[i]|. */
+typedef uint32_t (*tf_fp8_quantize_fn)(const void *x, int64_t begin, int64_t end, float scale,
+                                       uint8_t *y);
+/* Returns the bits of max |x[i]| for i in [begin, end). */
+typedef uint32_t (*tf_fp8_amax_fn)(const void *x, int64_t begin, int64_t end);
+/*
+ * Cast-transpose of the rows x cols block at x (row stride ld_x elements):
+ * y[r * ld_y + c] = y_t[c * ld_t + r] = fp8(x[r * ld_x + c] * scale); returns amax bits.
+ */
+typedef uint32_t (*tf_fp8_cast_transpose_fn)(const void *x, int64_t ld_x, int64_t rows,
+                                             int64_t cols, float scale, uint8_t *y, int64_t ld_y,
+                                             uint8_t *y_t, int64_t ld_t);
+
+/* Tables indexed [tf_dtype][tf_fp8_format] (amax: [tf_dtype]). */
+typedef struct tf_fp8_kernel_set {
+  tf_fp8_quantize_fn quantize[3][2];
+  tf_fp8_amax_fn amax[3];
+  tf_fp8_cast_transpose_fn cast_transpose[3][2];
+} tf_fp8_kernel_set;
+
+/* Plain C, vectorized by the compiler for the baseline target: runs everywhere. */
+extern const tf_fp8_kernel_set tf_fp8_kernels_portable;
+
+/*
+ * AVX2 with F16C (x86-64-v3 and every AVX-512 CPU): NULL where the file is
+ * not built for x86-64. Only called when the CPU has both extensions.
+ */
+extern const tf_fp8_kernel_set *const tf_fp8_kernels_avx2;
+
+/* The set for the instruction-set path in force (see common/cpu_features.h). */
+const tf_fp8_kernel_set *tf_fp8_kernels_active(void);
+
+#endif /* TF_FP8_KERNELS_H */
