@@ -220,9 +220,10 @@ def test_seed_001_script_runs_on_te_fuser_and_holds_nothing(world):
         assert r["checkpointed"] == LAYERS and r["fp8_dpa_ran"], r
         assert r["held_after_script"] == 0, r
         assert r["growth_per_iteration"] == 0, r
-        # What a step leaves besides its output: FSDP's bf16 parameter copy and a few KiB of
-        # FSDP / FP8 bookkeeping, far below one layer's activations.
-        assert r["held"] == 0 and r["retained"] <= r["bf16_param_bytes"] + 8192, r
+        # What a step leaves besides its output: FSDP's bf16 parameter copy -- this rank's shard,
+        # or on 2 ranks at times the whole unsharded copy, depending on when FSDP reshards -- and a
+        # few KiB of FSDP / FP8 bookkeeping, far below one layer's activations.
+        assert r["held"] == 0 and r["retained"] <= world * r["bf16_param_bytes"] + 8192, r
         # The bug-on controls: the same measurements see each bug.
         assert r["held_leaky_attention"] > 0, r
         assert r["retained_leaky_attention"] >= r["retained"] + LAYERS * qkv_fp8_bytes, r
