@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "../common/tf_checks.h"
+#include "attention_amx.h"
 #include "attention_dropout.h"
 #include "attention_internal.h"
 #include "attention_tile.h"
@@ -355,6 +356,13 @@ tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const 
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_fwd_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !scratch)) return TF_ERR_NULL_POINTER;
   const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
+#if TF_ATTN_AMX_BUILT
+  if (tf_attn_amx_applies(p, q)) {
+    for (int64_t u = unit_begin; u < unit_end; ++u)
+      tf_attn_amx_fwd_unit(p, q, k, v, out, lse, u, tiles, scratch);
+    return TF_OK;
+  }
+#endif
   for (int64_t u = unit_begin; u < unit_end;) {
     const int64_t count = u + 1 < unit_end && (u + 1) % tiles != 0 ? 2 : 1;
     fwd_block(p, q, k, v, out, lse, u, count, tiles, scratch);

@@ -1,0 +1,66 @@
+/*
+ * Operand packing of the AMX attention kernels: rows of a bf16 or E4M3
+ * operand into the bf16 tiles of attention_amx.h. E4M3 values are exact in
+ * bf16, so they are decoded without their descale, which the kernels apply
+ * to the float32 results.
+ */
+#ifndef TF_ATTENTION_AMX_PACK_H
+#define TF_ATTENTION_AMX_PACK_H
+
+#include "attention_amx.h"
+#include "attention_internal.h"
+
+/* bf16 bits of element i of the row at offset of a BF16 or E4M3 operand (exact). */
+static inline uint16_t tf_amx_elem(const tf_attn_operand *op, int64_t offset, int64_t i) {
+  if (op->elem == TF_ATTN_BF16) return ((const uint16_t *)op->data)[offset + i];
+  return tf_f32_to_bf16(tf_fp8_e4m3_decode(((const uint8_t *)op->data)[offset + i]));
+}
+
+/* Row at offset (D elements) into dst[0, width), zero past D. */
+static inline void tf_amx_pack_row(const tf_attn_operand *op, int64_t offset, int64_t D,
+                                   int64_t width, uint16_t *restrict dst) {
+  if (op->elem == TF_ATTN_BF16) {
+    memcpy(dst, (const uint16_t *)op->data + offset, (size_t)D * sizeof(uint16_t));
+  } else {
+    for (int64_t i = 0; i < D; ++i) dst[i] = tf_amx_elem(op, offset, i);
+  }
+  for (int64_t i = D; i < width; ++i) dst[i] = 0;
+}
+
+/*
+ * Rows j in [0, n) (offsets first + j * stride) as the B operand of a product
+ * over the row's elements, x^T: pair row r, column j holds elements 2r and
+ * 2r + 1 of row j. dst is [width / 2][cols][2]; rows j in [n, cols) and
+ * elements past D are zero.
+ */
+static inline void tf_amx_pack_transposed(const tf_attn_operand *op, int64_t first, int64_t stride,
+                                          int64_t n, int64_t cols, int64_t D, int64_t width,
+                                          uint16_t *restrict dst) {
+  for (int64_t j = 0; j < cols; ++j) {
+    for (int64_t d = 0; d < width; ++d) {
+      const uint16_t x = j < n && d < D ? tf_amx_elem(op, first + j * stride, d) : 0;
+      dst[(d / 2) * cols * 2 + j * 2 + (d & 1)] = x;
+    }
+  }
+}
+
+/*
+ * Rows j in [0, n) as the B operand of a product over the rows: pair row r,
+ * column d holds element d of rows 2r and 2r + 1. dst is [rows / 2][width][2]
+ * (rows even); rows in [n, rows) and elements past D are zero.
+ */
+static inline void tf_amx_pack_pairs(const tf_attn_operand *op, int64_t first, int64_t stride,
+                                     int64_t n, int64_t rows, int64_t D, int64_t width,
+                                     uint16_t *restrict dst) {
+  for (int64_t j = 0; j < rows; ++j) {
+    uint16_t *out = dst + (j / 2) * width * 2 + (j & 1);
+    if (j < n) {
+      for (int64_t d = 0; d < D; ++d) out[2 * d] = tf_amx_elem(op, first + j * stride, d);
+    } else {
+      for (int64_t d = 0; d < D; ++d) out[2 * d] = 0;
+    }
+    for (int64_t d = D; d < width; ++d) out[2 * d] = 0;
+  }
+}
+
+#endif /* TF_ATTENTION_AMX_PACK_H */
