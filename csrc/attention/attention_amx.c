@@ -18,3 +18,8 @@ int tf_attn_amx_applies(const tf_attn_problem *p, const tf_attn_operand *q) {
   return 0;
 #endif
 }
+
+int tf_attn_amx_bwd_applies(const tf_attn_problem *p, const tf_attn_operand *q,
+                            const tf_attn_operand *dout) {
+  return dout->elem == TF_ATTN_BF16 && tf_attn_amx_applies(p, q);
+}

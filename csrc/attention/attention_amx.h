@@ -55,14 +55,38 @@ static inline int64_t tf_attn_amx_dim(int64_t head_dim) { return (head_dim + 31)
  */
 int tf_attn_amx_applies(const tf_attn_problem *p, const tf_attn_operand *q);
 
+/* The backward takes the AMX path when the forward does and dout is bf16. */
+int tf_attn_amx_bwd_applies(const tf_attn_problem *p, const tf_attn_operand *q,
+                            const tf_attn_operand *dout);
+
 /* Floats of scratch the AMX forward and backward need per unit. */
 int64_t tf_attn_amx_fwd_scratch_floats(const tf_attn_problem *p);
+int64_t tf_attn_amx_bwd_scratch_floats(const tf_attn_problem *p);
 
 /* The forward of one unit (sequence, query head, query tile): out rows and lse, as fwd_block. */
 void tf_attn_amx_fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q,
                           const tf_attn_operand *k, const tf_attn_operand *v,
                           const tf_attn_operand *out, float *lse, int64_t unit, int64_t tiles,
                           float *scratch);
+
+/*
+ * The backward's key_tile_grads (attention_bwd.c) for keys [k0, k0 + nk) of kv
+ * head hk: stores their dK and dV rows, and with acc adds dS k into acc's rows
+ * (dQ before softmax_scale).
+ */
+void tf_attn_amx_key_tile_grads(const tf_attn_problem *p, const tf_attn_operand *dout,
+                                const tf_attn_operand *q, const tf_attn_operand *k,
+                                const tf_attn_operand *v, const float *lse, const float *delta,
+                                const tf_attn_operand *acc, const tf_attn_operand *dk,
+                                const tf_attn_operand *dv, int64_t seg, int64_t hk, int64_t k0,
+                                int64_t nk, float *scratch);
+
+/* dQ rows [r0, r0 + rows) of query head h against keys [0, kv_end), stored (the split backward's second pass). */
+void tf_attn_amx_dq_rows(const tf_attn_problem *p, const tf_attn_operand *dout,
+                         const tf_attn_operand *q, const tf_attn_operand *k,
+                         const tf_attn_operand *v, const float *lse, const float *delta,
+                         const tf_attn_operand *dq, int64_t seg, int64_t h, int64_t r0,
+                         int64_t rows, int64_t kv_end, float *scratch);
 
 #if defined(TF_ATTN_AMX_EMULATE)
 /* Test switch of the emulated build: nonzero makes tf_attn_amx_applies answer as on an AMX CPU. */

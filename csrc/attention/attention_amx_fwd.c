@@ -23,8 +23,7 @@
 #if TF_ATTN_AMX_BUILT
 
 #include "attention_amx_pack.h"
-#include "attention_amx_tile.h"
-#include "attention_tile.h"
+#include "attention_amx_gemm.h"
 
 #define BQ TF_ATTN_BLOCK_Q
 #define BK TF_ATTN_BLOCK_K
@@ -60,74 +59,6 @@ static amx_fwd_scratch split_scratch(float *base, int64_t wq, int64_t wv) {
 int64_t tf_attn_amx_fwd_scratch_floats(const tf_attn_problem *p) {
   const int64_t wq = qk_width(p), wv = vo_width(p);
   return BQ * wv + 16 * BK + 2 * BQ + (BQ * wq + wq * BK + BK * wv + 16 * BK) / 2;
-}
-
-/* Scores of 16 query rows (q, wq bf16 apart) against key column blocks [0, blocks) into s (16 x BK floats). */
-TF_ATTN_INLINE void score_tile(const uint16_t *q, int64_t wq, const uint16_t *kt, int64_t blocks,
-                               float *s) {
-  AMX_ZERO(0);
-  if (blocks > 1) AMX_ZERO(1);
-  if (blocks > 2) AMX_ZERO(2);
-  if (blocks > 3) AMX_ZERO(3);
-  const int64_t kt_stride = BK * 2 * sizeof(uint16_t);
-  for (int64_t d = 0; d < wq; d += TF_ATTN_AMX_K) {
-    const uint16_t *b = kt + d / 2 * BK * 2;
-    AMX_LOAD(4, q + d, wq * (int64_t)sizeof(uint16_t));
-    AMX_LOAD(5, b, kt_stride);
-    AMX_DP(0, 4, 5);
-    if (blocks > 1) {
-      AMX_LOAD(6, b + 32, kt_stride);
-      AMX_DP(1, 4, 6);
-    }
-    if (blocks > 2) {
-      AMX_LOAD(5, b + 64, kt_stride);
-      AMX_DP(2, 4, 5);
-    }
-    if (blocks > 3) {
-      AMX_LOAD(6, b + 96, kt_stride);
-      AMX_DP(3, 4, 6);
-    }
-  }
-  const int64_t ld = BK * (int64_t)sizeof(float);
-  AMX_STORE(0, s, ld);
-  if (blocks > 1) AMX_STORE(1, s + 16, ld);
-  if (blocks > 2) AMX_STORE(2, s + 32, ld);
-  if (blocks > 3) AMX_STORE(3, s + 48, ld);
-}
-
-/* o (16 rows, wv floats apart) += p (16 x BK bf16, keys [0, 32 steps)) v, over column blocks of 64. */
-TF_ATTN_INLINE void pv_tile(float *o, int64_t wv, const uint16_t *pb, const uint16_t *v,
-                            int64_t steps) {
-  const int64_t ldo = wv * (int64_t)sizeof(float), ldv = wv * 2 * (int64_t)sizeof(uint16_t);
-  for (int64_t n0 = 0; n0 < wv; n0 += 64) {
-    const int64_t cols = min64(4, (wv - n0) / 16);
-    AMX_LOAD(0, o + n0, ldo);
-    if (cols > 1) AMX_LOAD(1, o + n0 + 16, ldo);
-    if (cols > 2) AMX_LOAD(2, o + n0 + 32, ldo);
-    if (cols > 3) AMX_LOAD(3, o + n0 + 48, ldo);
-    for (int64_t st = 0; st < steps; ++st) {
-      const uint16_t *b = v + st * 16 * wv * 2 + n0 * 2;
-      AMX_LOAD(4, pb + st * TF_ATTN_AMX_K, BK * (int64_t)sizeof(uint16_t));
-      AMX_LOAD(5, b, ldv);
-      AMX_DP(0, 4, 5);
-      if (cols > 1) {
-        AMX_LOAD(6, b + 32, ldv);
-        AMX_DP(1, 4, 6);
-      }
-      if (cols > 2) {
-        AMX_LOAD(5, b + 64, ldv);
-        AMX_DP(2, 4, 5);
-      }
-      if (cols > 3) {
-        AMX_LOAD(6, b + 96, ldv);
-        AMX_DP(3, 4, 6);
-      }
-    }
-    AMX_STORE(0, o + n0, ldo);
-    if (cols > 1) AMX_STORE(1, o + n0 + 16, ldo);
-    if (cols > 2) AMX_STORE(2, o + n0 + 32, ldo);
-    if (cols > 3) AMX_STORE(3, o + n0 + 48, ldo);
-  }
 }
 
 TF_ATTN_INLINE float hmax(tf_v16 x) {
@@ -222,14 +153,14 @@ void tf_attn_amx_fwd_unit(const tf_attn_problem *p, const tf_attn_operand *q,
       const int64_t seen = p->causal ? min64(nk, r0 + i0 + 16 - k0) : nk;
       if (seen <= 0) continue;
       const int64_t blocks = (seen + 15) / 16, steps = (blocks * 16 + TF_ATTN_AMX_K - 1) / TF_ATTN_AMX_K;
-      score_tile(t.q + i0 * wq, wq, t.kt, blocks, t.s);
+      tf_amx_times_transposed(t.s, BK, t.q + i0 * wq, wq, t.kt, BK, wq, blocks);
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t r = i0 + i;
         const int64_t limit = r >= rows ? 0 : p->causal ? min64(nk, r0 + r - k0 + 1) : nk;
         softmax_row(t.s + i * BK, limit, blocks, steps, scale, t.m + r, t.l + r, t.p + i * BK,
                     t.o + r * wv, wv);
       }
-      pv_tile(t.o + i0 * wv, wv, t.p, t.v, steps);
+      tf_amx_times_pairs(t.o + i0 * wv, wv, t.p, BK, t.v, wv, steps);
     }
   }
   AMX_RELEASE();

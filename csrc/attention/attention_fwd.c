@@ -239,8 +239,7 @@ TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, c
  * carried from its scores to its o update while it is in L1, and skipping the
  * keys a strip cannot see under causality.
  */
-TF_ATTN_MULTIVERSION
-static void fwd_block(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
+TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
                       const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
                       int64_t unit, int64_t count, int64_t tiles, float *scratch) {
   const int64_t H = p->heads_q, D = p->head_dim, dp = tf_attn_padded_dim(p);
@@ -342,6 +341,13 @@ static void fwd_block(const tf_attn_problem *p, const tf_attn_operand *q, const 
     lse[tf_attn_stat_index(p, qs.batch, h, row)] = (t.m[i] + log2f(t.l[i])) * LN2;
   }
 }
+
+TF_ATTN_VECTOR_CLONES(fwd_block,
+                      (const tf_attn_problem *p, const tf_attn_operand *q,
+                       const tf_attn_operand *k, const tf_attn_operand *v,
+                       const tf_attn_operand *out, float *lse, int64_t unit, int64_t count,
+                       int64_t tiles, float *scratch),
+                      (p, q, k, v, out, lse, unit, count, tiles, scratch))
 
 tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
                       const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
