@@ -148,13 +148,13 @@ TF_ATTN_INLINE void block_probs(const tf_attn_problem *p, const amx_bwd_scratch 
           pr = tf_v16_exp2(x - lse);
           g = pr * (tf_v16_load(t->dp + i * BK + 16 * c) * vscale - delta);
         }
+        const tf_v16h gh = tf_amx_to_bf16(g);
+        memcpy(ds + 16 * c, &gh, sizeof gh);
+        if (!with_kv) continue;
+        const tf_v16h ph = tf_amx_to_bf16(pr);
         for (int e = 0; e < 16; ++e) {
-          const int64_t j = 16 * c + e;
-          ds[j] = tf_f32_to_bf16(g[e]);
-          if (with_kv) {
-            t->pt[j * BQ + r] = tf_f32_to_bf16(pr[e]);
-            t->dst[j * BQ + r] = ds[j];
-          }
+          t->pt[(16 * c + e) * BQ + r] = ph[e];
+          t->dst[(16 * c + e) * BQ + r] = gh[e];
         }
       }
     }

@@ -97,7 +97,8 @@ TF_ATTN_INLINE void softmax_row(float *s, int64_t limit, int64_t blocks, int64_t
   for (int64_t c = 0; c < blocks; ++c) {
     const tf_v16 e = tf_v16_exp2(tf_v16_load(s + 16 * c) - m_use);
     sum += e;
-    for (int i = 0; i < 16; ++i) pb[16 * c + i] = tf_f32_to_bf16(e[i]);
+    const tf_v16h h = tf_amx_to_bf16(e);
+    memcpy(pb + 16 * c, &h, sizeof h);
   }
   for (int64_t j = 16 * blocks; j < steps * TF_ATTN_AMX_K; ++j) pb[j] = 0;
   const float alpha = tf_v16_exp2(tf_v16_splat(m_old - m_use))[0];

@@ -9,6 +9,19 @@
 
 #include "attention_amx.h"
 #include "attention_internal.h"
+#include "attention_tile.h"
+
+typedef uint16_t tf_v16h __attribute__((vector_size(32)));
+
+/* 16 floats rounded to bf16 bits as tf_f32_to_bf16 does (nearest even, NaN kept quiet), in vector lanes. */
+TF_ATTN_INLINE tf_v16h tf_amx_to_bf16(tf_v16 x) {
+  tf_v16u u;
+  memcpy(&u, &x, sizeof u);
+  const tf_v16u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const tf_v16u nan = (tf_v16u)((u & 0x7FFFFFFFu) > 0x7F800000u);
+  const tf_v16u bits = (((u >> 16) | 0x40u) & nan) | (rounded & ~nan);
+  return __builtin_convertvector(bits, tf_v16h);
+}
 
 /* bf16 bits of element i of the row at offset of a BF16 or E4M3 operand (exact). */
 static inline uint16_t tf_amx_elem(const tf_attn_operand *op, int64_t offset, int64_t i) {
