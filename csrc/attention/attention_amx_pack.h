@@ -49,10 +49,18 @@ static inline void tf_amx_pack_row(const tf_attn_operand *op, int64_t offset, in
 static inline void tf_amx_pack_transposed(const tf_attn_operand *op, int64_t first, int64_t stride,
                                           int64_t n, int64_t cols, int64_t D, int64_t width,
                                           uint16_t *restrict dst) {
+  /* Each pair is one 32-bit word: a transpose of words, column j from row j. */
   for (int64_t j = 0; j < cols; ++j) {
-    for (int64_t d = 0; d < width; ++d) {
-      const uint16_t x = j < n && d < D ? tf_amx_elem(op, first + j * stride, d) : 0;
-      dst[(d / 2) * cols * 2 + j * 2 + (d & 1)] = x;
+    uint16_t pair[2];
+    for (int64_t r = 0; r < width / 2; ++r) {
+      const int64_t d = 2 * r;
+      if (j < n && op->elem == TF_ATTN_BF16 && d + 1 < D) {
+        memcpy(pair, (const uint16_t *)op->data + first + j * stride + d, sizeof pair);
+      } else {
+        pair[0] = j < n && d < D ? tf_amx_elem(op, first + j * stride, d) : 0;
+        pair[1] = j < n && d + 1 < D ? tf_amx_elem(op, first + j * stride, d + 1) : 0;
+      }
+      memcpy(dst + (r * cols + j) * 2, pair, sizeof pair);
     }
   }
 }
@@ -65,14 +73,22 @@ static inline void tf_amx_pack_transposed(const tf_attn_operand *op, int64_t fir
 static inline void tf_amx_pack_pairs(const tf_attn_operand *op, int64_t first, int64_t stride,
                                      int64_t n, int64_t rows, int64_t D, int64_t width,
                                      uint16_t *restrict dst) {
-  for (int64_t j = 0; j < rows; ++j) {
-    uint16_t *out = dst + (j / 2) * width * 2 + (j & 1);
-    if (j < n) {
-      for (int64_t d = 0; d < D; ++d) out[2 * d] = tf_amx_elem(op, first + j * stride, d);
+  for (int64_t j = 0; j < rows; j += 2) {
+    /* Rows j and j + 1 interleaved: even and odd halfwords of pair row j / 2. */
+    uint16_t *restrict even = dst + (j / 2) * width * 2, *restrict odd = even + 1;
+    if (op->elem == TF_ATTN_BF16 && j + 1 < n) {
+      const uint16_t *a = (const uint16_t *)op->data + first + j * stride, *b = a + stride;
+      for (int64_t d = 0; d < D; ++d) {
+        even[2 * d] = a[d];
+        odd[2 * d] = b[d];
+      }
     } else {
-      for (int64_t d = 0; d < D; ++d) out[2 * d] = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        even[2 * d] = j < n ? tf_amx_elem(op, first + j * stride, d) : 0;
+        odd[2 * d] = j + 1 < n ? tf_amx_elem(op, first + (j + 1) * stride, d) : 0;
+      }
     }
-    for (int64_t d = D; d < width; ++d) out[2 * d] = 0;
+    for (int64_t d = D; d < width; ++d) even[2 * d] = odd[2 * d] = 0;
   }
 }
 
