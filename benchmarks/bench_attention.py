@@ -1,6 +1,12 @@
 """Fused attention against torch scaled_dot_product_attention, in one run.
 
     python benchmarks/bench_attention.py [--batch B --heads H --seq S --dim D --dtype float32 --no-causal]
+        [--fp8-dpa] [--isa portable|avx2|avx512|avx512_bf16|amx]
+
+--fp8-dpa runs te_fuser's DotProductAttention under an FP8 recipe with fp8_dpa
+(q/k/v quantized to E4M3, the kernels decode them; bf16 inputs by default)
+against SDPA in the input dtype. --isa caps te_fuser's CPU kernels at a tier
+(te_fuser.kernels.cpu.set_isa), to compare the paths on one machine.
 
 Times forward and forward+backward (median of interleaved runs, so both sides
 see the same machine load), TFLOP/s with forward = 4 b h s^2 d (halved when
@@ -17,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import te_fuser
 from te_fuser.attention.function import FusedAttentionFunction
 from te_fuser.memory import MemoryTracker
 
@@ -68,14 +75,19 @@ def main():
     parser.add_argument("--no-causal", dest="causal", action="store_false")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--fp8-dpa", dest="fp8_dpa", action="store_true")
+    parser.add_argument("--isa", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" or args.fp8_dpa else "float32")]
+    if args.isa is not None:
+        te_fuser.kernels.cpu.set_isa(args.isa)
     b, h, s, d = args.batch, args.heads, args.seq, args.dim
     scale = d ** -0.5
     fwd_flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
     print(f"device={device} threads={torch.get_num_threads()} b={b} h={h} s={s} d={d} dtype={dtype} "
-          f"causal={args.causal}")
+          f"causal={args.causal} fp8_dpa={args.fp8_dpa}"
+          + (f" cpu_isa={te_fuser.kernels.cpu.current_isa()}" if device.type == "cpu" else ""))
 
     # Each side in its preferred dense layout: te_fuser bshd, SDPA bhsd.
     ours_in = [torch.randn(b, s, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
@@ -91,6 +103,20 @@ def main():
         out = FusedAttentionFunction.apply(*ours_in, "bshd", None, None, None, None, scale, args.causal, 0.0, 0, 0, None)
         out.backward(dout)
 
+    if args.fp8_dpa:
+        module = te_fuser.DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal" if args.causal else "no_mask",
+                                              softmax_scale=scale)
+        recipe = te_fuser.recipe.Float8CurrentScaling(fp8_dpa=True)
+
+        def ours_fwd():
+            with torch.no_grad(), te_fuser.fp8_autocast(fp8_recipe=recipe):
+                return module(*ours_in).view(b, s, h, d)
+
+        def ours_fwd_bwd():
+            with te_fuser.fp8_autocast(fp8_recipe=recipe):
+                out = module(*ours_in)
+            out.backward(dout.view(b, s, h * d))
+
     def sdpa_fns(backend):
         def fwd():
             with torch.no_grad(), sdpa_backend(backend):
@@ -104,6 +130,8 @@ def main():
     # Same answer before timing anything.
     ref = sdpa_fns("sdpa")[0]().transpose(1, 2)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
+    if args.fp8_dpa:
+        tol = 1e-1  # E4M3 inputs: 3 mantissa bits
     torch.testing.assert_close(ours_fwd(), ref, atol=tol, rtol=tol)
 
     backends = ["sdpa"] + (["sdpa_flash", "sdpa_cudnn"] if device.type == "cuda" else [])

@@ -9,9 +9,21 @@ import torch
 import te_fuser
 from te_fuser.attention.function import from_kernel_layout, to_kernel_layout
 from te_fuser.kernels import attention as attn_kernels
+from te_fuser.kernels import cpu as cpu_kernels
 
 from attention_reference import attention as reference_attention
 from attention_reference import segments
+
+# The CPU paths the 16-bit and FP8 tests run on: the portable build and the best this CPU has (AMX tiles for
+# bf16/FP8 q/k/v where it has AMX, else its widest vectors), selected with the ISA cap.
+ISA_PATHS = sorted({"portable", cpu_kernels.detected_isa()}, key=cpu_kernels.TIERS.index)
+
+
+@pytest.fixture(params=ISA_PATHS)
+def cpu_isa(request):
+    with cpu_kernels.isa(request.param):
+        yield request.param
+
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and te_fuser._extension.has_cuda_kernels() else [])
 
@@ -118,7 +130,7 @@ def test_head_dims_and_lengths(dim, causal):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask_type", ["causal", "padding_causal"])
-def test_half_dtypes(dtype, mask_type):
+def test_half_dtypes(dtype, mask_type, cpu_isa):
     torch.manual_seed(4)
     q, k, v = make_inputs("sbhd", 2, 70, 70, 4, 4, 32, dtype)
     lens = torch.tensor([70, 33], dtype=torch.int32)
@@ -138,7 +150,7 @@ def test_half_dtypes(dtype, mask_type):
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_mqa_backward_both_thread_splits(threads):
+def test_mqa_backward_both_thread_splits(threads, cpu_isa):
     """One (sequence, kv head) unit: 1 thread runs the fused backward, 4 threads the two-pass split."""
     torch.manual_seed(13)
     previous = torch.get_num_threads()
@@ -162,7 +174,7 @@ def test_mqa_backward_both_thread_splits(threads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_forward_over_several_query_tiles(dtype, causal, threads):
+def test_forward_over_several_query_tiles(dtype, causal, threads, cpu_isa):
     """Sequences of several 128-row query tiles with padding and GQA, split over threads in different ways
     (the CPU forward computes two consecutive tiles of a head together when one call holds both)."""
     torch.manual_seed(17)
@@ -256,7 +268,7 @@ def quantize_e4m3(t):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_kernels_against_dequantized_reference(causal):
+def test_fp8_kernels_against_dequantized_reference(causal, cpu_isa):
     torch.manual_seed(8)
     q, k, v = make_inputs("bshd", 2, 75, 75, 4, 2, 32, torch.float32, requires_grad=False)
     (q8, qs), (k8, ks), (v8, vs) = (quantize_e4m3(t) for t in (q, k, v))
@@ -280,7 +292,7 @@ def test_cpu_decodes_fp8_inside_the_kernel():
     assert te_fuser.kernels.attention.fp8_tensor_cores("cpu") is False
 
 
-def test_fp8_dpa_module():
+def test_fp8_dpa_module(cpu_isa):
     """With fp8_dpa, the module's output and grads match float64 SDPA on the FP8-dequantized inputs."""
     torch.manual_seed(9)
     q, k, v = make_inputs("sbhd", 2, 40, 40, 2, 2, 16, torch.bfloat16)

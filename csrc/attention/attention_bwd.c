@@ -18,6 +18,7 @@
 #include <math.h>
 
 #include "../common/tf_checks.h"
+#include "attention_amx.h"
 #include "attention_dropout.h"
 #include "attention_internal.h"
 #include "attention_tile.h"
@@ -187,9 +188,49 @@ static void zero_key_rows(const tf_attn_operand *dk, const tf_attn_operand *dv, 
   }
 }
 
+/*
+ * The AMX path (attention_amx_bwd.c) for bf16 and E4M3 q/k/v with a bf16 dout
+ * on a CPU with AMX; these wrappers keep the unit functions free of #if.
+ */
+static int amx_backward(const tf_attn_problem *p, const tf_attn_operand *q,
+                        const tf_attn_operand *dout) {
+#if TF_ATTN_AMX_BUILT
+  return tf_attn_amx_bwd_applies(p, q, dout);
+#else
+  (void)p, (void)q, (void)dout;
+  return 0;
+#endif
+}
+
+static void amx_key_tile_grads(const tf_attn_problem *p, const tf_attn_operand *dout,
+                               const tf_attn_operand *q, const tf_attn_operand *k,
+                               const tf_attn_operand *v, const float *lse, const float *delta,
+                               const tf_attn_operand *acc, const tf_attn_operand *dk,
+                               const tf_attn_operand *dv, int64_t seg, int64_t hk, int64_t k0,
+                               int64_t nk, float *scratch) {
+#if TF_ATTN_AMX_BUILT
+  tf_attn_amx_key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, scratch);
+#else
+  (void)p, (void)dout, (void)q, (void)k, (void)v, (void)lse, (void)delta, (void)acc, (void)dk;
+  (void)dv, (void)seg, (void)hk, (void)k0, (void)nk, (void)scratch;
+#endif
+}
+
+static void amx_dq_rows(const tf_attn_problem *p, const tf_attn_operand *dout,
+                        const tf_attn_operand *q, const tf_attn_operand *k,
+                        const tf_attn_operand *v, const float *lse, const float *delta,
+                        const tf_attn_operand *dq, int64_t seg, int64_t h, int64_t r0,
+                        int64_t rows, int64_t kv_end, float *scratch) {
+#if TF_ATTN_AMX_BUILT
+  tf_attn_amx_dq_rows(p, dout, q, k, v, lse, delta, dq, seg, h, r0, rows, kv_end, scratch);
+#else
+  (void)p, (void)dout, (void)q, (void)k, (void)v, (void)lse, (void)delta, (void)dq, (void)seg;
+  (void)h, (void)r0, (void)rows, (void)kv_end, (void)scratch;
+#endif
+}
+
 /* Fused backward of one (sequence, kv head): dK, dV, and dQ of the query heads sharing it. */
-TF_ATTN_MULTIVERSION
-static void bwd_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
+TF_ATTN_INLINE void bwd_unit_body(const tf_attn_problem *p, const tf_attn_operand *dout,
                      const tf_attn_operand *q, const tf_attn_operand *k,
                      const tf_attn_operand *v, const float *lse, const float *delta,
                      const tf_attn_operand *acc, const tf_attn_operand *dq,
@@ -207,9 +248,14 @@ static void bwd_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
              (size_t)D * sizeof(float));
   zero_key_rows(dk, dv, ks, hk, ks.valid, ks.span, D);
   clear_padding(&t, dp);
-  for (int64_t k0 = 0; k0 < ks.valid; k0 += BK)
-    key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0,
-                   min64(BK, ks.valid - k0), &t);
+  const int amx = amx_backward(p, q, dout);
+  for (int64_t k0 = 0; k0 < ks.valid; k0 += BK) {
+    const int64_t nk = min64(BK, ks.valid - k0);
+    if (amx)
+      amx_key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, scratch);
+    else
+      key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, &t);
+  }
 
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
     for (int64_t i = 0; i < qs.span; ++i) {
@@ -223,9 +269,17 @@ static void bwd_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
     }
 }
 
+TF_ATTN_VECTOR_CLONES(bwd_unit,
+                      (const tf_attn_problem *p, const tf_attn_operand *dout,
+                       const tf_attn_operand *q, const tf_attn_operand *k,
+                       const tf_attn_operand *v, const float *lse, const float *delta,
+                       const tf_attn_operand *acc, const tf_attn_operand *dq,
+                       const tf_attn_operand *dk, const tf_attn_operand *dv, int64_t unit,
+                       float *scratch),
+                      (p, dout, q, k, v, lse, delta, acc, dq, dk, dv, unit, scratch))
+
 /* Split backward, first pass: dK and dV of one (sequence, kv head, key tile). */
-TF_ATTN_MULTIVERSION
-static void dkdv_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
+TF_ATTN_INLINE void dkdv_unit_body(const tf_attn_problem *p, const tf_attn_operand *dout,
                       const tf_attn_operand *q, const tf_attn_operand *k,
                       const tf_attn_operand *v, const float *lse, const float *delta,
                       const tf_attn_operand *dk, const tf_attn_operand *dv, int64_t unit,
@@ -238,14 +292,25 @@ static void dkdv_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
   const int64_t end = min64(k0 + BK, ks.span), nk = min64(end, ks.valid) - k0;
   zero_key_rows(dk, dv, ks, hk, nk > 0 ? k0 + nk : k0, end, D);
   if (nk <= 0) return;
+  if (amx_backward(p, q, dout)) {
+    amx_key_tile_grads(p, dout, q, k, v, lse, delta, NULL, dk, dv, seg, hk, k0, nk, scratch);
+    return;
+  }
   const bwd_scratch t = split_scratch(scratch, dp);
   clear_padding(&t, dp);
   key_tile_grads(p, dout, q, k, v, lse, delta, NULL, dk, dv, seg, hk, k0, nk, &t);
 }
 
+TF_ATTN_VECTOR_CLONES(dkdv_unit,
+                      (const tf_attn_problem *p, const tf_attn_operand *dout,
+                       const tf_attn_operand *q, const tf_attn_operand *k,
+                       const tf_attn_operand *v, const float *lse, const float *delta,
+                       const tf_attn_operand *dk, const tf_attn_operand *dv, int64_t unit,
+                       int64_t tiles, float *scratch),
+                      (p, dout, q, k, v, lse, delta, dk, dv, unit, tiles, scratch))
+
 /* Split backward, second pass: dQ of one (sequence, query head, query tile), summed over its key tiles. */
-TF_ATTN_MULTIVERSION
-static void dq_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
+TF_ATTN_INLINE void dq_unit_body(const tf_attn_problem *p, const tf_attn_operand *dout,
                     const tf_attn_operand *q, const tf_attn_operand *k, const tf_attn_operand *v,
                     const float *lse, const float *delta, const tf_attn_operand *dq,
                     int64_t unit, int64_t tiles, float *scratch) {
@@ -260,6 +325,10 @@ static void dq_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
   for (int64_t i = rows; i < nr; ++i)
     tf_attn_zero_row(dq, tf_attn_row_offset(dq, qs.batch, qs.start + r0 + i, h), D);
   if (rows == 0) return;
+  if (amx_backward(p, q, dout)) {
+    amx_dq_rows(p, dout, q, k, v, lse, delta, dq, seg, h, r0, rows, kv_end, scratch);
+    return;
+  }
   const bwd_scratch t = split_scratch(scratch, dp);
   const int64_t mp = (rows + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
   const int64_t hk = h / (H / p->heads_kv);
@@ -276,6 +345,13 @@ static void dq_unit(const tf_attn_problem *p, const tf_attn_operand *dout,
     tf_attn_store_row(dq, tf_attn_row_offset(dq, qs.batch, qs.start + r0 + i, h), D,
                       p->softmax_scale, t.dq + i * dp);
 }
+
+TF_ATTN_VECTOR_CLONES(dq_unit,
+                      (const tf_attn_problem *p, const tf_attn_operand *dout,
+                       const tf_attn_operand *q, const tf_attn_operand *k,
+                       const tf_attn_operand *v, const float *lse, const float *delta,
+                       const tf_attn_operand *dq, int64_t unit, int64_t tiles, float *scratch),
+                      (p, dout, q, k, v, lse, delta, dq, unit, tiles, scratch))
 
 /* The operand checks every backward entry point shares. */
 static tf_status check_bwd_inputs(const tf_attn_problem *p, const tf_attn_operand *dout,

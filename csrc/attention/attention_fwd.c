@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "../common/tf_checks.h"
+#include "attention_amx.h"
 #include "attention_dropout.h"
 #include "attention_internal.h"
 #include "attention_tile.h"
@@ -238,8 +239,7 @@ TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, c
  * carried from its scores to its o update while it is in L1, and skipping the
  * keys a strip cannot see under causality.
  */
-TF_ATTN_MULTIVERSION
-static void fwd_block(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
+TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
                       const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
                       int64_t unit, int64_t count, int64_t tiles, float *scratch) {
   const int64_t H = p->heads_q, D = p->head_dim, dp = tf_attn_padded_dim(p);
@@ -342,6 +342,13 @@ static void fwd_block(const tf_attn_problem *p, const tf_attn_operand *q, const 
   }
 }
 
+TF_ATTN_VECTOR_CLONES(fwd_block,
+                      (const tf_attn_problem *p, const tf_attn_operand *q,
+                       const tf_attn_operand *k, const tf_attn_operand *v,
+                       const tf_attn_operand *out, float *lse, int64_t unit, int64_t count,
+                       int64_t tiles, float *scratch),
+                      (p, q, k, v, out, lse, unit, count, tiles, scratch))
+
 tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
                       const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
                       int64_t unit_begin, int64_t unit_end, float *scratch) {
@@ -355,6 +362,13 @@ tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const 
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_fwd_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !scratch)) return TF_ERR_NULL_POINTER;
   const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
+#if TF_ATTN_AMX_BUILT
+  if (tf_attn_amx_applies(p, q)) {
+    for (int64_t u = unit_begin; u < unit_end; ++u)
+      tf_attn_amx_fwd_unit(p, q, k, v, out, lse, u, tiles, scratch);
+    return TF_OK;
+  }
+#endif
   for (int64_t u = unit_begin; u < unit_end;) {
     const int64_t count = u + 1 < unit_end && (u + 1) % tiles != 0 ? 2 : 1;
     fwd_block(p, q, k, v, out, lse, u, count, tiles, scratch);

@@ -2,10 +2,10 @@
  * Register-blocked tile kernels of the CPU attention: a small GEMM and the
  * row operations of the softmax, on 16-float vectors (GCC vector extensions,
  * which the compiler maps to whatever vector ISA the calling function is
- * built for -- see TF_ATTN_MULTIVERSION).
+ * built for -- see TF_ATTN_VECTOR_CLONES).
  *
- * Everything is always_inline so it is compiled inside the multiversioned
- * unit functions with their ISA.
+ * Everything is always_inline so it is compiled inside the unit functions
+ * built per ISA (TF_ATTN_VECTOR_CLONES).
  */
 #ifndef TF_ATTENTION_TILE_H
 #define TF_ATTENTION_TILE_H
@@ -13,14 +13,39 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../common/cpu_features.h"
+
 #define TF_ATTN_INLINE static inline __attribute__((always_inline))
 
-/* One clone per x86-64 level, picked at load time; plain builds elsewhere. */
+/*
+ * One build of a unit function per x86-64 level, chosen at each call by the
+ * CPU's tier capped by the user's override (cpu_features.h: tf_cpu_isa), so
+ * te_fuser.kernels.cpu.set_isa selects the vector path too. NAME##_body is
+ * the always_inline body; TF_ATTN_VECTOR_CLONES(NAME, (params), (args))
+ * defines NAME, which calls the x86-64-v4 build for the AVX512 tiers and
+ * above, the x86-64-v3 build for AVX2, and the baseline one otherwise.
+ */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TF_ATTN_MULTIVERSION \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define TF_ATTN_VECTOR_CLONES(NAME, PARAMS, ARGS)                              \
+  __attribute__((target("arch=x86-64-v4"))) static void NAME##_v4 PARAMS {     \
+    NAME##_body ARGS;                                                          \
+  }                                                                            \
+  __attribute__((target("arch=x86-64-v3"))) static void NAME##_v3 PARAMS {     \
+    NAME##_body ARGS;                                                          \
+  }                                                                            \
+  static void NAME##_base PARAMS { NAME##_body ARGS; }                         \
+  static void NAME PARAMS {                                                    \
+    const tf_isa isa_ = tf_cpu_isa();                                          \
+    if (isa_ >= TF_ISA_AVX512)                                                 \
+      NAME##_v4 ARGS;                                                          \
+    else if (isa_ >= TF_ISA_AVX2)                                              \
+      NAME##_v3 ARGS;                                                          \
+    else                                                                       \
+      NAME##_base ARGS;                                                        \
+  }
 #else
-#define TF_ATTN_MULTIVERSION
+#define TF_ATTN_VECTOR_CLONES(NAME, PARAMS, ARGS) \
+  static void NAME PARAMS { NAME##_body ARGS; }
 #endif
 
 /*

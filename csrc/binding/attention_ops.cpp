@@ -288,7 +288,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
   return std::make_tuple(dq, dk, dv);
 }
 
-// The CPU kernels decode FP8 tiles to float32 inside the kernel.
+// The CPU kernels decode FP8 tiles inside the kernel (to bf16 for AMX tiles, else float32).
 bool attention_fp8_tensor_cores_cpu(Tensor) { return false; }
 
 }  // namespace

@@ -133,8 +133,8 @@ def fp8_tensor_cores(device) -> bool:
 
     True on GPUs that run the sm_90a kernels (Hopper: wgmma with e4m3
     operands, P quantized to e4m3 for the P V product). Elsewhere FP8 tiles
-    are decoded inside the kernels and multiplied in 16 bits (CUDA) or
-    float32 (CPU).
+    are decoded inside the kernels and multiplied in 16 bits (CUDA, and CPUs
+    with AMX: bf16 tiles, float32 accumulation) or float32 (other CPUs).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:

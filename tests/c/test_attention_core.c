@@ -285,6 +285,143 @@ static void test_fp8_and_bf16(void) {
   free(scratch);
 }
 
+#if defined(TF_ATTN_AMX_EMULATE)
+#include "attention/attention_amx.h"
+
+/* x rounded in place to `elem` (bf16, or E4M3 of x / descale times descale); its encoding in a new array. */
+static void *encode_as(buffer *x, int64_t n, tf_attn_elem elem, float descale) {
+  if (elem == TF_ATTN_BF16) {
+    uint16_t *bits = malloc((size_t)n * sizeof(uint16_t));
+    for (int64_t i = 0; i < n; ++i) x->data[i] = tf_bf16_to_f32(bits[i] = tf_f32_to_bf16(x->data[i]));
+    return bits;
+  }
+  uint8_t *bytes = malloc((size_t)n);
+  for (int64_t i = 0; i < n; ++i) x->data[i] = tf_fp8_e4m3_decode(bytes[i] = tf_fp8_e4m3_encode(x->data[i] / descale)) * descale;
+  return bytes;
+}
+
+/*
+ * The AMX path (on the tile model of the emulated build) with bf16 or E4M3
+ * q/k/v against the double reference of the same values and against the
+ * vector path: P is rounded to bf16 for P.V, so out may differ by about
+ * 2^-9 of |v|; lse comes from float32 sums of exact products.
+ */
+static void check_amx_path(const char *name, tf_attn_problem p, tf_attn_elem elem) {
+  const int64_t B = p.batch, Sq = p.seq_q, Skv = p.seq_kv, H = p.heads_q, Hk = p.heads_kv, D = p.head_dim;
+  const int64_t nq = B * Sq * H * D, nkv = B * Skv * Hk * D, stats = B * H * Sq;
+  const float descale[3] = {elem == TF_ATTN_E4M3 ? 0.01f : 1.0f, elem == TF_ATTN_E4M3 ? 0.02f : 1.0f,
+                            elem == TF_ATTN_E4M3 ? 0.005f : 1.0f};
+  buffer q = make_buffer(B, Sq, H, D, 1.5), k = make_buffer(B, Skv, Hk, D, 1.5), v = make_buffer(B, Skv, Hk, D, 1.0);
+  buffer dout = make_buffer(B, Sq, H, D, 1.0);
+  tf_attn_operand enc[3] = {q.op, k.op, v.op};
+  buffer *src[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    enc[i].data = encode_as(src[i], i == 0 ? nq : nkv, elem, descale[i]);
+    enc[i].elem = elem;
+    enc[i].descale = descale[i];
+  }
+  buffer out = make_buffer(B, Sq, H, D, 0.0), out_vec = make_buffer(B, Sq, H, D, 0.0);
+  for (int64_t i = 0; i < nq; ++i) out.data[i] = out_vec.data[i] = NAN;
+  float *lse = malloc((size_t)stats * sizeof(float)), *lse_vec = malloc((size_t)stats * sizeof(float));
+  float *scratch = scratch_for(tf_attn_fwd_scratch_floats(&p));
+  const int64_t units = tf_attn_fwd_units(&p);
+  tf_attn_amx_emulated = 1;
+  CHECK(tf_attn_amx_applies(&p, &enc[0]), "%s takes the AMX path", name);
+  CHECK(tf_attn_fwd(&p, &enc[0], &enc[1], &enc[2], &out.op, lse, 0, units / 2, scratch) == TF_OK &&
+            tf_attn_fwd(&p, &enc[0], &enc[1], &enc[2], &out.op, lse, units / 2, units, scratch) == TF_OK,
+        "%s amx fwd", name);
+  tf_attn_amx_emulated = 0;
+  CHECK(tf_attn_fwd(&p, &enc[0], &enc[1], &enc[2], &out_vec.op, lse_vec, 0, units, scratch) == TF_OK,
+        "%s vector fwd", name);
+  double *r_out = malloc((size_t)nq * sizeof(double)), *r_lse = malloc((size_t)stats * sizeof(double));
+  double *r_dq = malloc((size_t)nq * sizeof(double));
+  double *r_dk = malloc((size_t)nkv * sizeof(double)), *r_dv = malloc((size_t)nkv * sizeof(double));
+  reference(&p, &q, &k, &v, &dout, r_out, r_lse, r_dq, r_dk, r_dv);
+  double lse_err = 0.0, vec_out = 0.0, vec_lse = 0.0;
+  for (int64_t i = 0; i < stats; ++i) {
+    const double e = isinf(r_lse[i]) ? (lse[i] == r_lse[i] ? 0.0 : INFINITY) : fabs(lse[i] - r_lse[i]);
+    lse_err = e > lse_err || isnan(e) ? e : lse_err;
+    const double ev = isinf(lse_vec[i]) ? (lse[i] == lse_vec[i] ? 0.0 : INFINITY) : fabs(lse[i] - lse_vec[i]);
+    vec_lse = ev > vec_lse || isnan(ev) ? ev : vec_lse;
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    const double e = fabs((double)out.data[i] - out_vec.data[i]);
+    vec_out = e > vec_out || isnan(e) ? e : vec_out;
+  }
+  /* |v| <= 1, so 4e-3 is twice the bound of P's bf16 rounding. */
+  CHECK(max_error(&out, r_out, B, Sq, H, D) < 4e-3, "%s amx out error %g", name, max_error(&out, r_out, B, Sq, H, D));
+  CHECK(lse_err < 1e-4, "%s amx lse error %g", name, lse_err);
+  CHECK(vec_out < 4e-3 && vec_lse < 1e-4, "%s amx vs vector path: out %g, lse %g", name, vec_out, vec_lse);
+
+  /*
+   * Backward with a bf16 dout, fused and split, on the AMX path: P and dS are
+   * rounded to bf16 for the tile products, so the gradients may differ by
+   * about 2^-8 of their largest magnitude.
+   */
+  tf_attn_operand dout_bf = dout.op;
+  dout_bf.data = encode_as(&dout, nq, TF_ATTN_BF16, 1.0f);
+  dout_bf.elem = TF_ATTN_BF16;
+  reference(&p, &q, &k, &v, &dout, r_out, r_lse, r_dq, r_dk, r_dv);
+  float *delta = malloc((size_t)stats * sizeof(float));
+  float *bscratch = scratch_for(tf_attn_bwd_scratch_floats(&p));
+  buffer g[6];
+  for (int i = 0; i < 6; ++i) {
+    const int kv = i % 3 != 0;
+    g[i] = make_buffer(B, kv ? Skv : Sq, kv ? Hk : H, D, 0.0);
+    for (int64_t e = 0; e < (kv ? nkv : nq); ++e) g[i].data[e] = NAN;
+  }
+  const int64_t bunits = tf_attn_bwd_units(&p), kunits = tf_attn_bwd_dkdv_units(&p);
+  tf_attn_amx_emulated = 1;
+  CHECK(tf_attn_amx_bwd_applies(&p, &enc[0], &dout_bf), "%s backward takes the AMX path", name);
+  CHECK(tf_attn_bwd_rowdot(&p, &dout_bf, &out.op, delta, 0, units) == TF_OK, "%s rowdot", name);
+  CHECK(tf_attn_bwd(&p, &dout_bf, &enc[0], &enc[1], &enc[2], lse, delta, &g[0].op, &g[0].op, &g[1].op, &g[2].op, 0,
+                    bunits, bscratch) == TF_OK, "%s amx bwd", name);
+  CHECK(tf_attn_bwd_dkdv(&p, &dout_bf, &enc[0], &enc[1], &enc[2], lse, delta, &g[4].op, &g[5].op, 0, kunits,
+                         bscratch) == TF_OK &&
+            tf_attn_bwd_dq(&p, &dout_bf, &enc[0], &enc[1], &enc[2], lse, delta, &g[3].op, 0, units, bscratch) == TF_OK,
+        "%s amx split bwd", name);
+  tf_attn_amx_emulated = 0;
+  const double *refs[3] = {r_dq, r_dk, r_dv};
+  const char *names[3] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 6; ++i) {
+    const int kv = i % 3 != 0;
+    const double *r = refs[i % 3];
+    double big = 0.0;
+    for (int64_t e = 0; e < (kv ? nkv : nq); ++e) big = fabs(r[e]) > big ? fabs(r[e]) : big;
+    const double err = max_error(&g[i], r, B, kv ? Skv : Sq, kv ? Hk : H, D);
+    CHECK(err <= 8e-3 * (big > 1.0 ? big : 1.0), "%s amx %s%s error %g (largest %g)", name, i < 3 ? "" : "split ",
+          names[i % 3], err, big);
+  }
+  for (int i = 0; i < 6; ++i) free(g[i].data);
+  free(dout_bf.data), free(delta), free(bscratch);
+  for (int i = 0; i < 3; ++i) free(enc[i].data);
+  free(r_out), free(r_lse), free(r_dq), free(r_dk), free(r_dv);
+  free(q.data), free(k.data), free(v.data), free(dout.data), free(out.data), free(out_vec.data);
+  free(lse), free(lse_vec), free(scratch);
+}
+
+static void test_amx_path(void) {
+  const tf_attn_elem elems[2] = {TF_ATTN_BF16, TF_ATTN_E4M3};
+  for (int e = 0; e < 2; ++e) {
+    const tf_attn_elem el = elems[e];
+    check_amx_path("amx no mask", problem(2, 70, 70, 2, 2, 16, 0), el);
+    check_amx_path("amx causal gqa tiles", problem(1, 150, 150, 4, 2, 17, 1), el);
+    check_amx_path("amx cross causal d1", problem(2, 131, 67, 2, 1, 1, 1), el);
+    check_amx_path("amx head dim 100", problem(1, 40, 90, 2, 2, 100, 0), el);
+    tf_attn_problem pad = problem(3, 45, 50, 2, 1, 8, 1);
+    const int32_t lq[3] = {45, 0, 13}, lkv[3] = {50, 7, 0};
+    pad.seqlens_q = lq, pad.seqlens_kv = lkv;
+    check_amx_path("amx padding causal, empty rows", pad, el);
+    tf_attn_problem packed = problem(1, 160, 140, 3, 3, 9, 1);
+    const int32_t cu_q[4] = {0, 1, 130, 150}, cu_kv[4] = {0, 5, 5, 140};
+    packed.cu_seqlens_q = cu_q, packed.cu_seqlens_kv = cu_kv, packed.num_seqs = 3;
+    check_amx_path("amx packed with tail", packed, el);
+    check_amx_path("amx query tiles d64 causal", problem(1, 300, 300, 2, 2, 64, 1), el);
+  }
+  check_amx_path("amx head dim 256", problem(1, 40, 33, 1, 1, 256, 1), TF_ATTN_BF16);
+}
+#endif
+
 static void test_dropout_rng(void) {
   const tf_attn_dropout_key_t key = tf_attn_dropout_key(7, 0);
   const uint32_t threshold = tf_attn_dropout_threshold(0.1f);
@@ -373,6 +510,9 @@ static void test_checks(void) {
 int main(void) {
   test_numerics();
   test_fp8_and_bf16();
+#if defined(TF_ATTN_AMX_EMULATE)
+  test_amx_path();
+#endif
   test_dropout_rng();
   test_checks();
   return check_report();
