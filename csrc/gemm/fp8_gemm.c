@@ -5,16 +5,7 @@
 #include <string.h>
 
 #include "../common/tf_checks.h"
-#include "fp8_bf16_table.h"
 #include "gemm_kernels.h"
-
-#define KC_PAD_MAX TF_GEMM_KC /* TF_GEMM_KC is a multiple of 32 */
-
-static const uint16_t *bf16_table(tf_fp8_format f) {
-  return f == TF_FP8_E4M3 ? tf_fp8_e4m3_bf16 : tf_fp8_e5m2_bf16;
-}
-
-static float bf16_bits_to_f32(uint16_t h) { return tf_bf16_to_f32(h); }
 
 int64_t tf_fp8_gemm_tiles(int64_t m, int64_t n) {
   if (m < 0 || n < 0) return -1;
@@ -40,54 +31,74 @@ tf_status tf_fp8_gemm_check(int64_t m, int64_t n, int64_t k, tf_fp8_format forma
 
 /* ---- packing ---------------------------------------------------------------------------- */
 
-/* Rows [r0, r0 + rows) of x (ld k), k range [k0, k0 + kc), as float32 panels of `width` rows:
- * [panel][kc][width]; rows past `valid` are zero. */
-static void pack_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
-                     int64_t k0, int64_t kc, int64_t width, const uint16_t *table, float *dst) {
-  for (int64_t p = 0; p < rows; p += width) {
+/* Decodes n FP8 codes to float32 (exact; branch-free, so the loop vectorizes). */
+static void decode_row(const uint8_t *src, int64_t n, tf_fp8_format f, float *dst) {
+  if (f == TF_FP8_E4M3)
+    for (int64_t i = 0; i < n; ++i) dst[i] = tf_fp8_e4m3_decode(src[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) dst[i] = tf_fp8_e5m2_decode(src[i]);
+}
+
+/* Row r of a block: the decoded codes x[(r0 + r) * ld + k0 ...][0, kc), or zeros past `valid`. */
+static void block_row(const uint8_t *x, int64_t ld, int64_t r0, int64_t r, int64_t valid,
+                      int64_t k0, int64_t kc, tf_fp8_format f, float *dst) {
+  if (r < valid)
+    decode_row(x + (r0 + r) * ld + k0, kc, f, dst);
+  else
+    memset(dst, 0, sizeof(float) * (size_t)kc);
+}
+
+/* a block as float32 panels of TF_GEMM_MR rows, each row-major: [panel][MR][kc]. */
+static void pack_a_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
+                       int64_t kc, tf_fp8_format f, float *dst) {
+  for (int64_t r = 0; r < TF_GEMM_MB; ++r) block_row(x, ld, r0, r, valid, k0, kc, f, dst + r * kc);
+}
+
+/* b block as float32 panels of TF_GEMM_NR columns: [panel][kc][NR] (rows decoded, then
+ * transposed through `row`, TF_GEMM_NR x kc floats). */
+static void pack_b_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
+                       int64_t kc, tf_fp8_format f, float *row, float *dst) {
+  for (int64_t p = 0; p < TF_GEMM_NB; p += TF_GEMM_NR) {
+    for (int64_t w = 0; w < TF_GEMM_NR; ++w) block_row(x, ld, r0, p + w, valid, k0, kc, f, row + w * kc);
     float *panel = dst + p * kc;
-    for (int64_t w = 0; w < width; ++w) {
-      const int64_t r = p + w;
-      if (r < valid) {
-        const uint8_t *src = x + (r0 + r) * ld + k0;
-        for (int64_t kk = 0; kk < kc; ++kk) panel[kk * width + w] = bf16_bits_to_f32(table[src[kk]]);
-      } else {
-        for (int64_t kk = 0; kk < kc; ++kk) panel[kk * width + w] = 0.0f;
-      }
-    }
+    for (int64_t kk = 0; kk < kc; ++kk)
+      for (int64_t w = 0; w < TF_GEMM_NR; ++w) panel[kk * TF_GEMM_NR + w] = row[w * kc + kk];
   }
 }
 
 #if TF_X86
-/* a rows as groups of 16 rows, [group][16][kc_pad] bf16, zero past `valid` rows and past kc. */
-static void pack_bf16_rows(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
-                           int64_t k0, int64_t kc, int64_t kc_pad, const uint16_t *table,
-                           uint16_t *dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t *row = dst + r * kc_pad;
-    int64_t kk = 0;
-    if (r < valid) {
-      const uint8_t *src = x + (r0 + r) * ld + k0;
-      for (; kk < kc; ++kk) row[kk] = table[src[kk]];
-    }
-    for (; kk < kc_pad; ++kk) row[kk] = 0;
+/* float32 -> bfloat16 bits of values that are bfloat16 values (truncation is exact). */
+static void to_bf16_bits(const float *src, int64_t n, int64_t n_pad, uint16_t *dst) {
+  int64_t i = 0;
+  for (; i < n; ++i) dst[i] = (uint16_t)(tf_f32_bits(src[i]) >> 16);
+  for (; i < n_pad; ++i) dst[i] = 0;
+}
+
+/* a block as groups of 16 rows, [group][16][kc_pad] bf16, zero past kc. */
+static void pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
+                        int64_t kc, int64_t kc_pad, tf_fp8_format f, float *row, uint16_t *dst) {
+  for (int64_t r = 0; r < TF_GEMM_MB; ++r) {
+    block_row(x, ld, r0, r, valid, k0, kc, f, row);
+    to_bf16_bits(row, kc, kc_pad, dst + r * kc_pad);
   }
 }
 
-/* b rows (the output's columns) as groups of 16, [group][kc_pad / 2][16][2] bf16 (VNNI). */
-static void pack_bf16_vnni(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
-                           int64_t k0, int64_t kc, int64_t kc_pad, const uint16_t *table,
-                           uint16_t *dst) {
-  for (int64_t g = 0; g < rows; g += 16) {
-    uint16_t *group = dst + g * kc_pad;
+/* b block as groups of 16 columns in the VNNI layout [group][kc_pad / 2][16][2] bf16: a transpose
+ * of 32-bit pairs, through `pairs` (16 x kc_pad bf16). */
+static void pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
+                        int64_t kc, int64_t kc_pad, tf_fp8_format f, float *row, uint16_t *pairs,
+                        uint16_t *dst) {
+  for (int64_t g = 0; g < TF_GEMM_NB; g += 16) {
     for (int64_t c = 0; c < 16; ++c) {
-      const int64_t r = g + c;
-      const uint8_t *src = r < valid ? x + (r0 + r) * ld + k0 : 0;
-      for (int64_t kk = 0; kk < kc_pad; ++kk) {
-        const uint16_t v = (src && kk < kc) ? table[src[kk]] : 0;
-        group[(kk >> 1) * 32 + c * 2 + (kk & 1)] = v;
-      }
+      block_row(x, ld, r0, g + c, valid, k0, kc, f, row);
+      to_bf16_bits(row, kc, kc_pad, pairs + c * kc_pad);
     }
+    uint16_t *group = dst + g * kc_pad;
+    for (int64_t p = 0; p < kc_pad / 2; ++p)
+      for (int64_t c = 0; c < 16; ++c) {
+        group[p * 32 + c * 2] = pairs[c * kc_pad + 2 * p];
+        group[p * 32 + c * 2 + 1] = pairs[c * kc_pad + 2 * p + 1];
+      }
   }
 }
 #endif
@@ -121,37 +132,44 @@ static void epilogue(const float *acc, int64_t rows, int64_t cols, float scale, 
 
 /* ---- driver ----------------------------------------------------------------------------- */
 
-static int uses_bf16_pairs(tf_isa isa) { return isa >= TF_ISA_AVX512_BF16; }
+/* Scratch of one call: the accumulator tile, the packed blocks and the rows being decoded. */
+typedef struct {
+  float *acc;     /* MB x NB */
+  void *a_pack;   /* MB x KC floats (the larger of the two layouts) */
+  void *b_pack;   /* NB x KC floats */
+  float *row;     /* NR x KC floats */
+  uint16_t *pairs; /* 16 x KC bf16 */
+} scratch;
 
-static void compute_tile(const uint8_t *a, const uint16_t *ta, const uint8_t *b,
-                         const uint16_t *tb, int64_t m, int64_t n, int64_t k, tf_isa isa,
-                         int64_t row0, int64_t col0, void *a_pack, void *b_pack, float *acc) {
+static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, tf_fp8_format fb,
+                         int64_t m, int64_t n, int64_t k, tf_isa isa, int64_t row0, int64_t col0,
+                         const scratch *w) {
   const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
   const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
-  memset(acc, 0, sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
+  memset(w->acc, 0, sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
   for (int64_t k0 = 0; k0 < k; k0 += TF_GEMM_KC) {
     const int64_t kc = k - k0 < TF_GEMM_KC ? k - k0 : TF_GEMM_KC;
 #if TF_X86
-    if (uses_bf16_pairs(isa)) {
-      const int64_t kc_pad = (kc + 31) / 32 * 32;
-      pack_bf16_rows(a, k, row0, rows, TF_GEMM_MB, k0, kc, kc_pad, ta, a_pack);
-      pack_bf16_vnni(b, k, col0, cols, TF_GEMM_NB, k0, kc, kc_pad, tb, b_pack);
+    if (isa >= TF_ISA_AVX512_BF16) {
+      const int64_t kc_pad = (kc + 31) / 32 * 32; /* whole AMX tiles; TF_GEMM_KC is a multiple */
+      pack_a_bf16(a, k, row0, rows, k0, kc, kc_pad, fa, w->row, w->a_pack);
+      pack_b_bf16(b, k, col0, cols, k0, kc, kc_pad, fb, w->row, w->pairs, w->b_pack);
       if (isa == TF_ISA_AMX)
-        tf_gemm_block_bf16_amx(kc_pad, a_pack, b_pack, acc);
+        tf_gemm_block_bf16_amx(kc_pad, w->a_pack, w->b_pack, w->acc);
       else
-        tf_gemm_block_bf16_avx512(kc_pad, a_pack, b_pack, acc);
+        tf_gemm_block_bf16_avx512(kc_pad, w->a_pack, w->b_pack, w->acc);
       continue;
     }
 #endif
-    pack_f32(a, k, row0, rows, TF_GEMM_MB, k0, kc, TF_GEMM_MR, ta, a_pack);
-    pack_f32(b, k, col0, cols, TF_GEMM_NB, k0, kc, TF_GEMM_NR, tb, b_pack);
+    pack_a_f32(a, k, row0, rows, k0, kc, fa, w->a_pack);
+    pack_b_f32(b, k, col0, cols, k0, kc, fb, w->row, w->b_pack);
 #if TF_X86
     if (isa >= TF_ISA_AVX2) {
-      tf_gemm_block_f32_avx2(kc, a_pack, b_pack, acc);
+      tf_gemm_block_f32_avx2(kc, w->a_pack, w->b_pack, w->acc);
       continue;
     }
 #endif
-    tf_gemm_block_f32_portable(kc, a_pack, b_pack, acc);
+    tf_gemm_block_f32_portable(kc, w->a_pack, w->b_pack, w->acc);
   }
 }
 
@@ -168,27 +186,30 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   if (tile_begin == tile_end) return TF_OK;
   if (!out || (k > 0 && (!a || !b))) return TF_ERR_NULL_POINTER;
 
-  /* float32 panels are the larger layout: MB x KC floats for a, NB x KC for b. */
-  float *acc = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
-  float *a_pack = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_KC);
-  float *b_pack = malloc(sizeof(float) * TF_GEMM_NB * TF_GEMM_KC);
+  scratch w;
+  w.acc = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
+  w.a_pack = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_KC);
+  w.b_pack = malloc(sizeof(float) * TF_GEMM_NB * TF_GEMM_KC);
+  w.row = malloc(sizeof(float) * TF_GEMM_NR * TF_GEMM_KC);
+  w.pairs = malloc(sizeof(uint16_t) * 16 * TF_GEMM_KC);
   tf_status result = TF_OK;
-  if (!acc || !a_pack || !b_pack) {
+  if (!w.acc || !w.a_pack || !w.b_pack || !w.row || !w.pairs) {
     result = TF_ERR_BAD_ARGUMENT;
   } else {
     const float scale = scale_inv_a * scale_inv_b;
     const int64_t tiles_n = (n + TF_GEMM_NB - 1) / TF_GEMM_NB;
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const int64_t row0 = (t / tiles_n) * TF_GEMM_MB, col0 = (t % tiles_n) * TF_GEMM_NB;
-      compute_tile(a, bf16_table(format_a), b, bf16_table(format_b), m, n, k, isa, row0, col0,
-                   a_pack, b_pack, acc);
+      compute_tile(a, format_a, b, format_b, m, n, k, isa, row0, col0, &w);
       const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
       const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
-      epilogue(acc, rows, cols, scale, bias, bias_dtype, out, out_dtype, n, row0, col0);
+      epilogue(w.acc, rows, cols, scale, bias, bias_dtype, out, out_dtype, n, row0, col0);
     }
   }
-  free(acc);
-  free(a_pack);
-  free(b_pack);
+  free(w.acc);
+  free(w.a_pack);
+  free(w.b_pack);
+  free(w.row);
+  free(w.pairs);
   return result;
 }

@@ -10,10 +10,10 @@
 #endif
 
 void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc) {
-  for (int64_t ip = 0; ip < TF_GEMM_MB / TF_GEMM_MR; ++ip) {
-    const float *ap = a_pack + ip * TF_GEMM_MR * kc;
-    for (int64_t jp = 0; jp < TF_GEMM_NB / TF_GEMM_NR; ++jp) {
-      const float *bp = b_pack + jp * TF_GEMM_NR * kc;
+  for (int64_t jp = 0; jp < TF_GEMM_NB / TF_GEMM_NR; ++jp) {
+    const float *bp = b_pack + jp * TF_GEMM_NR * kc; /* stays in L1 while the a panels stream */
+    for (int64_t ip = 0; ip < TF_GEMM_MB / TF_GEMM_MR; ++ip) {
+      const float *ap = a_pack + ip * TF_GEMM_MR * kc;
       float *c = acc + ip * TF_GEMM_MR * TF_GEMM_NB + jp * TF_GEMM_NR;
       float r[TF_GEMM_MR][TF_GEMM_NR];
       for (int i = 0; i < TF_GEMM_MR; ++i)
@@ -21,7 +21,7 @@ void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_
       for (int64_t p = 0; p < kc; ++p)
         for (int i = 0; i < TF_GEMM_MR; ++i)
           for (int j = 0; j < TF_GEMM_NR; ++j)
-            r[i][j] += ap[p * TF_GEMM_MR + i] * bp[p * TF_GEMM_NR + j];
+            r[i][j] += ap[i * kc + p] * bp[p * TF_GEMM_NR + j];
       for (int i = 0; i < TF_GEMM_MR; ++i)
         for (int j = 0; j < TF_GEMM_NR; ++j) c[i * TF_GEMM_NB + j] = r[i][j];
     }
@@ -32,10 +32,10 @@ void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_
 /* 6 rows x 16 columns: 12 ymm accumulators, 2 loads of b and 6 broadcasts of a per k. */
 TF_TARGET_AVX2 void tf_gemm_block_f32_avx2(int64_t kc, const float *a_pack, const float *b_pack,
                                            float *acc) {
-  for (int64_t ip = 0; ip < TF_GEMM_MB / TF_GEMM_MR; ++ip) {
-    const float *ap = a_pack + ip * TF_GEMM_MR * kc;
-    for (int64_t jp = 0; jp < TF_GEMM_NB / TF_GEMM_NR; ++jp) {
-      const float *bp = b_pack + jp * TF_GEMM_NR * kc;
+  for (int64_t jp = 0; jp < TF_GEMM_NB / TF_GEMM_NR; ++jp) {
+    const float *bp = b_pack + jp * TF_GEMM_NR * kc; /* stays in L1 while the a panels stream */
+    for (int64_t ip = 0; ip < TF_GEMM_MB / TF_GEMM_MR; ++ip) {
+      const float *ap = a_pack + ip * TF_GEMM_MR * kc;
       float *c = acc + ip * TF_GEMM_MR * TF_GEMM_NB + jp * TF_GEMM_NR;
       __m256 c00 = _mm256_loadu_ps(c + 0 * TF_GEMM_NB), c01 = _mm256_loadu_ps(c + 0 * TF_GEMM_NB + 8);
       __m256 c10 = _mm256_loadu_ps(c + 1 * TF_GEMM_NB), c11 = _mm256_loadu_ps(c + 1 * TF_GEMM_NB + 8);
@@ -46,18 +46,18 @@ TF_TARGET_AVX2 void tf_gemm_block_f32_avx2(int64_t kc, const float *a_pack, cons
       for (int64_t p = 0; p < kc; ++p) {
         const __m256 b0 = _mm256_loadu_ps(bp + p * TF_GEMM_NR);
         const __m256 b1 = _mm256_loadu_ps(bp + p * TF_GEMM_NR + 8);
-        const float *a = ap + p * TF_GEMM_MR;
-        __m256 x = _mm256_broadcast_ss(a + 0);
+        const float *a = ap + p;
+        __m256 x = _mm256_broadcast_ss(a);
         c00 = _mm256_fmadd_ps(x, b0, c00), c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a + 1);
+        x = _mm256_broadcast_ss(a + 1 * kc);
         c10 = _mm256_fmadd_ps(x, b0, c10), c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a + 2);
+        x = _mm256_broadcast_ss(a + 2 * kc);
         c20 = _mm256_fmadd_ps(x, b0, c20), c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a + 3);
+        x = _mm256_broadcast_ss(a + 3 * kc);
         c30 = _mm256_fmadd_ps(x, b0, c30), c31 = _mm256_fmadd_ps(x, b1, c31);
-        x = _mm256_broadcast_ss(a + 4);
+        x = _mm256_broadcast_ss(a + 4 * kc);
         c40 = _mm256_fmadd_ps(x, b0, c40), c41 = _mm256_fmadd_ps(x, b1, c41);
-        x = _mm256_broadcast_ss(a + 5);
+        x = _mm256_broadcast_ss(a + 5 * kc);
         c50 = _mm256_fmadd_ps(x, b0, c50), c51 = _mm256_fmadd_ps(x, b1, c51);
       }
       _mm256_storeu_ps(c + 0 * TF_GEMM_NB, c00), _mm256_storeu_ps(c + 0 * TF_GEMM_NB + 8, c01);

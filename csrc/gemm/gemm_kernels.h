@@ -2,10 +2,10 @@
  *
  * A tile of the output is TF_GEMM_MB x TF_GEMM_NB, accumulated in float32 in `acc` (row stride
  * TF_GEMM_NB) over k blocks of at most TF_GEMM_KC. Each path packs a block of a and b in its own
- * layout, from FP8 codes decoded through the bfloat16 table:
+ * layout, from FP8 codes decoded exactly (fp8_format.h):
  *
- * float32 paths (portable, AVX2): a as panels of TF_GEMM_MR rows, [kc][MR] floats; b as panels of
- *   TF_GEMM_NR columns, [kc][NR] floats.
+ * float32 paths (portable, AVX2): a as panels of TF_GEMM_MR rows, [MR][kc] floats (row-major, so
+ *   packing a is a plain decode); b as panels of TF_GEMM_NR columns, [kc][NR] floats.
  * bf16 pair paths (AVX512-BF16, AMX): kc rounded up to kc_pad (a multiple of 32) with zeros;
  *   a as groups of 16 rows, [16][kc_pad] bf16 (row-major, what an AMX A tile loads);
  *   b as groups of 16 columns, [kc_pad / 2][16][2] bf16 (the VNNI layout of an AMX B tile). */

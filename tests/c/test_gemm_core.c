@@ -9,7 +9,6 @@
 #include "check.h"
 #include "common/cpu_features.h"
 #include "fp8/fp8_format.h"
-#include "gemm/fp8_bf16_table.h"
 #include "gemm/fp8_gemm.h"
 
 static uint32_t rng_state = 12345u;
@@ -52,14 +51,21 @@ static double unit_roundoff(tf_dtype d) {
   return d == TF_FLOAT32 ? ldexp(1, -24) : d == TF_BFLOAT16 ? ldexp(1, -8) : ldexp(1, -11);
 }
 
-static void test_table(void) {
-  for (int c = 0; c < 256; ++c) {
+/* k = 1 and b = 1: the output is every FP8 code decoded, on every path (the packing's decoder). */
+static void test_decode(void) {
+  uint8_t a[256], one[2] = {0x38, 0x3C}; /* 1.0 in E4M3 and in E5M2 */
+  float out[256];
+  for (int c = 0; c < 256; ++c) a[c] = (uint8_t)c;
+  for (int isa = 0; isa <= (int)tf_cpu_isa_detected(); ++isa) {
     for (int f = 0; f < 2; ++f) {
-      const float want = decode((uint8_t)c, (tf_fp8_format)f);
-      const uint16_t got = f == 0 ? tf_fp8_e4m3_bf16[c] : tf_fp8_e5m2_bf16[c];
-      const float g = tf_bf16_to_f32(got);
-      CHECK(isnan(want) ? isnan(g) : g == want && signbit(g) == signbit(want),
-            "table f=%d code %d: %g vs %g", f, c, g, want);
+      const tf_status s = tf_fp8_gemm_nt(a, (tf_fp8_format)f, &one[f], (tf_fp8_format)f, 256, 1, 1, 1, 1,
+                                         NULL, TF_FLOAT32, out, TF_FLOAT32, (tf_isa)isa, 0, tf_fp8_gemm_tiles(256, 1));
+      CHECK(s == TF_OK, "decode status");
+      for (int c = 0; c < 256; ++c) {
+        const float want = decode((uint8_t)c, (tf_fp8_format)f);
+        CHECK(isnan(want) ? isnan(out[c]) : out[c] == want, "isa %d format %d code %d: %g vs %g", isa, f, c,
+              out[c], want);
+      }
     }
   }
 }
@@ -207,7 +213,7 @@ static void test_cpu_features(void) {
 
 int main(void) {
   test_cpu_features();
-  test_table();
+  test_decode();
   test_paths();
   test_tile_ranges();
   test_bad_arguments();
