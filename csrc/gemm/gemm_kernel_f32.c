@@ -9,21 +9,28 @@
 #include <immintrin.h>
 #endif
 
+/* Halves of a panel (6 x 8 accumulators) so that baseline SSE2's 16 registers hold them. */
 void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc) {
+  enum { HALF = TF_GEMM_NR / 2 };
   for (int64_t jp = 0; jp < TF_GEMM_NB / TF_GEMM_NR; ++jp) {
-    const float *bp = b_pack + jp * TF_GEMM_NR * kc; /* stays in L1 while the a panels stream */
+    const float *bp = b_pack + jp * TF_GEMM_NR * kc;
     for (int64_t ip = 0; ip < TF_GEMM_MB / TF_GEMM_MR; ++ip) {
       const float *ap = a_pack + ip * TF_GEMM_MR * kc;
-      float *c = acc + ip * TF_GEMM_MR * TF_GEMM_NB + jp * TF_GEMM_NR;
-      float r[TF_GEMM_MR][TF_GEMM_NR];
-      for (int i = 0; i < TF_GEMM_MR; ++i)
-        for (int j = 0; j < TF_GEMM_NR; ++j) r[i][j] = c[i * TF_GEMM_NB + j];
-      for (int64_t p = 0; p < kc; ++p)
+      for (int h = 0; h < TF_GEMM_NR; h += HALF) {
+        float *c = acc + ip * TF_GEMM_MR * TF_GEMM_NB + jp * TF_GEMM_NR + h;
+        float r[TF_GEMM_MR][HALF];
         for (int i = 0; i < TF_GEMM_MR; ++i)
-          for (int j = 0; j < TF_GEMM_NR; ++j)
-            r[i][j] += ap[i * kc + p] * bp[p * TF_GEMM_NR + j];
-      for (int i = 0; i < TF_GEMM_MR; ++i)
-        for (int j = 0; j < TF_GEMM_NR; ++j) c[i * TF_GEMM_NB + j] = r[i][j];
+          for (int j = 0; j < HALF; ++j) r[i][j] = c[i * TF_GEMM_NB + j];
+        for (int64_t p = 0; p < kc; ++p) {
+          const float *bb = bp + p * TF_GEMM_NR + h;
+          for (int i = 0; i < TF_GEMM_MR; ++i) {
+            const float x = ap[i * kc + p];
+            for (int j = 0; j < HALF; ++j) r[i][j] += x * bb[j];
+          }
+        }
+        for (int i = 0; i < TF_GEMM_MR; ++i)
+          for (int j = 0; j < HALF; ++j) c[i * TF_GEMM_NB + j] = r[i][j];
+      }
     }
   }
 }
