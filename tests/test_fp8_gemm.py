@@ -210,3 +210,36 @@ def test_bad_inputs_raise_clear_errors():
         ops.fp8_gemm(a.float(), one, b, one, torch.float32, None)
     with pytest.raises(RuntimeError, match="bias must be 1-D"):
         ops.fp8_gemm(a, one, b, one, torch.float32, torch.zeros(5))
+
+
+@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+def test_fp8_linear_takes_the_kernel_on_every_path(fmt, generator):
+    """te_fuser.Linear's three FP8 GEMMs run on each CPU path: the float32 paths agree bit for bit,
+    the bf16-pair paths (where present) within the summation bound's order of magnitude, and every
+    path calls te_fuser::fp8_gemm three times per step."""
+    import te_fuser
+    from te_fuser import recipe
+
+    import copy
+
+    fresh = te_fuser.Linear(64, 48, params_dtype=torch.bfloat16)  # each path starts from the same scales
+    x = torch.randn(32, 64, generator=generator).bfloat16()
+    dy = torch.randn(32, 48, generator=generator).bfloat16()
+    results = {}
+    for name in ISAS:
+        layer = copy.deepcopy(fresh)
+        xi = x.clone().requires_grad_()
+        with cpu.isa(name), torch.profiler.profile() as prof:
+            with te_fuser.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_format=getattr(recipe.Format, fmt))):
+                y = layer(xi)
+            y.backward(dy)
+        calls = sum(e.count for e in prof.key_averages() if e.key == "te_fuser::fp8_gemm")
+        assert calls == 3, f"{name}: {calls} fp8_gemm calls"
+        results[name] = (y.detach(), xi.grad, layer.weight.grad)
+    first = results[ISAS[0]]
+    for name, got in results.items():
+        for g, f in zip(got, first):
+            if name in FLOAT32_PATHS:
+                assert torch.equal(g, f), name
+            else:
+                torch.testing.assert_close(g.float(), f.float(), rtol=2e-2, atol=1e-3)
