@@ -31,6 +31,13 @@ tf_status tf_fp8_gemm_check(int64_t m, int64_t n, int64_t k, tf_fp8_format forma
 
 /* ---- packing ---------------------------------------------------------------------------- */
 
+/* The rows (or columns) of a block that the kernels read for `valid` real ones: whole register
+ * blocks of every path (96 = lcm of 6 and 32 rows; 32 columns), at most `limit`. */
+static int64_t covered(int64_t valid, int64_t block, int64_t limit) {
+  const int64_t c = tf_gemm_blocks(valid, block) * block;
+  return c < limit ? c : limit;
+}
+
 /* Decodes n FP8 codes to float32 (exact; branch-free, so the loop vectorizes). */
 static void decode_row(const uint8_t *src, int64_t n, tf_fp8_format f, float *dst) {
   if (f == TF_FP8_E4M3)
@@ -51,14 +58,15 @@ static void block_row(const uint8_t *x, int64_t ld, int64_t r0, int64_t r, int64
 /* a block as float32 panels of TF_GEMM_MR rows, each row-major: [panel][MR][kc]. */
 static void pack_a_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
                        int64_t kc, tf_fp8_format f, float *dst) {
-  for (int64_t r = 0; r < TF_GEMM_MB; ++r) block_row(x, ld, r0, r, valid, k0, kc, f, dst + r * kc);
+  for (int64_t r = 0; r < covered(valid, 96, TF_GEMM_MB); ++r)
+    block_row(x, ld, r0, r, valid, k0, kc, f, dst + r * kc);
 }
 
 /* b block as float32 panels of TF_GEMM_NR columns: [panel][kc][NR] (rows decoded, then
  * transposed through `row`, TF_GEMM_NR x kc floats). */
 static void pack_b_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
                        int64_t kc, tf_fp8_format f, float *row, float *dst) {
-  for (int64_t p = 0; p < TF_GEMM_NB; p += TF_GEMM_NR) {
+  for (int64_t p = 0; p < covered(valid, 32, TF_GEMM_NB); p += TF_GEMM_NR) {
     for (int64_t w = 0; w < TF_GEMM_NR; ++w) block_row(x, ld, r0, p + w, valid, k0, kc, f, row + w * kc);
     float *panel = dst + p * kc;
     for (int64_t kk = 0; kk < kc; ++kk)
@@ -77,7 +85,7 @@ static void to_bf16_bits(const float *src, int64_t n, int64_t n_pad, uint16_t *d
 /* a block as groups of 16 rows, [group][16][kc_pad] bf16, zero past kc. */
 static void pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
                         int64_t kc, int64_t kc_pad, tf_fp8_format f, float *row, uint16_t *dst) {
-  for (int64_t r = 0; r < TF_GEMM_MB; ++r) {
+  for (int64_t r = 0; r < covered(valid, 96, TF_GEMM_MB); ++r) {
     block_row(x, ld, r0, r, valid, k0, kc, f, row);
     to_bf16_bits(row, kc, kc_pad, dst + r * kc_pad);
   }
@@ -88,7 +96,7 @@ static void pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid,
 static void pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
                         int64_t kc, int64_t kc_pad, tf_fp8_format f, float *row, uint16_t *pairs,
                         uint16_t *dst) {
-  for (int64_t g = 0; g < TF_GEMM_NB; g += 16) {
+  for (int64_t g = 0; g < covered(valid, 32, TF_GEMM_NB); g += 16) {
     for (int64_t c = 0; c < 16; ++c) {
       block_row(x, ld, r0, g + c, valid, k0, kc, f, row);
       to_bf16_bits(row, kc, kc_pad, pairs + c * kc_pad);
@@ -155,9 +163,9 @@ static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, t
       pack_a_bf16(a, k, row0, rows, k0, kc, kc_pad, fa, w->row, w->a_pack);
       pack_b_bf16(b, k, col0, cols, k0, kc, kc_pad, fb, w->row, w->pairs, w->b_pack);
       if (isa == TF_ISA_AMX)
-        tf_gemm_block_bf16_amx(kc_pad, w->a_pack, w->b_pack, w->acc);
+        tf_gemm_block_bf16_amx(kc_pad, w->a_pack, w->b_pack, w->acc, rows, cols);
       else
-        tf_gemm_block_bf16_avx512(kc_pad, w->a_pack, w->b_pack, w->acc);
+        tf_gemm_block_bf16_avx512(kc_pad, w->a_pack, w->b_pack, w->acc, rows, cols);
       continue;
     }
 #endif
@@ -165,11 +173,11 @@ static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, t
     pack_b_f32(b, k, col0, cols, k0, kc, fb, w->row, w->b_pack);
 #if TF_X86
     if (isa >= TF_ISA_AVX2) {
-      tf_gemm_block_f32_avx2(kc, w->a_pack, w->b_pack, w->acc);
+      tf_gemm_block_f32_avx2(kc, w->a_pack, w->b_pack, w->acc, rows, cols);
       continue;
     }
 #endif
-    tf_gemm_block_f32_portable(kc, w->a_pack, w->b_pack, w->acc);
+    tf_gemm_block_f32_portable(kc, w->a_pack, w->b_pack, w->acc, rows, cols);
   }
 }
 

@@ -26,7 +26,7 @@
 #include "../common/tf_status.h"
 #include "../fp8/fp8_format.h"
 
-#define TF_GEMM_MB 96
+#define TF_GEMM_MB 192
 #define TF_GEMM_NB 128
 #define TF_GEMM_KC 256
 

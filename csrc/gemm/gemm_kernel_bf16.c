@@ -21,9 +21,10 @@ TF_TARGET_AVX512_BF16 static inline __m512bh broadcast_pair(const uint16_t *p) {
 
 /* 8 rows x 32 columns (two 16-column groups): 16 zmm accumulators. */
 TF_TARGET_AVX512_BF16 void tf_gemm_block_bf16_avx512(int64_t kc_pad, const uint16_t *a_pack,
-                                                     const uint16_t *b_pack, float *acc) {
-  for (int64_t r0 = 0; r0 < TF_GEMM_MB; r0 += 8) {
-    for (int64_t g = 0; g < TF_GEMM_NB / 16; g += 2) {
+                                                     const uint16_t *b_pack, float *acc,
+                                                     int64_t rows, int64_t cols) {
+  for (int64_t r0 = 0; r0 < tf_gemm_blocks(rows, 8) * 8; r0 += 8) {
+    for (int64_t g = 0; g < tf_gemm_blocks(cols, 32) * 2; g += 2) {
       const uint16_t *b0 = b_pack + g * 16 * kc_pad, *b1 = b0 + 16 * kc_pad;
       float *c = acc + r0 * TF_GEMM_NB + g * 16;
       __m512 r[8][2];
@@ -59,7 +60,8 @@ typedef struct {
 /* 32 x 32 blocks of the output: tiles 0-3 accumulate (16 x 16 float32 each), 4-5 hold two
  * 16 x 32 bf16 blocks of a, 6-7 two 16-pair x 16-column blocks of b. */
 TF_TARGET_AMX void tf_gemm_block_bf16_amx(int64_t kc_pad, const uint16_t *a_pack,
-                                          const uint16_t *b_pack, float *acc) {
+                                          const uint16_t *b_pack, float *acc, int64_t rows,
+                                          int64_t cols) {
   tile_config cfg;
   memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
@@ -69,8 +71,8 @@ TF_TARGET_AMX void tf_gemm_block_bf16_amx(int64_t kc_pad, const uint16_t *a_pack
   }
   _tile_loadconfig(&cfg);
   const int64_t ldc = TF_GEMM_NB * (int64_t)sizeof(float), lda = kc_pad * (int64_t)sizeof(uint16_t);
-  for (int64_t rg = 0; rg < TF_GEMM_MB / 16; rg += 2) {
-    for (int64_t cg = 0; cg < TF_GEMM_NB / 16; cg += 2) {
+  for (int64_t rg = 0; rg < tf_gemm_blocks(rows, 32) * 2; rg += 2) {
+    for (int64_t cg = 0; cg < tf_gemm_blocks(cols, 32) * 2; cg += 2) {
       float *c = acc + rg * 16 * TF_GEMM_NB + cg * 16;
       _tile_loadd(0, c, ldc);
       _tile_loadd(1, c + 16, ldc);

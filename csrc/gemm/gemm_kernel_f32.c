@@ -10,11 +10,12 @@
 #endif
 
 /* Halves of a panel (6 x 8 accumulators) so that baseline SSE2's 16 registers hold them. */
-void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc) {
+void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
+                                int64_t rows, int64_t cols) {
   enum { HALF = TF_GEMM_NR / 2 };
-  for (int64_t jp = 0; jp < TF_GEMM_NB / TF_GEMM_NR; ++jp) {
+  for (int64_t jp = 0; jp < tf_gemm_blocks(cols, TF_GEMM_NR); ++jp) {
     const float *bp = b_pack + jp * TF_GEMM_NR * kc;
-    for (int64_t ip = 0; ip < TF_GEMM_MB / TF_GEMM_MR; ++ip) {
+    for (int64_t ip = 0; ip < tf_gemm_blocks(rows, TF_GEMM_MR); ++ip) {
       const float *ap = a_pack + ip * TF_GEMM_MR * kc;
       for (int h = 0; h < TF_GEMM_NR; h += HALF) {
         float *c = acc + ip * TF_GEMM_MR * TF_GEMM_NB + jp * TF_GEMM_NR + h;
@@ -38,10 +39,10 @@ void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_
 #if TF_X86
 /* 6 rows x 16 columns: 12 ymm accumulators, 2 loads of b and 6 broadcasts of a per k. */
 TF_TARGET_AVX2 void tf_gemm_block_f32_avx2(int64_t kc, const float *a_pack, const float *b_pack,
-                                           float *acc) {
-  for (int64_t jp = 0; jp < TF_GEMM_NB / TF_GEMM_NR; ++jp) {
+                                           float *acc, int64_t rows, int64_t cols) {
+  for (int64_t jp = 0; jp < tf_gemm_blocks(cols, TF_GEMM_NR); ++jp) {
     const float *bp = b_pack + jp * TF_GEMM_NR * kc; /* stays in L1 while the a panels stream */
-    for (int64_t ip = 0; ip < TF_GEMM_MB / TF_GEMM_MR; ++ip) {
+    for (int64_t ip = 0; ip < tf_gemm_blocks(rows, TF_GEMM_MR); ++ip) {
       const float *ap = a_pack + ip * TF_GEMM_MR * kc;
       float *c = acc + ip * TF_GEMM_MR * TF_GEMM_NB + jp * TF_GEMM_NR;
       __m256 c00 = _mm256_loadu_ps(c + 0 * TF_GEMM_NB), c01 = _mm256_loadu_ps(c + 0 * TF_GEMM_NB + 8);

@@ -19,15 +19,28 @@
 #define TF_GEMM_MR 6
 #define TF_GEMM_NR 16
 
-/* acc[MB x NB] += a_pack . b_pack^T over kc (float32 layouts). */
-void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc);
+/* Every path's register blocks tile a block exactly: rows in 6s (float32) and 32s (AMX),
+ * columns in 16s and 32s, k in AMX's 32-deep tiles. */
+_Static_assert(TF_GEMM_MB % 96 == 0, "TF_GEMM_MB must be a multiple of lcm(6, 32)");
+_Static_assert(TF_GEMM_NB % 32 == 0, "TF_GEMM_NB must be a multiple of 32");
+_Static_assert(TF_GEMM_KC % 32 == 0, "TF_GEMM_KC must be a multiple of 32");
+
+/* acc[MB x NB] += a_pack . b_pack^T over kc (float32 layouts), for the register blocks that
+ * cover the first `rows` rows and `cols` columns (the rest of the tile is left alone, so small
+ * outputs cost what they hold; packed rows and columns past them within a block are zeros). */
+void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
+                                int64_t rows, int64_t cols);
 #if TF_X86
-void tf_gemm_block_f32_avx2(int64_t kc, const float *a_pack, const float *b_pack, float *acc);
+void tf_gemm_block_f32_avx2(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
+                            int64_t rows, int64_t cols);
 /* The same over kc_pad (bf16 pair layouts). */
 void tf_gemm_block_bf16_avx512(int64_t kc_pad, const uint16_t *a_pack, const uint16_t *b_pack,
-                               float *acc);
+                               float *acc, int64_t rows, int64_t cols);
 void tf_gemm_block_bf16_amx(int64_t kc_pad, const uint16_t *a_pack, const uint16_t *b_pack,
-                            float *acc);
+                            float *acc, int64_t rows, int64_t cols);
 #endif
+
+/* The number of blocks of `size` that cover `extent`. */
+static inline int64_t tf_gemm_blocks(int64_t extent, int64_t size) { return (extent + size - 1) / size; }
 
 #endif /* TF_GEMM_KERNELS_H */
