@@ -27,6 +27,7 @@ c-check:
 	sh tests/c/run.sh
 	sh tests/c/run_ops.sh
 	sh tests/c/run_attention.sh
+	sh tests/c/run_gemm.sh
 	sh tests/c/cuda_emulation/run.sh fp8
 	sh tests/c/cuda_emulation/run.sh ops
 	sh tests/c/cuda_emulation/run.sh attention

@@ -3,8 +3,8 @@
     python benchmarks/bench_linear.py [--tokens N] [--in-features K] [--out-features N] [--device cpu|cuda]
 
 Rows: torch.nn.Linear and te_fuser.Linear in the parameter dtype, then te_fuser.Linear
-under fp8_autocast (delayed scaling). On the CPU the FP8 GEMM is emulated (dequantize,
-float32 matmul), so its time says nothing about FP8 speed; on CUDA it is torch._scaled_mm.
+under fp8_autocast (delayed scaling). On the CPU the FP8 GEMM is te_fuser's own
+(te_fuser.kernels.gemm, on the best CPU path); on CUDA it is torch._scaled_mm.
 Peak memory: te_fuser.memory.MemoryTracker (CUDA allocator statistics, CPU allocation events)
 (bytes allocated above the level at the start of the step). "saved" is what autograd
 holds between forward and backward (the activation memory of the layer).
@@ -117,7 +117,7 @@ def main():
         print(f"{name:<22} {median * 1e3:>10.3f} {best * 1e3:>9.3f} {base_median / median:>14.3f}x "
               f"{base_min / best:>11.3f}x {peak / 2**20:>9.2f} {saved / 2**20:>10.2f}")
     if device.type == "cpu":
-        print("(CPU FP8 row: emulated GEMM, for memory only)")
+        print("(CPU FP8 row: te_fuser's FP8 GEMM on the best CPU path; see bench_fp8_linear.py)")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ int tf_cpu_isa_cap(void);
 /* "portable", "avx2", "avx512", "avx512_bf16", "amx"; NULL outside the enum. */
 const char *tf_isa_name(int isa);
 
-#if defined(__x86_64__) && defined(__GNUC__)
+/* The tiered kernels need a compiler with AMX and AVX512-BF16 intrinsics (GCC 11, clang 12);
+ * older compilers build the portable tier only, and detection then reports it. */
+#if defined(__x86_64__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define TF_X86 1
 #define TF_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TF_TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))

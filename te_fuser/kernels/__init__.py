@@ -1,4 +1,4 @@
 """Validated entry points to the compiled kernels, one module per area."""
 
 from .. import _extension  # noqa: F401  (registers torch.ops.te_fuser)
-from . import cpu, fp8  # noqa: F401
+from . import cpu, fp8, gemm  # noqa: F401

@@ -50,8 +50,7 @@ def current_isa() -> str:
 
 def get_cap() -> Optional[str]:
     """The cap set by set_isa (None when there is none)."""
-    cap = _ops.cpu_isa_set_cap(-1)
-    _ops.cpu_isa_set_cap(cap)
+    cap = _ops.cpu_isa_cap()
     return None if cap < 0 else TIERS[cap]
 
 

@@ -8,9 +8,9 @@ per-tensor scale_inv, which is the layout cuBLASLt's FP8 GEMM wants (TN):
     dgrad    dx = dy @ W        a = dy data,    b = W transposed data
     wgrad    dW = dy.T @ x      a = dy transposed data, b = x transposed data
 The transposed data come from cast-transpose, so no GEMM needs a transpose pass.
-On CUDA it runs torch._scaled_mm; on the CPU it is emulated by dequantizing
-both operands to float32 and multiplying in float32 (so it equals
-"dequantize, then float32 matmul" up to float32 rounding).
+On CUDA it runs torch._scaled_mm; on the CPU te_fuser's own FP8 GEMM
+(te_fuser.kernels.gemm: exact bf16 decode, AMX/AVX512-BF16/AVX2/C with float32
+accumulation, scale and bias in a float32 epilogue), with the same semantics.
 
 FP8 GEMMs need every dimension divisible by 16 (the tensor cores' FP8 tile):
 check_fp8_gemm_dims raises a ValueError naming the offending dimension.
@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ..kernels import fp8 as fp8_kernels
+from ..kernels import gemm as gemm_kernels
 
 FP8_GEMM_ALIGNMENT = 16
 
@@ -44,10 +45,12 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_s
         out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, bias=fused_bias,
                                out_dtype=out_dtype)
         return out if bias is None or fused_bias is not None else out + bias
-    out = torch.mm(fp8_kernels.dequantize(a, a_scale_inv), fp8_kernels.dequantize(b, b_scale_inv).t())
-    if bias is not None:
-        out += bias.float()
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    if a.is_cuda:  # E5M2 x E5M2 on CUDA: dequantize, then a float32 GEMM
+        out = torch.mm(fp8_kernels.dequantize(a, a_scale_inv), fp8_kernels.dequantize(b, b_scale_inv).t())
+        if bias is not None:
+            out += bias.float()
+        return out if out_dtype == torch.float32 else out.to(out_dtype)
+    return gemm_kernels.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
 
 
 def gemm_nt(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,0 +1,79 @@
+// te_fuser::fp8_gemm: a @ b.T for row-major FP8 a (m, k) and b (n, k), scaled by their scale_inv,
+// plus an optional bias, in out_dtype (csrc/gemm/fp8_gemm.h). The CPU kernel spreads the output
+// tiles over torch's intra-op threads; each tile is computed the same way whatever the split.
+// The CUDA path of te_fuser.ops.gemm uses torch._scaled_mm, so only the CPU kernel is here.
+#include <optional>
+#include <vector>
+
+#include "binding_util.h"
+
+extern "C" {
+#include "../common/cpu_features.h"
+#include "../gemm/fp8_gemm.h"
+}
+
+namespace te_fuser {
+namespace {
+
+void check_fp8_matrix(const Tensor& t, const char* arg) {
+  STD_TORCH_CHECK(t.is_cpu(), arg, " must be a CPU tensor");
+  STD_TORCH_CHECK(t.dim() == 2, arg, " must be 2-D, got ", t.dim(), " dimensions");
+  check_contiguous(t, arg);
+}
+
+Tensor fp8_gemm_cpu(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype,
+                    std::optional<Tensor> bias) {
+  check_fp8_matrix(a, "a");
+  check_fp8_matrix(b, "b");
+  const tf_fp8_format fa = to_tf_fp8_format(a.scalar_type(), "a");
+  const tf_fp8_format fb = to_tf_fp8_format(b.scalar_type(), "b");
+  check_scalar_f32(a_scale_inv, "a_scale_inv");
+  check_scalar_f32(b_scale_inv, "b_scale_inv");
+  check_same_device(a, a_scale_inv, "a", "a_scale_inv");
+  check_same_device(b, b_scale_inv, "b", "b_scale_inv");
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+  STD_TORCH_CHECK(b.size(1) == k, "b must have a.shape[1] = ", k, " columns, got ", b.size(1));
+  const tf_dtype out = to_tf_dtype(out_dtype, "out_dtype");
+  tf_dtype bias_dtype = TF_FLOAT32;
+  const void* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    const Tensor& t = *bias;
+    STD_TORCH_CHECK(t.is_cpu(), "bias must be a CPU tensor");
+    STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "bias must be 1-D with b.shape[0] = ", n,
+                    " elements");
+    check_contiguous(t, "bias");
+    bias_dtype = to_tf_dtype(t.scalar_type(), "bias");
+    bias_ptr = t.const_data_ptr();
+  }
+  // One tier for the whole call, so a cap changed meanwhile cannot mix paths within one output.
+  const tf_isa isa = tf_cpu_isa();
+  check_status(tf_fp8_gemm_check(m, n, k, fa, fb, bias_ptr != nullptr, bias_dtype, out, isa),
+               "fp8_gemm");
+  Tensor result = torch::stable::new_empty(a, {m, n}, out_dtype);
+  const uint8_t* pa = static_cast<const uint8_t*>(a.const_data_ptr());
+  const uint8_t* pb = static_cast<const uint8_t*>(b.const_data_ptr());
+  const float sa = *a_scale_inv.const_data_ptr<float>();
+  const float sb = *b_scale_inv.const_data_ptr<float>();
+  void* po = result.mutable_data_ptr();
+  const int64_t tiles = tf_fp8_gemm_tiles(m, n);
+  std::vector<int> status(static_cast<size_t>(tiles), TF_OK);
+  torch::stable::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    status[t0] = tf_fp8_gemm_nt(pa, fa, pb, fb, m, n, k, sa, sb, bias_ptr, bias_dtype, po, out,
+                                isa, t0, t1);
+  });
+  for (int s : status) check_status(static_cast<tf_status>(s), "fp8_gemm");
+  return result;
+}
+
+}  // namespace
+}  // namespace te_fuser
+
+STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
+  m.def(
+      "fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype,"
+      " Tensor? bias=None) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
+  m.impl("fp8_gemm", TORCH_BOX(&te_fuser::fp8_gemm_cpu));
+}

@@ -1,0 +1,223 @@
+/* FP8 GEMM driver: checks, tile loop, packing (FP8 -> bf16/float32) and the epilogue. */
+#include "fp8_gemm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/tf_checks.h"
+#include "gemm_kernels.h"
+
+int64_t tf_fp8_gemm_tiles(int64_t m, int64_t n) {
+  if (m < 0 || n < 0) return -1;
+  return ((m + TF_GEMM_MB - 1) / TF_GEMM_MB) * ((n + TF_GEMM_NB - 1) / TF_GEMM_NB);
+}
+
+static int is_float_dtype(tf_dtype d) {
+  return d == TF_FLOAT32 || d == TF_BFLOAT16 || d == TF_FLOAT16;
+}
+
+tf_status tf_fp8_gemm_check(int64_t m, int64_t n, int64_t k, tf_fp8_format format_a,
+                            tf_fp8_format format_b, int has_bias, tf_dtype bias_dtype,
+                            tf_dtype out_dtype, tf_isa isa) {
+  if (m < 0 || n < 0 || k < 0) return TF_ERR_BAD_SIZE;
+  if (!tf_mul_fits(m, k) || !tf_mul_fits(n, k) || !tf_mul_fits(m, n)) return TF_ERR_OVERFLOW;
+  if ((format_a != TF_FP8_E4M3 && format_a != TF_FP8_E5M2) ||
+      (format_b != TF_FP8_E4M3 && format_b != TF_FP8_E5M2))
+    return TF_ERR_BAD_DTYPE;
+  if (!is_float_dtype(out_dtype) || (has_bias && !is_float_dtype(bias_dtype))) return TF_ERR_BAD_DTYPE;
+  if ((int)isa < 0 || (int)isa > (int)tf_cpu_isa_detected()) return TF_ERR_BAD_ARGUMENT;
+  return TF_OK;
+}
+
+/* ---- packing ---------------------------------------------------------------------------- */
+
+/* The rows (or columns) of a block that the kernels read for `valid` real ones: whole register
+ * blocks of every path (96 = lcm of 6 and 32 rows; 32 columns), at most `limit`. */
+static int64_t covered(int64_t valid, int64_t block, int64_t limit) {
+  const int64_t c = tf_gemm_blocks(valid, block) * block;
+  return c < limit ? c : limit;
+}
+
+/* Decodes n FP8 codes to float32 (exact; branch-free, so the loop vectorizes). */
+static void decode_row(const uint8_t *src, int64_t n, tf_fp8_format f, float *dst) {
+  if (f == TF_FP8_E4M3)
+    for (int64_t i = 0; i < n; ++i) dst[i] = tf_fp8_e4m3_decode(src[i]);
+  else
+    for (int64_t i = 0; i < n; ++i) dst[i] = tf_fp8_e5m2_decode(src[i]);
+}
+
+/* Row r of a block: the decoded codes x[(r0 + r) * ld + k0 ...][0, kc), or zeros past `valid`. */
+static void block_row(const uint8_t *x, int64_t ld, int64_t r0, int64_t r, int64_t valid,
+                      int64_t k0, int64_t kc, tf_fp8_format f, float *dst) {
+  if (r < valid)
+    decode_row(x + (r0 + r) * ld + k0, kc, f, dst);
+  else
+    memset(dst, 0, sizeof(float) * (size_t)kc);
+}
+
+/* a block as float32 panels of TF_GEMM_MR rows, each row-major: [panel][MR][kc]. */
+static void pack_a_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
+                       int64_t kc, tf_fp8_format f, float *dst) {
+  for (int64_t r = 0; r < covered(valid, 96, TF_GEMM_MB); ++r)
+    block_row(x, ld, r0, r, valid, k0, kc, f, dst + r * kc);
+}
+
+/* b block as float32 panels of TF_GEMM_NR columns: [panel][kc][NR] (rows decoded, then
+ * transposed through `row`, TF_GEMM_NR x kc floats). */
+static void pack_b_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
+                       int64_t kc, tf_fp8_format f, float *row, float *dst) {
+  for (int64_t p = 0; p < covered(valid, 32, TF_GEMM_NB); p += TF_GEMM_NR) {
+    for (int64_t w = 0; w < TF_GEMM_NR; ++w) block_row(x, ld, r0, p + w, valid, k0, kc, f, row + w * kc);
+    float *panel = dst + p * kc;
+    for (int64_t kk = 0; kk < kc; ++kk)
+      for (int64_t w = 0; w < TF_GEMM_NR; ++w) panel[kk * TF_GEMM_NR + w] = row[w * kc + kk];
+  }
+}
+
+#if TF_X86
+/* float32 -> bfloat16 bits of values that are bfloat16 values (truncation is exact). */
+static void to_bf16_bits(const float *src, int64_t n, int64_t n_pad, uint16_t *dst) {
+  int64_t i = 0;
+  for (; i < n; ++i) dst[i] = (uint16_t)(tf_f32_bits(src[i]) >> 16);
+  for (; i < n_pad; ++i) dst[i] = 0;
+}
+
+/* a block as groups of 16 rows, [group][16][kc_pad] bf16, zero past kc. */
+static void pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
+                        int64_t kc, int64_t kc_pad, tf_fp8_format f, float *row, uint16_t *dst) {
+  for (int64_t r = 0; r < covered(valid, 96, TF_GEMM_MB); ++r) {
+    block_row(x, ld, r0, r, valid, k0, kc, f, row);
+    to_bf16_bits(row, kc, kc_pad, dst + r * kc_pad);
+  }
+}
+
+/* b block as groups of 16 columns in the VNNI layout [group][kc_pad / 2][16][2] bf16: a transpose
+ * of 32-bit pairs, through `pairs` (16 x kc_pad bf16). */
+static void pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
+                        int64_t kc, int64_t kc_pad, tf_fp8_format f, float *row, uint16_t *pairs,
+                        uint16_t *dst) {
+  for (int64_t g = 0; g < covered(valid, 32, TF_GEMM_NB); g += 16) {
+    for (int64_t c = 0; c < 16; ++c) {
+      block_row(x, ld, r0, g + c, valid, k0, kc, f, row);
+      to_bf16_bits(row, kc, kc_pad, pairs + c * kc_pad);
+    }
+    uint16_t *group = dst + g * kc_pad;
+    for (int64_t p = 0; p < kc_pad / 2; ++p)
+      for (int64_t c = 0; c < 16; ++c) {
+        group[p * 32 + c * 2] = pairs[c * kc_pad + 2 * p];
+        group[p * 32 + c * 2 + 1] = pairs[c * kc_pad + 2 * p + 1];
+      }
+  }
+}
+#endif
+
+/* ---- epilogue --------------------------------------------------------------------------- */
+
+static float load_as_f32(const void *p, tf_dtype d, int64_t i) {
+  if (d == TF_FLOAT32) return ((const float *)p)[i];
+  const uint16_t h = ((const uint16_t *)p)[i];
+  return d == TF_BFLOAT16 ? tf_bf16_to_f32(h) : tf_f16_to_f32(h);
+}
+
+static void epilogue(const float *acc, int64_t rows, int64_t cols, float scale, const void *bias,
+                     tf_dtype bias_dtype, void *out, tf_dtype out_dtype, int64_t ldo,
+                     int64_t row0, int64_t col0) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float *src = acc + i * TF_GEMM_NB;
+    const int64_t o = (row0 + i) * ldo + col0;
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = src[j] * scale;
+      if (bias) v += load_as_f32(bias, bias_dtype, col0 + j);
+      if (out_dtype == TF_FLOAT32)
+        ((float *)out)[o + j] = v;
+      else if (out_dtype == TF_BFLOAT16)
+        ((uint16_t *)out)[o + j] = tf_f32_to_bf16(v);
+      else
+        ((uint16_t *)out)[o + j] = tf_f32_to_f16(v);
+    }
+  }
+}
+
+/* ---- driver ----------------------------------------------------------------------------- */
+
+/* Scratch of one call: the accumulator tile, the packed blocks and the rows being decoded. */
+typedef struct {
+  float *acc;     /* MB x NB */
+  void *a_pack;   /* MB x KC floats (the larger of the two layouts) */
+  void *b_pack;   /* NB x KC floats */
+  float *row;     /* NR x KC floats */
+  uint16_t *pairs; /* 16 x KC bf16 */
+} scratch;
+
+static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, tf_fp8_format fb,
+                         int64_t m, int64_t n, int64_t k, tf_isa isa, int64_t row0, int64_t col0,
+                         const scratch *w) {
+  const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
+  const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
+  memset(w->acc, 0, sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
+  for (int64_t k0 = 0; k0 < k; k0 += TF_GEMM_KC) {
+    const int64_t kc = k - k0 < TF_GEMM_KC ? k - k0 : TF_GEMM_KC;
+#if TF_X86
+    if (isa >= TF_ISA_AVX512_BF16) {
+      const int64_t kc_pad = (kc + 31) / 32 * 32; /* whole AMX tiles; TF_GEMM_KC is a multiple */
+      pack_a_bf16(a, k, row0, rows, k0, kc, kc_pad, fa, w->row, w->a_pack);
+      pack_b_bf16(b, k, col0, cols, k0, kc, kc_pad, fb, w->row, w->pairs, w->b_pack);
+      if (isa == TF_ISA_AMX)
+        tf_gemm_block_bf16_amx(kc_pad, w->a_pack, w->b_pack, w->acc, rows, cols);
+      else
+        tf_gemm_block_bf16_avx512(kc_pad, w->a_pack, w->b_pack, w->acc, rows, cols);
+      continue;
+    }
+#endif
+    pack_a_f32(a, k, row0, rows, k0, kc, fa, w->a_pack);
+    pack_b_f32(b, k, col0, cols, k0, kc, fb, w->row, w->b_pack);
+#if TF_X86
+    if (isa >= TF_ISA_AVX2) {
+      tf_gemm_block_f32_avx2(kc, w->a_pack, w->b_pack, w->acc, rows, cols);
+      continue;
+    }
+#endif
+    tf_gemm_block_f32_portable(kc, w->a_pack, w->b_pack, w->acc, rows, cols);
+  }
+}
+
+tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t *b,
+                         tf_fp8_format format_b, int64_t m, int64_t n, int64_t k,
+                         float scale_inv_a, float scale_inv_b, const void *bias,
+                         tf_dtype bias_dtype, void *out, tf_dtype out_dtype, tf_isa isa,
+                         int64_t tile_begin, int64_t tile_end) {
+  const tf_status s =
+      tf_fp8_gemm_check(m, n, k, format_a, format_b, bias != 0, bias_dtype, out_dtype, isa);
+  if (s != TF_OK) return s;
+  const int64_t tiles = tf_fp8_gemm_tiles(m, n);
+  if (!tf_range_ok(tile_begin, tile_end, tiles)) return TF_ERR_BAD_SIZE;
+  if (tile_begin == tile_end) return TF_OK;
+  if (!out || (k > 0 && (!a || !b))) return TF_ERR_NULL_POINTER;
+
+  scratch w;
+  w.acc = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
+  w.a_pack = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_KC);
+  w.b_pack = malloc(sizeof(float) * TF_GEMM_NB * TF_GEMM_KC);
+  w.row = malloc(sizeof(float) * TF_GEMM_NR * TF_GEMM_KC);
+  w.pairs = malloc(sizeof(uint16_t) * 16 * TF_GEMM_KC);
+  tf_status result = TF_OK;
+  if (!w.acc || !w.a_pack || !w.b_pack || !w.row || !w.pairs) {
+    result = TF_ERR_BAD_ARGUMENT;
+  } else {
+    const float scale = scale_inv_a * scale_inv_b;
+    const int64_t tiles_n = (n + TF_GEMM_NB - 1) / TF_GEMM_NB;
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      const int64_t row0 = (t / tiles_n) * TF_GEMM_MB, col0 = (t % tiles_n) * TF_GEMM_NB;
+      compute_tile(a, format_a, b, format_b, m, n, k, isa, row0, col0, &w);
+      const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
+      const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
+      epilogue(w.acc, rows, cols, scale, bias, bias_dtype, out, out_dtype, n, row0, col0);
+    }
+  }
+  free(w.acc);
+  free(w.a_pack);
+  free(w.b_pack);
+  free(w.row);
+  free(w.pairs);
+  return result;
+}

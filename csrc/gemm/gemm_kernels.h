@@ -1,0 +1,46 @@
+/* The per-path inner kernels of the FP8 GEMM (internal to csrc/gemm).
+ *
+ * A tile of the output is TF_GEMM_MB x TF_GEMM_NB, accumulated in float32 in `acc` (row stride
+ * TF_GEMM_NB) over k blocks of at most TF_GEMM_KC. Each path packs a block of a and b in its own
+ * layout, from FP8 codes decoded exactly (fp8_format.h):
+ *
+ * float32 paths (portable, AVX2): a as panels of TF_GEMM_MR rows, [MR][kc] floats (row-major, so
+ *   packing a is a plain decode); b as panels of TF_GEMM_NR columns, [kc][NR] floats.
+ * bf16 pair paths (AVX512-BF16, AMX): kc rounded up to kc_pad (a multiple of 32) with zeros;
+ *   a as groups of 16 rows, [16][kc_pad] bf16 (row-major, what an AMX A tile loads);
+ *   b as groups of 16 columns, [kc_pad / 2][16][2] bf16 (the VNNI layout of an AMX B tile). */
+#ifndef TF_GEMM_KERNELS_H
+#define TF_GEMM_KERNELS_H
+
+#include <stdint.h>
+
+#include "fp8_gemm.h"
+
+#define TF_GEMM_MR 6
+#define TF_GEMM_NR 16
+
+/* Every path's register blocks tile a block exactly: rows in 6s (float32) and 32s (AMX),
+ * columns in 16s and 32s, k in AMX's 32-deep tiles. */
+_Static_assert(TF_GEMM_MB % 96 == 0, "TF_GEMM_MB must be a multiple of lcm(6, 32)");
+_Static_assert(TF_GEMM_NB % 32 == 0, "TF_GEMM_NB must be a multiple of 32");
+_Static_assert(TF_GEMM_KC % 32 == 0, "TF_GEMM_KC must be a multiple of 32");
+
+/* acc[MB x NB] += a_pack . b_pack^T over kc (float32 layouts), for the register blocks that
+ * cover the first `rows` rows and `cols` columns (the rest of the tile is left alone, so small
+ * outputs cost what they hold; packed rows and columns past them within a block are zeros). */
+void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
+                                int64_t rows, int64_t cols);
+#if TF_X86
+void tf_gemm_block_f32_avx2(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
+                            int64_t rows, int64_t cols);
+/* The same over kc_pad (bf16 pair layouts). */
+void tf_gemm_block_bf16_avx512(int64_t kc_pad, const uint16_t *a_pack, const uint16_t *b_pack,
+                               float *acc, int64_t rows, int64_t cols);
+void tf_gemm_block_bf16_amx(int64_t kc_pad, const uint16_t *a_pack, const uint16_t *b_pack,
+                            float *acc, int64_t rows, int64_t cols);
+#endif
+
+/* The number of blocks of `size` that cover `extent`. */
+static inline int64_t tf_gemm_blocks(int64_t extent, int64_t size) { return (extent + size - 1) / size; }
+
+#endif /* TF_GEMM_KERNELS_H */
