@@ -30,7 +30,12 @@ def _test_seed(nodeid):
 @pytest.fixture(autouse=True)
 def _seed_torch_per_test(request):
     """Draws from torch's default generator depend on the test alone, not on which tests ran before."""
-    torch.manual_seed(_test_seed(request.node.nodeid) ^ 0x5EED)
+    seed = _test_seed(request.node.nodeid) ^ 0x5EED
+    # Not torch.manual_seed: its first call imports torch._dynamo, which pytester's in-process
+    # runs (test_pytest_plugin.py) would then drop from sys.modules.
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 
 @pytest.fixture(params=["cpu", "cuda"])
