@@ -74,11 +74,26 @@ def storage_poison_extension():
 class BuildExtension(cpp_extension.BuildExtension):
     """Compiles the C sources with a C compiler and C flags, then builds the rest."""
 
+    def run(self):
+        super().run()
+        self._record_torch()
+
     def build_extension(self, ext):
         c_sources = [s for s in ext.sources if s.endswith(".c")]
         ext.sources = [s for s in ext.sources if not s.endswith(".c")]
         ext.extra_objects = list(ext.extra_objects or []) + self._compile_c(c_sources)
         super().build_extension(ext)
+
+    def _record_torch(self):
+        """The exact torch the classic-API module is built for; release_storage loads it only there."""
+        import torch
+
+        folders = [os.path.join(self.build_lib, "te_fuser")]
+        if self.inplace:  # the modules were copied into the source tree
+            folders.append(os.path.join(ROOT, "te_fuser"))
+        for folder in folders:
+            with open(os.path.join(folder, "_storage_poison_torch.txt"), "w") as handle:
+                handle.write(f"{torch.__version__} {torch.version.git_version}\n")
 
     def _compile_c(self, sources):
         cc = os.environ.get("CC", "cc")

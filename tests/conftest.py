@@ -1,7 +1,41 @@
+import os
+import zlib
+
 import pytest
 import torch
 
+import te_fuser
+from te_fuser.memory.release import guard_mechanism
+
+# The memory-limit markers and options, also when te_fuser is imported from a source tree
+# without its pytest11 entry point. The entry point has the same name, so pytest loads
+# the plugin once either way; --strict-markers (pyproject.toml) fails loudly without it.
+pytest_plugins = ["te_fuser.testing.pytest_plugin"]
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_report_header(config):
+    """Which te_fuser and torch this run tests (.ci/run checks the line)."""
+    mechanism, why_not = guard_mechanism()
+    return [f"te_fuser: {os.path.dirname(te_fuser.__file__)}",
+            f"torch: {torch.__version__} (CUDA {torch.version.cuda}), release_storage guard: {mechanism or why_not}"]
+
+
+def _test_seed(nodeid):
+    """A fixed seed per test, from its node id: every run draws the same inputs, so a failure replays."""
+    return zlib.crc32(nodeid.encode()) & 0x7FFFFFFF
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch_per_test(request):
+    """Draws from torch's default generator depend on the test alone, not on which tests ran before."""
+    seed = _test_seed(request.node.nodeid) ^ 0x5EED
+    # Not torch.manual_seed: its first call imports torch._dynamo, which pytester's in-process
+    # runs (test_pytest_plugin.py) would then drop from sys.modules.
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
 
 
 @pytest.fixture(params=["cpu", "cuda"])
@@ -13,8 +47,8 @@ def device(request):
 
 
 @pytest.fixture
-def generator():
-    """A freshly seeded generator per test: random, yet reproducible from the printed seed."""
-    seed = torch.seed() % (2**31)
-    print(f"random seed: {seed}")
+def generator(request):
+    """A generator seeded from the test's node id; the seed is printed (shown with a failure)."""
+    seed = _test_seed(request.node.nodeid)
+    print(f"random seed: {seed} (fixed for {request.node.nodeid})")
     return torch.Generator().manual_seed(seed)

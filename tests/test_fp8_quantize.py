@@ -215,3 +215,41 @@ def test_empty_tensors_work(device):
 def test_fp8_max_values():
     assert k.fp8_max(torch.float8_e4m3fn) == 448.0
     assert k.fp8_max(torch.float8_e5m2) == 57344.0
+
+
+def _boundaries(n, log2_chunks):
+    """First and last element of every chunk, for chunks of 2^k elements (k in log2_chunks), and the ends."""
+    edges = {c * 2**k + d for k in log2_chunks for c in (1, 2, 3) for d in (-1, 0)}
+    return sorted(p for p in edges | {0, n - 1} if 0 <= p < n)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_amax_at_chunk_boundaries(device, generator, dtype):
+    """The ops split the tensor into chunks (2^16 elements on the CPU): a maximum at the first or
+    last element of any chunk, or at the tensor's last element, must reach amax through the op."""
+    n = 3 * 2**16 + 1000
+    x = (torch.rand(n, generator=generator) * 2 - 1).to(dtype).to(device)  # |x| < 1
+    scale = torch.ones(1, device=device)
+    for position in _boundaries(n, (4, 7, 10, 13, 15, 16, 17)):
+        peak = -7.5 if position % 2 else 7.5
+        x[position] = peak
+        amax = torch.zeros(1, device=device)
+        k.quantize(x, scale, amax, torch.float8_e4m3fn)
+        found = (amax.item(), k.compute_amax(x).item())
+        x[position] = 0.5
+        assert found == (7.5, 7.5), f"max at element {position} of {n}: amax (quantize, compute_amax) = {found}"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cast_transpose_amax_at_band_boundaries(device, generator, dtype):
+    """cast_transpose works in bands of rows: the maximum at the first or last element of a band."""
+    rows, cols = 3 * 2**11 + 37, 48
+    x = (torch.rand(rows, cols, generator=generator) * 2 - 1).to(dtype).to(device)
+    scale = torch.ones(1, device=device)
+    for row in _boundaries(rows, (3, 5, 7, 9, 11)):
+        for col in (0, cols - 1):
+            x[row, col] = 7.5
+            amax = torch.zeros(1, device=device)
+            k.cast_transpose(x, scale, amax, torch.float8_e5m2)
+            x[row, col] = 0.5
+            assert amax.item() == 7.5, f"max at ({row}, {col}) of {tuple(x.shape)}: amax {amax.item()}"

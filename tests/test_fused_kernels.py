@@ -247,3 +247,19 @@ def test_cuda_matches_cpu(dtype):
     y8g = fused.bias_activation(x.cuda(), b.cuda(), "gelu", fp8_out=(torch.float8_e4m3fn, scale.cuda(), amax_gpu))
     torch.testing.assert_close(y8g.cpu().float(), y8.float(), rtol=2 ** -3, atol=2 ** -9)
     torch.testing.assert_close(amax_gpu.cpu(), amax_cpu, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "none"])
+@pytest.mark.parametrize("rows, cols", [(4096, 64), (3001, 40), (2 * 2731 + 7, 24)])
+def test_dbias_over_several_row_bands_matches_reference(act, rows, cols):
+    """dbias sums per-band partials (bands of about 2^16 elements): 4 bands, 2 bands, and 3 bands
+    whose last one holds 7 rows. Each band's rows must reach the float64 reference."""
+    x, g, b = _rand(rows, cols), _rand(rows, cols, scale=1.0), _rand(cols)
+    b64 = b.double().requires_grad_()
+    _ref_act(act, x.double() + b64).backward(g.double())
+    _, db = fused.activation_bias_backward(g, x, b, act)
+    # float32 rounding of act' and of the sums: a small multiple of eps * sum |g| per column
+    bound = 1e-5 * g.double().abs().sum(0)
+    err = (db.double() - b64.grad).abs()
+    worst = err.argmax().item()
+    assert (err <= bound).all(), f"dbias error {err[worst].item()} at column {worst} exceeds {bound[worst].item()}"

@@ -234,3 +234,42 @@ def test_bad_inputs():
         linear(torch.randn(2, 9))
     with pytest.raises(TypeError, match="dtype"):
         linear(torch.randn(2, 8, dtype=torch.bfloat16))
+
+
+def test_delayed_scaling_backward_state_is_e5m2_with_its_own_scale(monkeypatch):
+    """HYBRID under DelayedScaling: gradients in E5M2, scaled by the backward state from the
+    gradient amax of the step before (scale = E5M2 max / amax, margin 0)."""
+    handed = []
+    original_backward = BasicLinear.op_backward
+
+    def spy_backward(self, ctx, grad_output):
+        if isinstance(grad_output, Float8Tensor):
+            handed.append((grad_output._fp8_dtype, grad_output._data.dtype, grad_output._scale_inv.item()))
+        return original_backward(self, ctx, grad_output)
+
+    monkeypatch.setattr(BasicLinear, "op_backward", spy_backward)
+    model = CHAINS["ln_mlp_gelu"]()
+    _randomize(model)
+    x = torch.randn(32, 64, requires_grad=True)
+    dy = torch.randn(32, 64)
+    with te_fuser.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        out = model(x)
+    out.backward(dy)
+    state = model[1]._fp8_states[1]  # the first linear's backward state: the gradient at its output
+    assert state.fp8_dtype == torch.float8_e5m2
+    # Independent reference for that gradient's amax: the chain in float64 (FP8 forward: within 10%).
+    with torch.no_grad():
+        z = F.linear(F.layer_norm(x.double(), (64,), model[0].weight.double(), model[0].bias.double()),
+                     model[1].weight.double()) + model[2].bias.double()
+    z.requires_grad_()
+    y = F.linear(F.gelu(z, approximate="tanh"), model[4].weight.double()) + model[5].bias.double()
+    y.backward(dy.double())
+    recorded = state.amax.item()
+    assert recorded == pytest.approx(z.grad.abs().max().item(), rel=0.1)
+
+    with te_fuser.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        out = model(x)  # the exit of this context folds the first backward's amax into the scale
+    out.backward(dy)
+    assert state.scale.item() == pytest.approx(torch.finfo(torch.float8_e5m2).max / recorded, rel=1e-6)
+    assert handed and handed[-1][:2] == (torch.float8_e5m2, torch.float8_e5m2)
+    assert handed[-1][2] == pytest.approx(recorded / torch.finfo(torch.float8_e5m2).max, rel=1e-6)

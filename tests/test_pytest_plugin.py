@@ -15,7 +15,8 @@ pytest_plugins = ["pytester"]
 # Unrelated third-party plugins are kept out of the inner runs: pytester drops what an inner
 # run imported, so each run would import them again.
 PLUGIN = ("-p", "te_fuser.testing.pytest_plugin", "-p", "no:hypothesispytest", "-p", "no:benchmark")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where this run imports te_fuser from: the source tree, or an installed wheel (.ci/run's ABI matrix).
+TE_FUSER_PARENT = os.path.dirname(os.path.dirname(te_fuser.__file__))
 
 # 4 MiB float32 buffers; device="cpu" so that the probes behave the same on GPU machines
 PROBES = """
@@ -198,7 +199,7 @@ def test_loading_through_entry_point_and_p_twice(pytester):
             torch.ones(1 << 20)
         """
     )
-    env_path = os.pathsep.join([str(pytester.path / "site"), REPO_ROOT, os.environ.get("PYTHONPATH", "")])
+    env_path = os.pathsep.join([str(pytester.path / "site"), TE_FUSER_PARENT, os.environ.get("PYTHONPATH", "")])
     pytester._monkeypatch.setenv("PYTHONPATH", env_path)
     pytester._monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     result = pytester.runpytest_subprocess(*PLUGIN, "--strict-markers")

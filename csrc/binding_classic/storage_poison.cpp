@@ -1,11 +1,12 @@
 // te_fuser._storage_poison: the one file of te_fuser on torch's classic (unstable) C++ API.
 //
-// release_storage() frees a storage that views may still point at. Torch's CPU read kernels
-// do not check a storage's size, so a read through such a view would dereference a null data
-// pointer. StorageImpl can instead be told to throw on every data-pointer access, reads
-// included; that switch is not in the stable ABI (nor bound in CPU builds of torch), hence
-// this separate module. It is loaded only by release_storage, which falls back to a weaker
-// guard if it does not load (e.g. against another torch version).
+// release_storage() frees a storage that views may still point at, leaving it a null data
+// pointer. StorageImpl can be told to throw on every data-pointer access, reads included;
+// that switch is not in the stable ABI, and only CUDA builds of torch bind it to Python
+// (torch._C._set_storage_data_ptr_access_error_msg), hence this separate module for CPU
+// builds. It writes StorageImpl's fields through torch's inline headers, so it is correct
+// only under the exact torch it was built against: setup.py records that torch, and
+// release_storage loads the module only under it.
 #include <ATen/core/Tensor.h>
 #include <Python.h>
 #include <torch/library.h>
@@ -17,7 +18,8 @@ namespace {
 void poison_storage(const at::Tensor& tensor, std::string message) {
   TORCH_CHECK(tensor.has_storage(), "poison_storage: tensor has no storage");
   c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-  TORCH_CHECK(storage->nbytes() == 0, "poison_storage: only a released (0-byte) storage may be poisoned");
+  TORCH_CHECK(storage->_mutable_data_ptr_no_checks().get() == nullptr,
+              "poison_storage: only a released storage (null data pointer) may be poisoned");
   storage->release_data_and_set_meta_custom_data_ptr_error_msg_(std::move(message));
 }
 

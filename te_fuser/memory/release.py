@@ -4,21 +4,80 @@
 (e.g. the true-shape view of a padded all-gather buffer, seed 003) still owns the storage.
 Resizing the shared UntypedStorage to 0 bytes frees it for all of them at once.
 
-After the release, every tensor on that storage still has its shape but no bytes, and
-the storage is poisoned: any read or write through it, or through any view of it, raises
-RuntimeError. Torch's own switch for that (``torch._C._set_storage_access_error_msg``)
-exists only in CUDA builds; elsewhere te_fuser's one classic-API module
-(``te_fuser._storage_poison``, see csrc/README.md) sets the same StorageImpl flag. Only if
-that module cannot load (built for another torch) does the guard fall back to refusing
-writes; unchecked read kernels would then dereference the released (null) data pointer.
-The release is final: the storage cannot be resized back.
+After the release the StorageImpl itself (shared by the tensor and all its views) holds a
+null data pointer and is poisoned: every access to its data, for reading or writing, raises
+RuntimeError naming release_storage, on CPU and CUDA tensors alike, so no kernel ever runs
+on the null pointer. The storage keeps the byte size it had (``nbytes()`` still answers,
+with the size before the release, as torch does for the CUDA-graph outputs it invalidates),
+so taking a view (``t[3]``, ``t.t()``) only builds metadata and succeeds; the first read or
+write through it raises. The release is final: resizing the storage raises too.
+
+The poison is a flag on the StorageImpl, set by:
+- torch's own ``torch._C._set_storage_data_ptr_access_error_msg`` where torch binds it
+  (CUDA builds of torch; pure Python, so it holds for any torch version);
+- else (CPU builds) te_fuser's one classic-API module, ``te_fuser._storage_poison``, which
+  is used only under the exact torch it was built against (see csrc/README.md). Under any
+  other CPU build nothing can set the flag: te_fuser warns at import, and release_storage
+  raises before freeing anything.
 """
 
 import gc
+import os
+import warnings
 
 import torch
 
 _RELEASED_MESSAGE = "this tensor's storage was released by te_fuser.memory.release_storage; it must not be used"
+# Written by setup.py next to te_fuser._storage_poison: the torch that module was built against.
+_CLASSIC_TORCH_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_storage_poison_torch.txt")
+
+
+def running_torch() -> str:
+    """The running torch, as setup.py records the one _storage_poison is built against."""
+    return f"{torch.__version__} {torch.version.git_version}"
+
+
+def _classic_module_torch():
+    try:
+        with open(_CLASSIC_TORCH_FILE) as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def guard_mechanism():
+    """(name, None) of the mechanism that poisons released storages here, or (None, why not)."""
+    if not all(hasattr(torch._C, name) for name in ("_construct_storage_from_data_pointer", "StorageBase")) or \
+            not hasattr(torch._C.StorageBase, "_swap_data_ptr_"):
+        return None, f"torch {torch.__version__} lacks the storage functions release_storage needs"
+    if hasattr(torch._C, "_set_storage_data_ptr_access_error_msg"):
+        return "torch._C._set_storage_data_ptr_access_error_msg", None
+    built_for = _classic_module_torch()
+    if built_for == running_torch():
+        return "te_fuser._storage_poison", None
+    return None, (
+        f"this CPU build of torch ({torch.__version__}) cannot mark a storage as released from Python, and "
+        f"te_fuser._storage_poison was built against {built_for or 'an unknown torch'}, not this one "
+        "(it uses torch's unstable C++ API); rebuild te_fuser against this torch "
+        "(pip install --no-build-isolation te_fuser from source) to use release_storage"
+    )
+
+
+def _poisoner(mechanism):
+    """poison(storage, tensor), resolved before anything is freed."""
+    if mechanism == "te_fuser._storage_poison":
+        from .. import _storage_poison  # noqa: F401  (registers torch.ops.te_fuser.poison_storage)
+
+        return lambda storage, tensor: torch.ops.te_fuser.poison_storage(tensor, _RELEASED_MESSAGE)
+    return lambda storage, tensor: torch._C._set_storage_data_ptr_access_error_msg(storage._cdata, _RELEASED_MESSAGE)
+
+
+def _is_released(storage):
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return True  # poisoned already (by release_storage, or by torch for a CUDA graph's output)
+    return False
 
 
 def _storage_identity(tensor):
@@ -75,25 +134,24 @@ def release_storage(tensor, *, streams=(), parameters=None, allow_parameter=Fals
             )
     if streams and tensor.device.type != "cuda":
         raise ValueError(f"streams only apply to CUDA tensors, got a tensor on {tensor.device}")
+    mechanism, why_not = guard_mechanism()
+    if mechanism is None:
+        raise RuntimeError(f"release_storage is unavailable: {why_not}")
+    poison = _poisoner(mechanism)
     storage = tensor.untyped_storage()
     freed = storage.nbytes()
-    if freed == 0:
-        return 0  # already released (or empty): nothing to free, and it is poisoned already
+    if freed == 0 or _is_released(storage):
+        return 0  # empty, or released already: nothing to free
     if tensor.device.type == "cuda":
         _protect_from_reuse(tensor, streams)
     storage.resize_(0)
-    _poison(tensor)
+    # A null data pointer with the old byte size: views keep passing torch's bounds checks,
+    # so every use reaches the data-pointer access, which the poison turns into the error.
+    storage._swap_data_ptr_(torch._C._construct_storage_from_data_pointer(0, storage.device, freed))
+    poison(storage, tensor)
     return freed
 
 
-def _poison(tensor):
-    set_message = getattr(torch._C, "_set_storage_access_error_msg", None)
-    if set_message is not None:
-        set_message(tensor, _RELEASED_MESSAGE)
-        return
-    try:
-        from .. import _storage_poison  # noqa: F401  (registers torch.ops.te_fuser.poison_storage)
-    except ImportError:
-        torch._C._set_throw_on_mutable_data_ptr(tensor)
-        return
-    torch.ops.te_fuser.poison_storage(tensor, _RELEASED_MESSAGE)
+_mechanism, _why_not = guard_mechanism()
+if _mechanism is None:
+    warnings.warn(f"te_fuser.memory.release_storage will raise: {_why_not}", RuntimeWarning, stacklevel=2)
