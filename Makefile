@@ -12,6 +12,7 @@ TORCH_INCLUDES = $(shell $(PYTHON) -c "from torch.utils.cpp_extension import inc
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
 	$(PYTHON) -m pip install -q pytest numpy tqdm matplotlib
+	$(PYTHON) -m pip install -q --no-deps megatron-core==0.16.1  # tests/clients; --no-deps keeps torch pinned
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 
 demo: install
