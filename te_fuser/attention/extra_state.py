@@ -48,6 +48,13 @@ def dpa_extra_state(state) -> torch.Tensor:
     return te_state_payload(state.recipe, DPA_NUM_GEMMS, scale_fwd, hist_fwd, scale_bwd, hist_bwd)
 
 
+def _is_qkv_triple(scale, history, qkv_scale, qkv_history) -> bool:
+    """Whether per-tensor slots hold what dpa_extra_state wrote for the QKV slot beside them (TE leaves
+    them at scale 1, history 0, and once TE has trained on, the QKV slot no longer matches them)."""
+    written = bool((scale != 1).any()) or bool(history.any())
+    return written and torch.equal(scale.min(), qkv_scale) and torch.equal(history.amax(dim=1), qkv_history)
+
+
 def load_dpa_extra_state(payload, device) -> Optional[DelayedScalingState]:
     """The q, k, v scaling state held by TE's DotProductAttention `_extra_state` (a uint8 tensor, TE 0.x's
     io.BytesIO, or None); None when it holds no delayed-scaling state."""
@@ -58,10 +65,7 @@ def load_dpa_extra_state(payload, device) -> Optional[DelayedScalingState]:
     if slots is None:
         return None
     scale, history = slots.scale_fwd[PER_TENSOR_SLOTS], slots.amax_history_fwd[:, PER_TENSOR_SLOTS]
-    written_by_te_fuser = ((scale != 1).any() or history.any()) and \
-        torch.equal(scale.min(), slots.scale_fwd[QKV_SLOT]) and \
-        torch.equal(history.amax(dim=1), slots.amax_history_fwd[:, QKV_SLOT])
-    if not written_by_te_fuser:
+    if not _is_qkv_triple(scale, history, slots.scale_fwd[QKV_SLOT], slots.amax_history_fwd[:, QKV_SLOT]):
         scale = slots.scale_fwd[QKV_SLOT].repeat(_QKV)
         history = slots.amax_history_fwd[:, QKV_SLOT:QKV_SLOT + 1].repeat(1, _QKV)
     amax, history = from_te_history(history)
