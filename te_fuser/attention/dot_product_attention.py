@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..fp8_state import FP8GlobalState, make_recipe_state
+from ..fp8_state import DelayedScalingState, FP8GlobalState, make_recipe_state
 from ..kernels.validate import FLOAT_DTYPES
 from .function import FusedAttentionFunction
 from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
@@ -127,10 +127,42 @@ class DotProductAttention(torch.nn.Module):
         if recipe.fp8_format.fwd_dtype != torch.float8_e4m3fn:
             raise NotImplementedError(f"fp8_dpa with fp8_format={recipe.fp8_format.name}: the attention kernels "
                                       "take E4M3 inputs (use Format.E4M3 or Format.HYBRID)")
+        if (self._fp8_device != device and self._fp8_recipe == recipe
+                and isinstance(self._fp8_state, DelayedScalingState)):
+            # A loaded state (kept on the CPU: this module has no parameters), or inputs on a new device.
+            self._fp8_state.to(device)
+            self._fp8_device = device
         if self._fp8_state is None or self._fp8_recipe != recipe or self._fp8_device != device:
             self._fp8_state = make_recipe_state(recipe, 3, forward=True, device=device)
             self._fp8_recipe, self._fp8_device = recipe, device
         return self._fp8_state.quantizers(FP8GlobalState.get_group())
+
+    def get_extra_state(self) -> torch.Tensor:
+        """TE's `_extra_state`: the q, k, v delayed-scaling state (see te_fuser/attention/extra_state.py)."""
+        # Imported here: the TE format lives in te_fuser.module, whose MultiheadAttention imports this module.
+        from .extra_state import dpa_extra_state
+        return dpa_extra_state(self._fp8_state)
+
+    def set_extra_state(self, state) -> None:
+        from .extra_state import load_dpa_extra_state
+        loaded = load_dpa_extra_state(state, torch.device("cpu"))
+        if loaded is not None:
+            self._fp8_state, self._fp8_recipe, self._fp8_device = loaded, loaded.recipe, torch.device("cpu")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        own, legacy = prefix + "_extra_state", prefix + "fused_attention._extra_state"
+        if legacy in state_dict:
+            # TE 1.6 / 1.7 kept this module's FP8 metadata under its fused_attention submodule (TE reads it
+            # there when the newer key is absent, and ignores it otherwise).
+            if legacy in unexpected_keys:
+                unexpected_keys.remove(legacy)
+            if own not in state_dict:
+                self.set_extra_state(state_dict[legacy])
+        if own in missing_keys:
+            missing_keys.remove(own)  # checkpoints of TE <= 1.5 and older te_fuser had no attention FP8 state
 
     def _lengths(self, q, k, qkv_format, mask_type, attention_mask, cu_seqlens_q, cu_seqlens_kv):
         """(cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv) for the kernels."""

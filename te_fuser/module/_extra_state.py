@@ -29,7 +29,7 @@ converting between them keeps every future scale identical.
 """
 
 import io
-from typing import List, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,7 +63,8 @@ def _empty() -> torch.Tensor:
 
 
 # -- te_fuser history <-> TE history ---------------------------------------------------------
-def _from_te_history(te_history: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def from_te_history(te_history: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(amax, amax_history) of a te_fuser state from a TE-layout history (see the module docstring)."""
     history = torch.zeros_like(te_history)
     history[:-1] = te_history[1:].flip(0)
     return te_history[0].clone(), history
@@ -79,6 +80,25 @@ def _te_recipe(recipe: DelayedScaling) -> TERecipe:
         "fp8_dpa": bool(recipe.fp8_dpa), "fp8_mha": bool(recipe.fp8_mha)})
 
 
+def empty_te_slots(recipe: DelayedScaling, num_gemms: int):
+    """TE's (scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd) for `num_gemms` GEMMs as a fresh
+    TE module holds them: scales 1, histories 0."""
+    length = int(recipe.amax_history_len)
+    return (torch.ones(_FWD_SLOTS * num_gemms), torch.zeros(length, _FWD_SLOTS * num_gemms),
+            torch.ones(_BWD_SLOTS * num_gemms), torch.zeros(length, _BWD_SLOTS * num_gemms))
+
+
+def te_state_payload(recipe: DelayedScaling, num_gemms: int, scale_fwd, hist_fwd, scale_bwd,
+                     hist_bwd) -> torch.Tensor:
+    """TE's `_extra_state` bytes (a uint8 tensor) of a delayed-scaling state in TE's slot layout."""
+    fmt = recipe.fp8_format
+    state = {"recipe": _te_recipe(recipe), "scale_fwd": scale_fwd, "amax_history_fwd": hist_fwd,
+             "scale_bwd": scale_bwd, "amax_history_bwd": hist_bwd,
+             "extra_fp8_variables": {"fp8_checkpoint": True, "num_gemms": num_gemms,
+                                     "fp8_max_fwd": float(fmt.max_fwd), "fp8_max_bwd": float(fmt.max_bwd)}}
+    return torch.frombuffer(bytearray(te_dumps(state)), dtype=torch.uint8)
+
+
 def get_fp8_extra_state(ops: Sequence[BasicOperation]) -> torch.Tensor:
     """TE's `_extra_state` for a module made of `ops`: a uint8 tensor, empty when there is no state."""
     fp8_ops = _fp8_ops(ops)
@@ -88,9 +108,7 @@ def get_fp8_extra_state(ops: Sequence[BasicOperation]) -> torch.Tensor:
     if not isinstance(recipe, DelayedScaling):
         return _empty()  # stateless recipe, as in TE
     num_gemms = sum(g for _, g in fp8_ops)
-    length = int(recipe.amax_history_len)
-    scale_fwd, scale_bwd = torch.ones(_FWD_SLOTS * num_gemms), torch.ones(_BWD_SLOTS * num_gemms)
-    hist_fwd, hist_bwd = torch.zeros(length, _FWD_SLOTS * num_gemms), torch.zeros(length, _BWD_SLOTS * num_gemms)
+    scale_fwd, hist_fwd, scale_bwd, hist_bwd = empty_te_slots(recipe, num_gemms)
     gemm = 0
     for op, g in fp8_ops:
         if op._fp8_recipe != recipe:
@@ -106,12 +124,7 @@ def get_fp8_extra_state(ops: Sequence[BasicOperation]) -> torch.Tensor:
             scale_bwd[slot] = bwd.scale[k]
             hist_bwd[:, slot] = bwd_hist[:, k]
         gemm += g
-    fmt = recipe.fp8_format
-    state = {"recipe": _te_recipe(recipe), "scale_fwd": scale_fwd, "amax_history_fwd": hist_fwd,
-             "scale_bwd": scale_bwd, "amax_history_bwd": hist_bwd,
-             "extra_fp8_variables": {"fp8_checkpoint": True, "num_gemms": num_gemms,
-                                     "fp8_max_fwd": float(fmt.max_fwd), "fp8_max_bwd": float(fmt.max_bwd)}}
-    return torch.frombuffer(bytearray(te_dumps(state)), dtype=torch.uint8)
+    return te_state_payload(recipe, num_gemms, scale_fwd, hist_fwd, scale_bwd, hist_bwd)
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -157,31 +170,56 @@ def _check(name: str, tensor, shape) -> torch.Tensor:
     return tensor.to(torch.float32)
 
 
-def _load_te(fp8_ops, payload: dict, device) -> None:
+class TESlots(NamedTuple):
+    """A decoded delayed-scaling `_extra_state` in TE's slot layout (float32, checked shapes)."""
+    recipe: DelayedScaling
+    scale_fwd: torch.Tensor  # (3 * num_gemms,)
+    amax_history_fwd: torch.Tensor  # (amax_history_len, 3 * num_gemms), TE's history layout
+    scale_bwd: torch.Tensor  # (2 * num_gemms,)
+    amax_history_bwd: torch.Tensor  # (amax_history_len, 2 * num_gemms)
+
+
+def read_te_state(state, num_gemms: int) -> Optional[TESlots]:
+    """TE's `_extra_state` (a uint8 tensor, TE 0.x's io.BytesIO, or None) of a module of `num_gemms` GEMMs,
+    decoded with the safe unpickler; None when it holds no scaling state (empty, or a stateless recipe)."""
+    if state is None:
+        return None
+    if not isinstance(state, (torch.Tensor, io.BytesIO)):
+        raise TypeError(f"_extra_state must be a uint8 tensor, an io.BytesIO, a dict or None, got {type(state).__name__}")
+    payload = _decode(state)
+    if payload is None:
+        return None
+    if not isinstance(payload, dict):
+        raise ValueError(f"_extra_state must decode to a dict, got {type(payload).__name__}")
+    if num_gemms == 0:
+        raise ValueError("_extra_state holds FP8 state but this module has no FP8 GEMM")
     if not all(key in payload for key in _TE_KEYS):
         recipe = payload.get("recipe")
         if isinstance(recipe, PickledRecipe) and recipe.class_name != "DelayedScaling":
-            return  # a stateless recipe: nothing to restore (te_fuser takes the recipe from autocast)
+            return None  # a stateless recipe: nothing to restore (te_fuser takes the recipe from autocast)
         raise ValueError(f"_extra_state lacks TE's delayed-scaling tensors {[k for k in _TE_KEYS if k not in payload]}")
     recipe = _recipe_from_te(payload.get("recipe"))
-    num_gemms = sum(g for _, g in fp8_ops)
     length = payload["amax_history_fwd"].shape[0] if isinstance(payload["amax_history_fwd"], torch.Tensor) else 0
     if length != recipe.amax_history_len:
         recipe = DelayedScaling(**{**{f: getattr(recipe, f) for f in recipe.__dataclass_fields__},
                                    "amax_history_len": length})
-    scale_fwd = _check("scale_fwd", payload["scale_fwd"], (_FWD_SLOTS * num_gemms,))
-    hist_fwd = _check("amax_history_fwd", payload["amax_history_fwd"], (length, _FWD_SLOTS * num_gemms))
-    scale_bwd = _check("scale_bwd", payload["scale_bwd"], (_BWD_SLOTS * num_gemms,))
-    hist_bwd = _check("amax_history_bwd", payload["amax_history_bwd"], (length, _BWD_SLOTS * num_gemms))
+    return TESlots(recipe,
+                   _check("scale_fwd", payload["scale_fwd"], (_FWD_SLOTS * num_gemms,)),
+                   _check("amax_history_fwd", payload["amax_history_fwd"], (length, _FWD_SLOTS * num_gemms)),
+                   _check("scale_bwd", payload["scale_bwd"], (_BWD_SLOTS * num_gemms,)),
+                   _check("amax_history_bwd", payload["amax_history_bwd"], (length, _BWD_SLOTS * num_gemms)))
+
+
+def _load_te(fp8_ops, slots: TESlots, device) -> None:
     gemm = 0
     for op, g in fp8_ops:
         fwd_slots = [_FWD_SLOTS * (gemm + k) + role for k in range(g) for role in range(2)]
         bwd_slots = [_BWD_SLOTS * (gemm + k) for k in range(g)]
-        op_state = {"recipe": recipe}
-        for key, slots, scale, hist in (("forward", fwd_slots, scale_fwd, hist_fwd),
-                                        ("backward", bwd_slots, scale_bwd, hist_bwd)):
-            amax, history = _from_te_history(hist[:, slots])
-            scale_part = scale[slots].clone()
+        op_state = {"recipe": slots.recipe}
+        for key, columns, scale, hist in (("forward", fwd_slots, slots.scale_fwd, slots.amax_history_fwd),
+                                          ("backward", bwd_slots, slots.scale_bwd, slots.amax_history_bwd)):
+            amax, history = from_te_history(hist[:, columns])
+            scale_part = scale[columns].clone()
             op_state[key] = {"amax_history": history, "amax": amax, "scale": scale_part,
                              "scale_inv": torch.reciprocal(scale_part)}
         op.load_fp8_extra_state(op_state, device)
@@ -191,8 +229,6 @@ def _load_te(fp8_ops, payload: dict, device) -> None:
 def set_fp8_extra_state(ops: Sequence[BasicOperation], state, device) -> None:
     """Load TE's `_extra_state` (any of its formats) or an older te_fuser dict state into `ops`."""
     fp8_ops = _fp8_ops(ops)
-    if state is None:
-        return
     if isinstance(state, dict):  # te_fuser before TE's format: one op's dict, or {"ops": [...]}
         states = state["ops"] if "ops" in state else [state]
         if len(states) != len(fp8_ops):
@@ -200,13 +236,6 @@ def set_fp8_extra_state(ops: Sequence[BasicOperation], state, device) -> None:
         for (op, _), op_state in zip(fp8_ops, states):
             op.load_fp8_extra_state(op_state, device)
         return
-    if not isinstance(state, (torch.Tensor, io.BytesIO)):
-        raise TypeError(f"_extra_state must be a uint8 tensor, an io.BytesIO, a dict or None, got {type(state).__name__}")
-    payload = _decode(state)
-    if payload is None:
-        return
-    if not isinstance(payload, dict):
-        raise ValueError(f"_extra_state must decode to a dict, got {type(payload).__name__}")
-    if not fp8_ops:
-        raise ValueError("_extra_state holds FP8 state but this module has no FP8 GEMM")
-    _load_te(fp8_ops, payload, device)
+    slots = read_te_state(state, sum(g for _, g in fp8_ops))
+    if slots is not None:
+        _load_te(fp8_ops, slots, device)
