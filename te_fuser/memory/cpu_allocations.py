@@ -10,6 +10,13 @@ own objects. glibc's ``mallinfo2`` was the alternative: cheaper, but it cannot s
 between two reads, it counts every malloc in the process (Python, the profiler itself),
 and it is glibc-only.
 
+Blind spot: a free on a thread torch did not hand the profiler to (a thread of your own, or
+ProcessGroupGloo's workers, which drop a finished collective's work, and the buffers it owns,
+just after the caller's wait returns) is not reported. Such a block reads as alive until its
+address is allocated again, when the stale entry is dropped. To measure a multi-rank CPU step
+exactly, keep the collectives' works referenced until the step ends and free them on the
+measuring thread (tests/clients/test_seed_001.py shows how).
+
 What is counted: a block is counted from its allocation inside a tracked region until it
 is freed. A block that existed before the region started is never counted, and neither is
 its release (torch does not report the size of blocks it saw allocated while no profiler
