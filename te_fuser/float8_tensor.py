@@ -1,52 +1,61 @@
-"""Float8Tensor: FP8 bytes with their inverse scale, and how they are saved for backward."""
+"""Float8Tensor: FP8 bytes with their inverse scale, as a torch.Tensor, and how it is saved for backward."""
 
+import copy
 from typing import List, Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .kernels import fp8 as fp8_kernels
 from .quantized_tensor import QuantizedTensor
+
+aten = torch.ops.aten
+
+
+def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
+    """Transpose of FP8 data viewed as (numel / last dim, last dim): one pass over the bytes."""
+    d2 = data.reshape(-1, data.shape[-1])
+    return d2.view(torch.uint8).t().contiguous().view(data.dtype)
 
 
 class Float8Tensor(QuantizedTensor):
     """A tensor quantized to FP8 with one per-tensor scale.
 
-    It is a plain container (a QuantizedTensor, not a torch.Tensor subclass): the FP8 GEMMs and
-    kernels consume its parts directly, and `dequantize()` gives a tensor back.
+    It is a torch.Tensor of the nominal (high-precision) dtype and shape; its values are
+    `_data * _scale_inv`. FP8 GEMMs and kernels consume its parts directly; every other op sees
+    it dequantized (QuantizedTensor's rules; Float8Tensor.OPS lists the ops that stay in FP8).
 
     _data:      the FP8 values (torch.float8_e4m3fn / float8_e5m2), the tensor's shape
     _scale_inv: float32 tensor of one element, 1 / scale
     _fp8_dtype: the dtype of _data
     _transpose: optional FP8 transpose of _data viewed as a matrix (cast-transpose output)
-    dtype:      the nominal (high-precision) dtype it stands for
+    _quantizer: optional quantizer that writes new values into it (copy_, in-place ops); without
+                one, new values are quantized with the tensor's own scale
+    dtype:      the nominal dtype it stands for
     """
 
-    __slots__ = ("_data", "_scale_inv", "_fp8_dtype", "_transpose", "dtype")
-
-    def __init__(self, data: Optional[torch.Tensor], scale_inv: Optional[torch.Tensor],
-                 fp8_dtype: torch.dtype, dtype: torch.dtype, transpose: Optional[torch.Tensor] = None):
+    @staticmethod
+    def __new__(cls, data: Optional[torch.Tensor], scale_inv: Optional[torch.Tensor], fp8_dtype: torch.dtype,
+                dtype: torch.dtype, transpose: Optional[torch.Tensor] = None, *, shape=None,
+                quantizer=None, requires_grad: bool = False):
+        if data is not None:
+            if data.dtype != fp8_dtype:
+                raise ValueError(f"data must hold {fp8_dtype}, got {data.dtype}")
+            if shape is not None and tuple(shape) != tuple(data.shape):
+                raise ValueError(f"shape {tuple(shape)} does not match data's shape {tuple(data.shape)}")
+            shape, device = data.shape, data.device
+        elif shape is None:
+            raise ValueError("a Float8Tensor without data needs its shape")
+        else:
+            held = transpose if transpose is not None else scale_inv
+            device = held.device if held is not None else torch.device("cpu")
+        self = super().__new__(cls, shape, dtype, device, requires_grad)
         self._data = data
         self._scale_inv = scale_inv
         self._fp8_dtype = fp8_dtype
         self._transpose = transpose
-        self.dtype = dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self._live()._data.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self._live()._data.device
-
-    def size(self, dim: Optional[int] = None):
-        return self.shape if dim is None else self.shape[dim]
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def numel(self) -> int:
-        return self._live()._data.numel()
+        self._quantizer = quantizer
+        return self
 
     def _live(self) -> "Float8Tensor":
         if self._data is None:
@@ -56,9 +65,15 @@ class Float8Tensor(QuantizedTensor):
             )
         return self
 
+    def _like(self, data, transpose, scale_inv=None, requires_grad=False) -> "Float8Tensor":
+        return Float8Tensor(data, self._scale_inv if scale_inv is None else scale_inv, self._fp8_dtype, self.dtype,
+                            transpose, quantizer=self._quantizer, requires_grad=requires_grad)
+
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The values as a `dtype` tensor (default: the nominal dtype)."""
         self._live()
+        if dtype == torch.float64:  # exact: an FP8 value times a float32 scale fits a double
+            return self._data.to(torch.float64) * self._scale_inv.to(torch.float64)
         return fp8_kernels.dequantize(self._data, self._scale_inv, dtype or self.dtype)
 
     def transpose_dequantized(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -67,6 +82,47 @@ class Float8Tensor(QuantizedTensor):
             raise RuntimeError("this Float8Tensor was quantized without its transpose (columnwise=False)")
         return fp8_kernels.dequantize(self._transpose, self._scale_inv, dtype or self.dtype)
 
+    def quantize_(self, src: torch.Tensor) -> "Float8Tensor":
+        """Write src's values into this tensor's FP8 buffers (its quantizer's scale, else its own)."""
+        self._live()
+        if tuple(src.shape) != tuple(self.shape):
+            raise ValueError(f"src has shape {tuple(src.shape)}, this Float8Tensor {tuple(self.shape)}")
+        src = src.detach()
+        if isinstance(src, Float8Tensor):
+            if src._fp8_dtype == self._fp8_dtype and self._quantizer is None and src.device == self.device:
+                self._data.view(torch.uint8).copy_(src._live()._data.view(torch.uint8))
+                self._scale_inv.copy_(src._scale_inv)
+                self._refresh_transpose()
+                return self
+            src = src.dequantize()
+        src = src.to(self.device).contiguous()
+        if self._quantizer is not None:
+            fresh = self._quantizer.quantize(src)
+            self._data.view(torch.uint8).copy_(fresh._data.view(torch.uint8))
+            self._scale_inv.copy_(fresh._scale_inv)
+        else:
+            scale = torch.reciprocal(self._scale_inv)
+            scratch_amax = torch.zeros_like(self._scale_inv)
+            self._data.copy_(fp8_kernels.quantize(src, scale, scratch_amax, self._fp8_dtype))
+        self._refresh_transpose()
+        return self
+
+    def _refresh_transpose(self) -> None:
+        if self._transpose is not None:
+            self._transpose.copy_(fp8_transpose(self._data))
+
+    # -- the ops that keep FP8 (everything else dequantizes: QuantizedTensor) --------------
+    @classmethod
+    def _handled_op(cls, func, args, kwargs):
+        for t in args:
+            if isinstance(t, Float8Tensor):
+                t._live()
+        handler = _FP8_OPS.get(func)
+        if handler is None:
+            return NotImplemented
+        return handler(func, args, kwargs)
+
+    # -- saving for backward without keeping anything on ctx --------------------------------
     def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], "Float8Tensor"]:
         """Hand the buffers over for ctx.save_for_backward; self becomes an empty shell."""
         tensors = [self._data, self._transpose, self._scale_inv]
@@ -82,9 +138,133 @@ class Float8Tensor(QuantizedTensor):
         """Drop every buffer reference (what backward does once it is done with the tensor)."""
         self._data = self._transpose = self._scale_inv = None
 
-    def __repr__(self) -> str:
+    # -- torch.compile, pickling, deepcopy --------------------------------------------------
+    def __tensor_flatten__(self):
+        names = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
+        return names, (self._fp8_dtype, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        del outer_stride
+        fp8_dtype, dtype = meta
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], fp8_dtype, dtype, inner.get("_transpose"),
+                            shape=outer_size)
+
+    def __reduce_ex__(self, protocol):
+        self._live()
+        return (_rebuild_float8_tensor,
+                (self._data, self._scale_inv, self._fp8_dtype, self.dtype, self._transpose, self.requires_grad))
+
+    def __deepcopy__(self, memo):
+        self._live()
+        out = Float8Tensor(self._data.clone(), self._scale_inv.clone(), self._fp8_dtype, self.dtype,
+                           None if self._transpose is None else self._transpose.clone(),
+                           quantizer=copy.deepcopy(self._quantizer, memo), requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+    def __repr__(self, *, tensor_contents=None) -> str:
         if self._data is None:
-            return f"Float8Tensor(<empty shell>, fp8_dtype={self._fp8_dtype}, dtype={self.dtype})"
-        return (f"Float8Tensor(shape={tuple(self._data.shape)}, fp8_dtype={self._fp8_dtype}, "
+            return f"Float8Tensor(<empty shell>, shape={tuple(self.shape)}, fp8_dtype={self._fp8_dtype}, dtype={self.dtype})"
+        return (f"Float8Tensor(shape={tuple(self.shape)}, fp8_dtype={self._fp8_dtype}, "
                 f"dtype={self.dtype}, scale_inv={self._scale_inv.item():.6g}, "
                 f"transpose={'yes' if self._transpose is not None else 'no'})")
+
+
+def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, transpose, requires_grad):
+    return Float8Tensor(data, scale_inv, fp8_dtype, dtype, transpose, requires_grad=requires_grad)
+
+
+# -- the FP8 op table ------------------------------------------------------------------------
+def _alias(func, args, kwargs):
+    t = args[0]
+    return return_and_correct_aliasing(func, args, kwargs, t._like(t._data, t._transpose))
+
+
+def _reshaped(t: Float8Tensor, size) -> Float8Tensor:
+    data = t._data.view(size)
+    # The transpose is of the (rows, last dim) matrix: still right while the last dim is unchanged.
+    same_rows = data.dim() > 0 and t._data.dim() > 0 and data.shape[-1] == t._data.shape[-1]
+    return t._like(data, t._transpose if same_rows else None)
+
+
+def _view(func, args, kwargs):
+    return return_and_correct_aliasing(func, args, kwargs, _reshaped(args[0], args[1]))
+
+
+def _clone(func, args, kwargs):
+    t = args[0]
+    return t._like(t._data.clone(), None if t._transpose is None else t._transpose.clone(),
+                   scale_inv=t._scale_inv.clone())
+
+
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, Float8Tensor):  # into a plain tensor: the values, dequantized
+        return dst.copy_(src.dequantize(dst.dtype))
+    return dst.quantize_(src)
+
+
+def _bound(func, args, kwargs) -> dict:
+    """The op's arguments by schema name."""
+    names = [argument.name for argument in func._schema.arguments]
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _to(func, args, kwargs):
+    """to / _to_copy: another dtype dequantizes; another device (or a copy) keeps FP8."""
+    bound = _bound(func, args, kwargs)
+    t, other = bound["self"], bound.get("other")
+    dtype = other.dtype if other is not None else bound.get("dtype")
+    device = other.device if other is not None else bound.get("device")
+    device = torch.device(device) if device is not None else t.device
+    if dtype is not None and dtype != t.dtype:
+        return t.dequantize(dtype).to(device)
+    if device == t.device and func != aten._to_copy.default and not bound.get("copy", False):
+        return t
+    move = lambda b: None if b is None else b.to(device, copy=True)  # noqa: E731
+    return Float8Tensor(move(t._data), move(t._scale_inv), t._fp8_dtype, t.dtype, move(t._transpose),
+                        quantizer=t._quantizer)
+
+
+def _split(func, args, kwargs):
+    """Splits along dim 0 stay FP8 (FSDP shards, chunked weights); other dims dequantize."""
+    t = args[0]
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    if dim % max(t.dim(), 1) != 0:
+        return func(t.dequantize(), *args[1:], **kwargs)
+    parts = func(t._data, *args[1:], **kwargs)
+    return [t._like(part, None) for part in parts]
+
+
+def _slice(func, args, kwargs):
+    t = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    if dim % max(t.dim(), 1) != 0 or step != 1:
+        return func(t.dequantize(), *args[1:], **kwargs)
+    return t._like(func(t._data, *args[1:], **kwargs), None)
+
+
+_FP8_OPS = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.view.default: _view,
+    aten._unsafe_view.default: lambda func, args, kwargs: _reshaped(args[0], args[1]),
+    aten.clone.default: _clone,
+    aten.copy_.default: _copy,
+    aten._to_copy.default: _to,
+    aten.to.dtype_layout: _to,
+    aten.to.device: _to,
+    aten.to.dtype: _to,
+    aten.to.other: _to,
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.slice.Tensor: _slice,
+}
+
+# The ops that stay in FP8 (written down for users; the table above is the source of truth).
+Float8Tensor.OPS = tuple(sorted(str(op) for op in _FP8_OPS))
+
+# torch.load(weights_only=True), torch's default, may rebuild Float8Tensors (state dicts, checkpoints).
+torch.serialization.add_safe_globals([Float8Tensor, _rebuild_float8_tensor])

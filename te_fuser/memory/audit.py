@@ -77,9 +77,9 @@ def _storage_of(tensor):
     """(key, nbytes) of a tensor's storage, or (None, 0) for tensors without one (wrapper subclasses)."""
     try:
         storage = tensor.untyped_storage()
+        return (str(tensor.device), storage.data_ptr()), storage.nbytes()
     except (RuntimeError, NotImplementedError, TypeError):
         return None, 0
-    return (str(tensor.device), storage.data_ptr()), storage.nbytes()
 
 
 def _object_attributes(value):
@@ -96,8 +96,14 @@ def _collect(value, path, depth, found, on_path):
         return  # owned by a module, alive anyway; not what a ctx leaks
     if isinstance(value, torch.Tensor):
         key, nbytes = _storage_of(value)
-        found.append(HeldTensor(path, tuple(value.shape), value.dtype, str(value.device), nbytes, key))
-        children = _object_attributes(value) if depth > 0 else ()
+        if key is None:
+            # A wrapper subclass (Float8Tensor) owns no storage: what it holds is its buffers.
+            depth = max(depth, 1)
+            names = value.__tensor_flatten__()[0] if hasattr(value, "__tensor_flatten__") else vars(value)
+            children = ((name, getattr(value, name, None)) for name in names)
+        else:
+            found.append(HeldTensor(path, tuple(value.shape), value.dtype, str(value.device), nbytes, key))
+            children = _object_attributes(value) if depth > 0 else ()
     elif depth == 0 or isinstance(value, _LEAF_TYPES + _SKIPPED_TYPES):
         return
     elif isinstance(value, (list, tuple)):

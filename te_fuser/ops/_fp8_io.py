@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..float8_tensor import Float8Tensor
+from ..float8_tensor import Float8Tensor, fp8_transpose
 from ..quantizer import Float8Quantizer
 
 
@@ -18,12 +18,6 @@ def direct_fp8_args(quantizer) -> Optional[tuple]:
     if isinstance(quantizer, Float8Quantizer):
         return quantizer.fp8_dtype, quantizer.scale, quantizer.amax
     return None
-
-
-def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
-    """Transpose of FP8 data viewed as (numel / last dim, last dim): one pass over the bytes."""
-    d2 = data.reshape(-1, data.shape[-1])
-    return d2.view(torch.uint8).t().contiguous().view(data.dtype)
 
 
 def wrap_kernel_output(data: torch.Tensor, quantizer: Float8Quantizer, nominal_dtype: torch.dtype) -> Float8Tensor:

@@ -27,11 +27,11 @@ def allowed_storages(*modules) -> set:
     keys = set()
 
     def add(t):
-        if isinstance(t, torch.Tensor):
-            keys.add(t.untyped_storage().data_ptr())
-        elif isinstance(t, Float8Tensor):
+        if isinstance(t, Float8Tensor):  # a wrapper: its buffers hold the bytes
             for part in (t._data, t._transpose, t._scale_inv):
                 add(part)
+        elif isinstance(t, torch.Tensor):
+            keys.add(t.untyped_storage().data_ptr())
 
     for module in modules:
         for t in list(module.parameters()) + list(module.buffers()):
@@ -49,11 +49,11 @@ def _collect(obj, path, out, seen, depth=0):
     if depth > 12 or id(obj) in seen or isinstance(obj, _SKIP):
         return
     seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        out.append((path, obj))
-    elif isinstance(obj, Float8Tensor):
-        for name in Float8Tensor.__slots__:
+    if isinstance(obj, Float8Tensor):  # a wrapper without storage: its buffers
+        for name in ("_data", "_transpose", "_scale_inv"):
             _collect(getattr(obj, name, None), f"{path}.{name}", out, seen, depth + 1)
+    elif isinstance(obj, torch.Tensor):
+        out.append((path, obj))
     elif isinstance(obj, dict):
         for k, v in obj.items():
             _collect(v, f"{path}[{k!r}]", out, seen, depth + 1)

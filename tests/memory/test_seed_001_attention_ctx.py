@@ -28,14 +28,14 @@ def tensors_in(value, seen=None):
     if id(value) in seen:
         return []
     seen.add(id(value))
+    if isinstance(value, te_fuser.Float8Tensor):  # a wrapper: what it holds is its buffers
+        return [t for slot in ("_data", "_scale_inv", "_transpose") for t in tensors_in(getattr(value, slot), seen)]
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
         return [t for item in value for t in tensors_in(item, seen)]
     if isinstance(value, dict):
         return [t for item in value.values() for t in tensors_in(item, seen)]
-    if isinstance(value, te_fuser.Float8Tensor):
-        return [t for slot in ("_data", "_scale_inv", "_transpose") for t in tensors_in(getattr(value, slot), seen)]
     return []
 
 

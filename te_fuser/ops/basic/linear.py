@@ -21,7 +21,7 @@ def _saved_transpose(t: Float8Tensor) -> Float8Tensor:
     A new object, so prepare_for_saving() cannot empty a tensor that lives on
     (the cached FP8 weight), and the row-major data is not kept alive.
     """
-    return Float8Tensor(None, t._scale_inv, t._fp8_dtype, t.dtype, t._transpose)
+    return Float8Tensor(None, t._scale_inv, t._fp8_dtype, t.dtype, t._transpose, shape=t.shape)
 
 
 class BasicLinear(BasicOperation):
