@@ -92,6 +92,13 @@ def _shard(t, rank, dim=0):
     return t.detach().chunk(WORLD, dim)[rank].contiguous()
 
 
+def _grad_tol(recipe_name):
+    """Relative error allowed between two FP8 gradients whose dy were quantized with different scales:
+    E4M3 keeps 3 mantissa bits, HYBRID's backward E5M2 only 2. A gather that mixes up scales or
+    rows is off by tens of percent or more."""
+    return 0.2 if recipe_name.endswith("HYBRID") else 0.1
+
+
 def _rel(got, expect):
     return ((got.double() - expect.double()).norm() / expect.double().norm()).item()
 
@@ -251,8 +258,8 @@ def _linear_exact_case(rank):
             # weight shard has its own scale (as in TE). Gradients within FP8 tolerance (dy has
             # its own scale per rank under current scaling, the dgrad sums the ranks' parts).
             assert _rel(out_tp, _shard(out_full, rank, 2)) < (2 ** -7 if delayed else 0.05), recipe_name
-            assert _rel(dx_tp, _shard(dx_full, rank)) < 0.1, recipe_name
-            assert _rel(tp.weight.grad, _shard(full.weight.grad, rank)) < 0.1, recipe_name
+            assert _rel(dx_tp, _shard(dx_full, rank)) < _grad_tol(recipe_name), recipe_name
+            assert _rel(tp.weight.grad, _shard(full.weight.grad, rank)) < _grad_tol(recipe_name), recipe_name
             assert _rel(tp.bias.grad, _shard(full.bias.grad, rank)) < 1e-2, recipe_name
             full.zero_grad(), tp.zero_grad()
 
@@ -265,7 +272,9 @@ def _module_case(rank, module_name, recipe_name):
     full, tp, grads, out_split = MODULES[module_name](rank)
     for step in range(2):
         x_full = torch.randn(SEQ, BATCH, HIDDEN, dtype=DT)
-        x_full[SEQ // 2:] *= 1 + 3 * step  # the second step: rank 1's shard has the larger amax
+        if step:  # rank 1's shard gets the larger amax, also after a norm: an outlier feature
+            x_full[SEQ // 2:] *= 4
+            x_full[SEQ // 2:, :, 0] += 60
         dy_shape = (SEQ, BATCH, OUT if module_name != "LayerNormMLP" else HIDDEN)
         dy_full = torch.randn(dy_shape, dtype=DT)
         out_full, dx_full, _ = _step(full, x_full, dy_full, recipe_name)
@@ -273,14 +282,14 @@ def _module_case(rank, module_name, recipe_name):
         out_tp, dx_tp, out_node = _step(tp, _shard(x_full, rank), dy_local, recipe_name)
         expect_out = _shard(out_full, rank, 2) if out_split == "column" else _shard(out_full, rank)
         assert _rel(out_tp, expect_out) < 0.05, (module_name, recipe_name, step)
-        assert _rel(dx_tp, _shard(dx_full, rank)) < 0.1, (module_name, recipe_name, step)
+        assert _rel(dx_tp, _shard(dx_full, rank)) < _grad_tol(recipe_name), (module_name, recipe_name, step)
         for (g_full, dim), (g_tp, _) in zip(grads(full, False), grads(tp, True)):
             if dim is None:  # a replicated parameter: partial gradients, summed by the framework
                 dist.all_reduce(g_tp, group=group)
                 expect = g_full
             else:
                 expect = _shard(g_full, rank, dim)
-            assert _rel(g_tp, expect) < 0.1, (module_name, recipe_name, step)
+            assert _rel(g_tp, expect) < _grad_tol(recipe_name), (module_name, recipe_name, step, dim)
         # ctx discipline: the fuser dropped everything it kept for backward
         assert out_node.grad_fn.state is None
         full.zero_grad(), tp.zero_grad()
