@@ -74,12 +74,12 @@ def recorded_gathers():
 
 @contextlib.contextmanager
 def fp8_gather_switch(on: bool):
-    previous = linear_module._GATHER_INPUT_IN_FP8
-    linear_module._GATHER_INPUT_IN_FP8 = on
+    previous = linear_module._GATHER_IN_FP8
+    linear_module._GATHER_IN_FP8 = on
     try:
         yield
     finally:
-        linear_module._GATHER_INPUT_IN_FP8 = previous
+        linear_module._GATHER_IN_FP8 = previous
 
 
 def _autocast(recipe_name):
@@ -197,6 +197,42 @@ def _bytes_case(rank, module_name, recipe_name):
     assert fp8_16bit == bf16 and not halved(fp8_16bit), fp8_16bit
 
 
+def _make_row_linear(rank):
+    """Row-parallel Linear under sequence parallelism: its backward all-gathers the output gradient."""
+    full = te_fuser.Linear(HIDDEN, OUT, params_dtype=DT, device="cpu")
+    with torch.no_grad():
+        full.weight.normal_(0, 0.2), full.bias.normal_(0, 0.5)
+    tp = te_fuser.Linear(HIDDEN, OUT, parallel_mode="row", sequence_parallel=True, tp_group=dist.group.WORLD,
+                         params_dtype=DT, device="cpu")
+    with torch.no_grad():
+        tp.weight.copy_(_shard(full.weight, rank, 1)), tp.bias.copy_(full.bias)
+    return full, tp
+
+
+def _grad_bytes_case(rank, recipe_name):
+    """The backward's gather of the output gradient (row-parallel) in FP8, against bf16's."""
+    torch.manual_seed(SEED)
+    _, tp = _make_row_linear(rank)
+    x = _shard(torch.randn(SEQ, BATCH, HIDDEN, dtype=DT), rank, 2)
+    dy = _shard(torch.randn(SEQ, BATCH, OUT, dtype=DT), rank)
+
+    def backward_gather_bytes(recipe):
+        with _autocast(recipe):
+            out = tp(x)
+        with recorded_gathers() as calls:
+            out.backward(dy)
+        return [(dtype, nbytes) for dtype, nbytes, _ in calls]
+
+    bf16 = backward_gather_bytes(None)
+    fp8 = backward_gather_bytes(recipe_name)
+    with fp8_gather_switch(False):
+        fp8_16bit = backward_gather_bytes(recipe_name)
+    assert bf16 == [(DT, 2 * dy.numel())], bf16
+    scale = [(torch.float32, 4)] if recipe_name.startswith("delayed") else []
+    assert fp8 == scale + [(torch.uint8, dy.numel())], fp8  # half of bf16's, plus the scale_inv
+    assert fp8_16bit == bf16, fp8_16bit  # the bug-on control: what the check above refuses
+
+
 # -- (b) exactness and agreement with the unsharded module --------------------------------------
 def _torch_fp8_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype) -> torch.Tensor:
     """torch's own float8 cast of x * scale, saturated: the independent reference of the bytes."""
@@ -262,6 +298,52 @@ def _linear_exact_case(rank):
             assert _rel(tp.weight.grad, _shard(full.weight.grad, rank)) < _grad_tol(recipe_name), recipe_name
             assert _rel(tp.bias.grad, _shard(full.bias.grad, rank)) < 1e-2, recipe_name
             full.zero_grad(), tp.zero_grad()
+
+
+def _row_exact_case(rank):
+    """Row-parallel Linear: the gathered output-gradient bytes are torch's cast of the whole dy with
+    the scale of the whole dy (current scaling; delayed: of the last step's whole dy), and dgrad / wgrad equal float64 math on the dequantized
+    operands (float32 accumulation, one rounding)."""
+    for recipe_name in RECIPES:
+        torch.manual_seed(SEED)
+        _, tp = _make_row_linear(rank)
+        fmt = RECIPES[recipe_name]().fp8_format
+        delayed = recipe_name.startswith("delayed")
+        expect_dy_scale = torch.ones(1)  # delayed scaling's first step
+        for step in range(2):
+            x_full = torch.randn(SEQ, BATCH, HIDDEN, dtype=DT)
+            dy_full = torch.randn(SEQ, BATCH, OUT, dtype=DT) * (1 + step)
+            dy_full[-1, -1, -1] = -9.0  # an edge value: the amax, on rank 1's shard
+            x = _shard(x_full, rank, 2).requires_grad_()
+            forward_scales = _delayed_scales(tp) if delayed else None  # (input, weight), before the update
+            with _autocast(recipe_name):
+                out = tp(x)
+            if delayed:  # the scale this backward uses: the last step's dy amax, reduced over the ranks
+                dy_scale = tp._ops[0]._fp8_states[1].scale[0:1].clone()
+                assert torch.equal(dy_scale, expect_dy_scale), (dy_scale, expect_dy_scale)
+                expect_dy_scale = torch.full((1,), fmt.max_bwd) / dy_full.float().abs().max()
+                x_scale = forward_scales[0:1]
+            else:
+                dy_scale = torch.full((1,), fmt.max_bwd) / dy_full.float().abs().max()
+                x_scale = torch.full((1,), fmt.max_fwd) / x.detach().float().abs().max()
+            with recorded_gathers() as calls:
+                out.backward(_shard(dy_full, rank))
+            gathered = [g for dtype, _, g in calls if dtype == torch.uint8]
+            dy_bytes = _torch_fp8_cast(dy_full.reshape(-1), dy_scale, fmt.bwd_dtype)
+            assert len(gathered) == 1 and torch.equal(gathered[0], dy_bytes), recipe_name
+            dy64 = dy_bytes.view(fmt.bwd_dtype).double().reshape(-1, OUT) / dy_scale.double()
+            x64 = (_torch_fp8_cast(x.detach(), x_scale, fmt.fwd_dtype).view(fmt.fwd_dtype).double()
+                   .reshape(-1, HIDDEN // WORLD) / x_scale.double())
+            w_local = tp.weight.detach()
+            if delayed:
+                w_scale = forward_scales[1:2]
+            else:
+                w_scale = torch.full((1,), fmt.max_fwd) / w_local.float().abs().max()
+            w64 = _torch_fp8_cast(w_local, w_scale, fmt.fwd_dtype).view(fmt.fwd_dtype).double() / w_scale.double()
+            tol = dict(rtol=2 ** -8, atol=1e-4)
+            torch.testing.assert_close(x.grad.double().reshape(-1, HIDDEN // WORLD), dy64 @ w64, **tol)
+            torch.testing.assert_close(tp.weight.grad.double(), dy64.t() @ x64, **tol)
+            tp.zero_grad()
 
 
 def _module_case(rank, module_name, recipe_name):
@@ -372,11 +454,11 @@ def _run(cases):
 
 
 def test_fp8_all_gather_bytes_halved():
-    _run([(_bytes_case, m, r) for m in MODULES for r in RECIPES])
+    _run([(_bytes_case, m, r) for m in MODULES for r in RECIPES] + [(_grad_bytes_case, r) for r in RECIPES])
 
 
 def test_fp8_all_gather_exact_and_matches_unsharded():
-    cases = [(_linear_exact_case,), (_scale_mismatch_case,)]
+    cases = [(_linear_exact_case,), (_row_exact_case,), (_scale_mismatch_case,)]
     cases += [(_saved_case, r) for r in RECIPES]
     cases += [(_module_case, m, r) for m in MODULES for r in RECIPES]
     _run(cases)

@@ -1,11 +1,12 @@
-"""The sequence-parallel input all-gather in FP8: one byte per element plus a shared scale.
+"""The sequence-parallel all-gathers in FP8: one byte per element plus a shared scale.
 
-A column-parallel linear under sequence parallelism needs the whole sequence of its input. Under
-FP8 each rank quantizes its own shard with a scale every rank of the group shares, and the FP8
-bytes are gathered (viewed as uint8: NCCL and gloo have no FP8 dtypes), so the gathered tensor is
-the quantized full input, as TransformerEngine does:
+Under sequence parallelism a column-parallel linear needs the whole sequence of its input, and a
+row-parallel one, in backward, the whole sequence of its output gradient. Under FP8 each rank
+quantizes its own shard with a scale every rank of the group shares, and the FP8 bytes are
+gathered (viewed as uint8: NCCL and gloo have no FP8 dtypes), so the gathered tensor is the
+quantized whole tensor, as TransformerEngine does:
   * current scaling: the shard's amax is all-reduced (MAX) over the group first, so the scale is
-    the one the unsharded input would get and the gathered bytes are the unsharded quantize's;
+    the one the whole tensor would get and the gathered bytes are its quantize's;
   * delayed scaling: the recipe's known scale. Ranks whose amaxes are reduced over a group holding
     the TP ranks (fp8_group) share it; otherwise (no fp8_group) their scales can differ, so the
     ranks' scale_inv are gathered too (4 bytes each) and, where they differ, each shard is

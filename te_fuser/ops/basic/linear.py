@@ -15,9 +15,9 @@ from ..op import BasicOperation, OperationContext
 
 TP_MODES = (None, "column", "row")
 
-# Switched off only by the tests, to show that their byte count catches a 16-bit input all-gather
-# under FP8 (the gather this module did before it gathered FP8 bytes).
-_GATHER_INPUT_IN_FP8 = True
+# Switched off only by the tests, to show that their byte count catches a 16-bit all-gather under
+# FP8 (the gathers this module did before it gathered FP8 bytes).
+_GATHER_IN_FP8 = True
 
 
 def _saved_transpose(t: Float8Tensor) -> Float8Tensor:
@@ -44,12 +44,13 @@ class BasicLinear(BasicOperation):
     says a "column" + sequence_parallel input was already all-gathered by the
     previous op (MakeExtraOutput); the backward still reduce-scatters.
 
-    Under FP8 the "column" + sequence_parallel gather moves FP8 bytes (see
+    Under FP8 the sequence-parallel all-gathers move FP8 bytes (see
     ops/_fp8_gather.py): each rank quantizes its shard with a scale shared by
-    the group and the bytes are gathered. The weight gradient keeps only this
-    rank's FP8 shard and gathers it again in backward (TE does the same), so the
-    saved input is 1/tp of the gathered one. The dgrad reduce-scatter stays in
-    high precision, as in TE.
+    the group and the bytes are gathered -- the input of "column", and the
+    output gradient of "row" in backward, as in TE. The weight gradient of
+    "column" keeps only this rank's FP8 input shard and gathers it again in
+    backward (TE does the same), so the saved input is 1/tp of the gathered
+    one. The reduce-scatters stay in high precision, as in TE.
     """
 
     num_forward_quantizers = 2
@@ -122,6 +123,11 @@ class BasicLinear(BasicOperation):
         """Whether forward all-gathers its input along dim 0 (column-parallel, sequence-parallel)."""
         return self.tensor_parallel_mode == "column" and self.sequence_parallel
 
+    @property
+    def gathers_grad_output(self) -> bool:
+        """Whether backward all-gathers its output gradient along dim 0 (row-parallel, sequence-parallel)."""
+        return self.tensor_parallel_mode == "row" and self.sequence_parallel
+
     def configure_quantizers(self, input_requires_grad, params_require_grad):
         if not self._fp8_enabled:
             return
@@ -131,7 +137,8 @@ class BasicLinear(BasicOperation):
         self._forward_quantizers[0].set_usage(columnwise=weight_requires_grad and not self.save_original_input
                                               and not self.gathers_input)
         self._forward_quantizers[1].set_usage(columnwise=input_requires_grad)   # W.T for dgrad
-        self._backward_quantizers[0].set_usage(columnwise=weight_requires_grad)  # dy.T for wgrad
+        self._backward_quantizers[0].set_usage(  # dy.T for wgrad, made after a gather
+            columnwise=weight_requires_grad and not self.gathers_grad_output)
 
     def _quantized_weight(self, weight: torch.Tensor, is_first_microbatch: Optional[bool]) -> Float8Tensor:
         """is_first_microbatch: True quantizes and caches, False reuses the cache, None never caches."""
@@ -166,7 +173,7 @@ class BasicLinear(BasicOperation):
         if original is not None and self._fp8_enabled and isinstance(self._forward_quantizers[0], Float8Quantizer):
             raise ValueError("save_original_input does not work with the DelayedScaling recipe (as in "
                              "TransformerEngine): its backward could not reproduce the forward's scale")
-        fp8_gather = gather and self._fp8_enabled and _GATHER_INPUT_IN_FP8
+        fp8_gather = gather and self._fp8_enabled and _GATHER_IN_FP8
         # The saved input is this rank's shard, gathered again in backward.
         ctx.regather_input = gather and (original is not None or fp8_gather)
         x_shard = None
@@ -222,8 +229,12 @@ class BasicLinear(BasicOperation):
     def op_backward(self, ctx, grad_output):
         x_saved, w_saved = ctx.saved_tensors
         dy = grad_output
-        if self.tensor_parallel_mode == "row" and self.sequence_parallel:
-            dy = tp.all_gather_dim0(high_precision(dy), self.tensor_parallel_group)
+        if self.gathers_grad_output:
+            group = self.tensor_parallel_group
+            if ctx.fp8 and _GATHER_IN_FP8:
+                dy = all_gather_fp8_dim0(quantize_shard(dy, ctx.grad_output_quantizer, group), group)
+            else:
+                dy = tp.all_gather_dim0(high_precision(dy), group)
         k, n = self.local_in_features, self.local_out_features
         if ctx.regather_input and ctx.weight_requires_grad:
             x_saved = self._gather_saved_input(ctx, x_saved)
@@ -263,7 +274,7 @@ class BasicLinear(BasicOperation):
         group = self.tensor_parallel_group
         if not ctx.fp8:
             return tp.all_gather_dim0(x_saved, group)
-        if not _GATHER_INPUT_IN_FP8:  # the tests' bug-on switch (save_original_input only)
+        if not _GATHER_IN_FP8:  # the tests' bug-on switch (save_original_input only)
             return ctx.input_quantizer(tp.all_gather_dim0(x_saved, group))
         if ctx.input_quantizer is not None:
             x_saved = quantize_shard(x_saved, ctx.input_quantizer, group)
