@@ -399,6 +399,26 @@ def _saved_case(rank, recipe_name):
     assert saved_input_bytes(False) == WORLD * x.numel() + tp.weight.numel()
 
 
+def _save_original_input_case(rank, recipe_name):
+    """save_original_input (current scaling only, as in TE): the wgrad keeps the high-precision
+    shard and quantizes it again in backward with the group's amax, so the backward gathers the
+    very bytes the forward gathered, in FP8."""
+    torch.manual_seed(SEED)
+    full, tp, _, _ = _make_linear(rank)
+    tp.save_original_input = True
+    x_full = torch.randn(SEQ, BATCH, HIDDEN, dtype=DT)
+    x_full[SEQ // 2:] *= 4  # rank 1 holds the amax
+    dy_full = torch.randn(SEQ, BATCH, OUT, dtype=DT)
+    _, dx_full, _ = _step(full, x_full, dy_full, recipe_name)
+    with recorded_gathers() as calls:
+        _, dx_tp, out = _step(tp, _shard(x_full, rank), _shard(dy_full, rank, 2), recipe_name)
+    assert [c[:2] for c in calls] == [(torch.uint8, x_full.numel() // WORLD)] * 2, [c[:2] for c in calls]
+    assert torch.equal(calls[0][2], calls[1][2])
+    assert _rel(dx_tp, _shard(dx_full, rank)) < _grad_tol(recipe_name)
+    assert _rel(tp.weight.grad, _shard(full.weight.grad, rank)) < _grad_tol(recipe_name)
+    assert out.grad_fn.state is None
+
+
 # -- delayed scaling without fp8_group: the ranks' scales differ -----------------------------------
 def _scale_mismatch_case(rank):
     group = dist.group.WORLD
@@ -446,11 +466,17 @@ def _worker(rank, port, cases, errors):
 
 def _run(cases):
     errors = mp.get_context("spawn").Queue()
-    mp.start_processes(_worker, args=(_free_port(), cases, errors), nprocs=WORLD, join=True, start_method="spawn")
+    crash = None
+    try:
+        mp.start_processes(_worker, args=(_free_port(), cases, errors), nprocs=WORLD, join=True,
+                           start_method="spawn")
+    except mp.ProcessExitedException as exc:  # a failed case desynchronized the ranks' collectives
+        crash = exc
     failures = []
     while not errors.empty():
         failures.append(errors.get())
-    assert not failures, "\n".join(f"rank {r} {name}{args}:\n{tb}" for r, name, args, tb in failures)
+    assert not failures and crash is None, (f"{crash}\n" if crash else "") + "\n".join(
+        f"rank {r} {name}{args}:\n{tb}" for r, name, args, tb in failures)
 
 
 def test_fp8_all_gather_bytes_halved():
@@ -460,5 +486,6 @@ def test_fp8_all_gather_bytes_halved():
 def test_fp8_all_gather_exact_and_matches_unsharded():
     cases = [(_linear_exact_case,), (_row_exact_case,), (_scale_mismatch_case,)]
     cases += [(_saved_case, r) for r in RECIPES]
+    cases += [(_save_original_input_case, r) for r in RECIPES if r.startswith("current")]
     cases += [(_module_case, m, r) for m in MODULES for r in RECIPES]
     _run(cases)
