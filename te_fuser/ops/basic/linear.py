@@ -278,7 +278,8 @@ class BasicLinear(BasicOperation):
             return ctx.input_quantizer(tp.all_gather_dim0(x_saved, group))
         if ctx.input_quantizer is not None:
             x_saved = quantize_shard(x_saved, ctx.input_quantizer, group)
-        return all_gather_fp8_dim0(x_saved, group)
+        # Only the transposed layout the wgrad reads: the gathered row-major bytes go at once.
+        return _saved_transpose(with_transpose(all_gather_fp8_dim0(x_saved, group)))
 
     @staticmethod
     def _finish_wgrad(ctx, dw: torch.Tensor) -> Optional[torch.Tensor]:
