@@ -8,11 +8,16 @@ import torch
 from ...float8_tensor import Float8Tensor
 from ...quantizer import Float8Quantizer
 from .. import _tensor_parallel as tp
+from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt
 from ..op import BasicOperation, OperationContext
 
 TP_MODES = (None, "column", "row")
+
+# Switched off only by the tests, to show that their byte count catches a 16-bit all-gather under
+# FP8 (the gathers this module did before it gathered FP8 bytes).
+_GATHER_IN_FP8 = True
 
 
 def _saved_transpose(t: Float8Tensor) -> Float8Tensor:
@@ -38,6 +43,14 @@ class BasicLinear(BasicOperation):
     TransformerEngine's parameter names). The `input_gathered=True` keyword
     says a "column" + sequence_parallel input was already all-gathered by the
     previous op (MakeExtraOutput); the backward still reduce-scatters.
+
+    Under FP8 the sequence-parallel all-gathers move FP8 bytes (see
+    ops/_fp8_gather.py): each rank quantizes its shard with a scale shared by
+    the group and the bytes are gathered -- the input of "column", and the
+    output gradient of "row" in backward, as in TE. The weight gradient of
+    "column" keeps only this rank's FP8 input shard and gathers it again in
+    backward (TE does the same), so the saved input is 1/tp of the gathered
+    one. The reduce-scatters stay in high precision, as in TE.
     """
 
     num_forward_quantizers = 2
@@ -105,14 +118,27 @@ class BasicLinear(BasicOperation):
     def grad_output_quantizer(self):
         return self._backward_quantizers[0] if self._fp8_enabled else None
 
+    @property
+    def gathers_input(self) -> bool:
+        """Whether forward all-gathers its input along dim 0 (column-parallel, sequence-parallel)."""
+        return self.tensor_parallel_mode == "column" and self.sequence_parallel
+
+    @property
+    def gathers_grad_output(self) -> bool:
+        """Whether backward all-gathers its output gradient along dim 0 (row-parallel, sequence-parallel)."""
+        return self.tensor_parallel_mode == "row" and self.sequence_parallel
+
     def configure_quantizers(self, input_requires_grad, params_require_grad):
         if not self._fp8_enabled:
             return
         weight_requires_grad = bool(params_require_grad[0])
-        # x.T for wgrad, unless the backward quantizes the saved original input itself
-        self._forward_quantizers[0].set_usage(columnwise=weight_requires_grad and not self.save_original_input)
+        # x.T for wgrad, unless the backward quantizes the saved original input itself, or the
+        # transpose is made from the gathered input (a shard's transpose is of no use)
+        self._forward_quantizers[0].set_usage(columnwise=weight_requires_grad and not self.save_original_input
+                                              and not self.gathers_input)
         self._forward_quantizers[1].set_usage(columnwise=input_requires_grad)   # W.T for dgrad
-        self._backward_quantizers[0].set_usage(columnwise=weight_requires_grad)  # dy.T for wgrad
+        self._backward_quantizers[0].set_usage(  # dy.T for wgrad, made after a gather
+            columnwise=weight_requires_grad and not self.gathers_grad_output)
 
     def _quantized_weight(self, weight: torch.Tensor, is_first_microbatch: Optional[bool]) -> Float8Tensor:
         """is_first_microbatch: True quantizes and caches, False reuses the cache, None never caches."""
@@ -139,13 +165,23 @@ class BasicLinear(BasicOperation):
                              f"got input shape {tuple(x.shape)}")
         input_requires_grad = ctx.input_requires_grad
         weight_requires_grad = weight.requires_grad
-        gather = self.tensor_parallel_mode == "column" and self.sequence_parallel
+        gather = self.gathers_input and not input_gathered
+        group = self.tensor_parallel_group
         # The original (pre-gather, high-precision) input, when the wgrad is to use it.
         wgrad_needed = weight_requires_grad and bool(ctx.params_require_grad[0])  # False under no_grad
         original = x if self.save_original_input and wgrad_needed and not isinstance(x, Float8Tensor) else None
-        ctx.regather_input = gather and not input_gathered and original is not None
-        if gather and not input_gathered:
-            x = tp.all_gather_dim0(high_precision(x), self.tensor_parallel_group)
+        if original is not None and self._fp8_enabled and isinstance(self._forward_quantizers[0], Float8Quantizer):
+            raise ValueError("save_original_input does not work with the DelayedScaling recipe (as in "
+                             "TransformerEngine): its backward could not reproduce the forward's scale")
+        fp8_gather = gather and self._fp8_enabled and _GATHER_IN_FP8
+        # The saved input is this rank's shard, gathered again in backward.
+        ctx.regather_input = gather and (original is not None or fp8_gather)
+        x_shard = None
+        if fp8_gather:
+            x_shard = quantize_shard(x, self._forward_quantizers[0], group)
+            x = all_gather_fp8_dim0(x_shard, group)
+        elif gather:
+            x = tp.all_gather_dim0(high_precision(x), group)
         lead_shape = tuple(x.shape[:-1])
         k, n = self.local_in_features, self.local_out_features
         ctx.fp8 = self._fp8_enabled
@@ -153,9 +189,6 @@ class BasicLinear(BasicOperation):
             check_fp8_gemm_dims(**{"the number of input rows (tokens)": math.prod(lead_shape),
                                    "in_features (local)": k, "out_features (local)": n})
             input_quantizer = self._forward_quantizers[0]
-            if original is not None and isinstance(input_quantizer, Float8Quantizer):
-                raise ValueError("save_original_input does not work with the DelayedScaling recipe (as in "
-                                 "TransformerEngine): its backward could not reproduce the forward's scale")
             xq = x if isinstance(x, Float8Tensor) else input_quantizer(x)
             if xq.dtype != weight.dtype:
                 raise TypeError(f"input dtype {xq.dtype} does not match the weight dtype {weight.dtype}")
@@ -165,8 +198,12 @@ class BasicLinear(BasicOperation):
             ctx.input_quantizer = input_quantizer if original is not None else None
             if original is not None:
                 x_saved = original
+            elif not weight_requires_grad:
+                x_saved = None
+            elif x_shard is not None:
+                x_saved = shard_for_saving(x_shard)
             else:
-                x_saved = _saved_transpose(with_transpose(xq)) if weight_requires_grad else None
+                x_saved = _saved_transpose(with_transpose(xq))
             ctx.save_for_backward(x_saved, _saved_transpose(with_transpose(wq)) if input_requires_grad else None)
         else:
             x = high_precision(x)
@@ -192,11 +229,15 @@ class BasicLinear(BasicOperation):
     def op_backward(self, ctx, grad_output):
         x_saved, w_saved = ctx.saved_tensors
         dy = grad_output
-        if self.tensor_parallel_mode == "row" and self.sequence_parallel:
-            dy = tp.all_gather_dim0(high_precision(dy), self.tensor_parallel_group)
+        if self.gathers_grad_output:
+            group = self.tensor_parallel_group
+            if ctx.fp8 and _GATHER_IN_FP8:
+                dy = all_gather_fp8_dim0(quantize_shard(dy, ctx.grad_output_quantizer, group), group)
+            else:
+                dy = tp.all_gather_dim0(high_precision(dy), group)
         k, n = self.local_in_features, self.local_out_features
-        if ctx.regather_input:
-            x_saved = tp.all_gather_dim0(x_saved, self.tensor_parallel_group)
+        if ctx.regather_input and ctx.weight_requires_grad:
+            x_saved = self._gather_saved_input(ctx, x_saved)
         dx = dw = None
         if ctx.fp8:
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
@@ -205,8 +246,9 @@ class BasicLinear(BasicOperation):
                                  w_saved._scale_inv, ctx.dtype)
             if ctx.weight_requires_grad:
                 with_transpose(dyq)
-                if ctx.input_quantizer is not None:  # the saved original input, quantized now
-                    x_saved = with_transpose(ctx.input_quantizer(x_saved))
+                if ctx.input_quantizer is not None and not ctx.regather_input:  # the saved original input
+                    x_saved = ctx.input_quantizer(x_saved)
+                x_saved = with_transpose(x_saved)
                 dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._transpose, x_saved._scale_inv,
                                  torch.float32)
         else:
@@ -225,6 +267,19 @@ class BasicLinear(BasicOperation):
         if dw is not None:
             dw = self._finish_wgrad(ctx, dw)
         return dx, (dw,)
+
+    def _gather_saved_input(self, ctx, x_saved):
+        """The whole input again from this rank's saved shard: FP8 bytes under FP8 (a saved
+        original input is quantized first, with the group's common scale), else high precision."""
+        group = self.tensor_parallel_group
+        if not ctx.fp8:
+            return tp.all_gather_dim0(x_saved, group)
+        if not _GATHER_IN_FP8:  # the tests' bug-on switch (save_original_input only)
+            return ctx.input_quantizer(tp.all_gather_dim0(x_saved, group))
+        if ctx.input_quantizer is not None:
+            x_saved = quantize_shard(x_saved, ctx.input_quantizer, group)
+        # Only the transposed layout the wgrad reads: the gathered row-major bytes go at once.
+        return _saved_transpose(with_transpose(all_gather_fp8_dim0(x_saved, group)))
 
     @staticmethod
     def _finish_wgrad(ctx, dw: torch.Tensor) -> Optional[torch.Tensor]:
