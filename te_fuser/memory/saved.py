@@ -105,9 +105,8 @@ def _custom_slots(node, saved) -> List[str]:
     return slots
 
 
-def _node_tensors(node) -> List[Tuple[str, str, torch.Tensor]]:
-    """(op, slot, tensor) for what one graph node saved."""
-    name = type(node).__name__
+def _node_tensors(node, name: str) -> List[Tuple[str, str, torch.Tensor]]:
+    """(op, slot, tensor) for what one graph node (called name) saved."""
     found = []
     if isinstance(node, BackwardCFunction):
         try:
@@ -138,12 +137,17 @@ def _names(outputs) -> Dict[int, Tuple[str, str]]:
     names: Dict[int, Tuple[str, str]] = {}
     stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen = set()
+    count: Dict[str, int] = {}  # custom Function nodes numbered per class, from the output back
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        for op, slot, t in _node_tensors(node):
+        name = type(node).__name__
+        if isinstance(node, BackwardCFunction):
+            count[name] = count.get(name, 0) + 1
+            name = f"{name}({count[name]})"
+        for op, slot, t in _node_tensors(node, name):
             names.setdefault(_key(t), (op, slot))
         stack.extend(n for n, _ in node.next_functions)
     return names
