@@ -4,7 +4,7 @@ Every storage autograd saved during one FP8 forward is listed (te_fuser.memory.s
 saved_tensors_hooks, each storage once) with its dtype and bytes, for te_fuser.Linear,
 DotProductAttention under fp8_dpa and one block of the example GPT. The checks:
   * no 16-bit or float32 tensor of an FP8 operand's size is saved (Linear: x and W; attention: q, k, v and
-    the output o), and in the GPT no float tensor whose values are those of a saved FP8 tensor
+    the output o; between the GPT's two FP8 MLP linears, GELU's input), and in the GPT no float tensor whose values are those of a saved FP8 tensor
     (a 16-bit copy found by value: the FP8 data times one scale, in either layout);
   * no operand is saved both row-major and transposed (the same FP8 bytes in both layouts).
 Each check runs once more on the bug it is meant to catch (monkeypatched back in) and must fail there.
@@ -19,6 +19,7 @@ from te_fuser.attention import function as attention_function
 from te_fuser.attention.function import FusedAttentionFunction
 from te_fuser.examples.gpt import GPT, GPTConfig
 from te_fuser.memory.saved import saved_for_backward
+from te_fuser.ops.basic import activation as activation_module
 from te_fuser.ops.basic import linear as linear_module
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -132,8 +133,15 @@ def gpt_forward(recipe):
             return model(tokens)
 
     out, saved = saved_for_backward(fwd)
-    per_head = 64 * 4 * cfg.num_heads * (cfg.hidden_size // cfg.num_heads)
-    return out, saved, (per_head,)
+    attention_operand = 64 * 4 * cfg.hidden_size  # q, k, v, o: [s, b, heads, head_dim]
+    gelu_input = 64 * 4 * cfg.ffn_hidden_size
+    return out, saved, (attention_operand, gelu_input)
+
+
+def gpt_violations(saved, operands):
+    attention_operand, gelu_input = operands
+    return (violations(saved, (attention_operand,), op_filter="Attention")
+            + violations(saved, (gelu_input,), op_filter="GELU"))
 
 
 # -- the checks ------------------------------------------------------------------------------------------------------
@@ -165,8 +173,9 @@ def test_gpt_block_saves_no_16_bit_copy_of_an_fp8_operand(generator):
     seed_from(generator)
     out, saved, operands = gpt_forward(RECIPES["delayed"]())
     print(listing(saved))
-    assert violations(saved, operands, op_filter="Attention") == [], listing(saved)
-    assert sum(e.dtype in FP8 for e in saved) == 4 + 2 * 4  # q, k, v, o; x.T and W.T of four linears
+    assert gpt_violations(saved, operands) == [], listing(saved)
+    # q, k, v, o; x.T and W.T of four linears; GELU's input
+    assert sum(e.dtype in FP8 for e in saved) == 4 + 2 * 4 + 1, listing(saved)
     out.float().sum().backward()
 
 
@@ -202,6 +211,7 @@ BUGS = {
                                                 _wide_input_saved(linear_module.BasicLinear.forward_gemm)),
     "bf16_qkv": lambda mp: mp.setattr(dpa_module, "FusedAttentionFunction", _Bf16SavedAttention),
     "bf16_out": lambda mp: mp.setattr(attention_function, "quantize_saved_output", lambda out: out),
+    "bf16_gelu_input": lambda mp: mp.setattr(activation_module, "quantize_saved_input", lambda x: x),
 }
 
 
@@ -226,7 +236,7 @@ def test_gpt_checks_catch_the_bugs(bug, monkeypatch, generator):
     seed_from(generator)
     BUGS[bug](monkeypatch)
     _, saved, operands = gpt_forward(RECIPES["delayed"]())
-    found = violations(saved, operands, op_filter="Attention")
+    found = gpt_violations(saved, operands)
     assert found
     if bug == "wide_linear_input":
         # Found by value, not by size: the saved 16-bit inputs hold the FP8 x.T values.
