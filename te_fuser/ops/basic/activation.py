@@ -1,6 +1,6 @@
 """Activation ops: GELU (tanh approximation), ReLU and SwiGLU, on the fused C/CUDA kernels.
 
-Between two FP8 linears (the next op takes FP8 input), GELU/ReLU save their
+Between two FP8 linears (the next op takes FP8 input), the activations save their
 input for backward in FP8 E4M3 (current scaling) rather than in 16 bits, and
 dequantize it only for the backward kernel call (issue 15: activations are not
 kept in 16 bits between FP8 layers; DeepSeek-V3 caches activation inputs in
@@ -79,9 +79,9 @@ class SwiGLU(BasicOperation):
         if fp8_out is not None:
             y = wrap_kernel_output(y, next_op_input_quantizer, x.dtype)
         if ctx.input_requires_grad:
-            ctx.save_for_backward(x)
+            ctx.save_for_backward(quantize_saved_input(x) if next_op_input_quantizer is not None else x)
         return y
 
     def op_backward(self, ctx, grad_output):
         (x,) = ctx.saved_tensors
-        return fused.swiglu_backward(high_precision(grad_output).contiguous(), x), ()
+        return fused.swiglu_backward(high_precision(grad_output).contiguous(), high_precision(x)), ()
