@@ -1,11 +1,18 @@
 """The autograd Function of fused attention.
 
-Its ctx keeps tensors only through save_for_backward (q, k, v -- or their FP8
-buffers --, out, lse and the int length tensors); every other ctx attribute
+Its ctx keeps tensors only through save_for_backward (q, k, v, out, lse and
+the int length tensors); every other ctx attribute
 is a Python scalar, a string, or an FP8 shell without buffers. After
 backward, the shells are dropped too, so the graph node holds nothing
 (the bug of TransformerEngine issue #1935: FP8 attention kept its tensors on
 ctx.tensor_objects and with them 20 GB alive).
+
+Under fp8_dpa, q, k, v and out are all saved in FP8 E4M3 (one byte per element
+plus a scale), never in 16 bits: q, k, v are the FP8 tensors the forward kernel
+consumed (the backward kernel decodes them the same way), and out is quantized
+with current scaling (its amax is known once the kernel has run). The backward
+needs out only for D = rowsum(dout * out); it dequantizes it for the kernel
+call and frees it right after.
 """
 
 from typing import Optional, Sequence
@@ -14,6 +21,7 @@ import torch
 
 from ..float8_tensor import Float8Tensor
 from ..kernels import attention as attn_kernels
+from ..quantizer import Float8CurrentScalingQuantizer
 from ..saved_tensors import prepare_for_saving, restore_from_saved
 
 
@@ -43,6 +51,11 @@ def _fp8_parts(t: Float8Tensor, qkv_format: str):
     return to_kernel_layout(t._data, qkv_format), t._scale_inv
 
 
+def quantize_saved_output(out: torch.Tensor) -> Float8Tensor:
+    """The FP8 E4M3 copy of the attention output that the backward keeps (current scaling)."""
+    return Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=out.device)(out)
+
+
 class FusedAttentionFunction(torch.autograd.Function):
     """out = attention(q, k, v) in qkv_format, with FP8 inputs when quantizers are given."""
 
@@ -67,7 +80,7 @@ class FusedAttentionFunction(torch.autograd.Function):
                 seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal, dropout_p=dropout_p,
                 seed=seed, offset=offset, q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=q.dtype)
             out = from_kernel_layout(out, qkv_format)
-            saved, objects = prepare_for_saving(q8, k8, v8, out, lse, *lengths)
+            saved, objects = prepare_for_saving(q8, k8, v8, quantize_saved_output(out), lse, *lengths)
         ctx.save_for_backward(*saved)
         # FP8: the Float8Tensor shells (prepare_for_saving handed their buffers to save_for_backward).
         ctx.tensor_objects = objects
@@ -90,7 +103,8 @@ class FusedAttentionFunction(torch.autograd.Function):
             q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
             (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, fmt) for t in (q, k, v))
             descales = dict(q_descale=qs, k_descale=ks, v_descale=vs)
-            for t in (q, k, v):
+            out8, out = out, out.dequantize()  # freed when backward returns
+            for t in (q, k, v, out8):
                 t.clear()
             q, k, v = qd, kd, vd
             # The shells are no longer needed: nothing may outlive backward on ctx.

@@ -1,0 +1,156 @@
+"""Memory of the example GPT in bf16 and FP8: what is saved for backward, tensor by tensor, and a step's peak.
+
+    python benchmarks/memory_breakdown.py [--layers 1] [--no-tensors]
+
+The model is te_fuser.examples.gpt.GPT (h=512, ffn 2048, 8 heads, s=256, b=8, bf16 params, CPU).
+Three configurations:
+  bf16               no FP8
+  FP8                fp8_autocast(DelayedScaling(fp8_dpa=True, fp8_mha=True))
+  FP8 + FP8 weights  the same, the model built under te_fuser.quantized_model_init(enabled=True)
+                     ("not available" while that raises NotImplementedError)
+For each: every storage autograd saves for backward in one forward (te_fuser.memory.saved_for_backward:
+saved_tensors_hooks, each storage once), grouped by the op that saved it (graph node, and the basic op
+inside te_fuser's op fuser); the parameter bytes; and the peak of one training step (forward, backward,
+AdamW on float32 master weights, the weights copied back) over the bytes held before it, from
+te_fuser.memory.MemoryTracker("cpu"), measured on the second step (the first creates AdamW's state).
+Ratios are against bf16 in the same run. Issue 15's target: saved for backward under FP8 <= 0.6x bf16.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import te_fuser  # noqa: E402
+from te_fuser.examples.gpt import GPT, GPTConfig  # noqa: E402
+from te_fuser.memory import MemoryTracker  # noqa: E402
+from te_fuser.memory.saved import saved_for_backward  # noqa: E402
+
+MIB = 2**20
+SEQ, BATCH = 256, 8
+
+
+def fp8_recipe():
+    try:
+        return te_fuser.recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True)
+    except (TypeError, ValueError, NotImplementedError):
+        return te_fuser.recipe.DelayedScaling(fp8_dpa=True)
+
+
+def build(layers: int, fp8_weights: bool):
+    cfg = GPTConfig(vocab_size=256, seq_len=SEQ, hidden_size=512, num_heads=8, num_layers=layers,
+                    ffn_hidden_size=2048)
+    torch.manual_seed(0)
+    if not fp8_weights:
+        return GPT(cfg, dtype=torch.bfloat16)
+    with te_fuser.quantized_model_init(enabled=True, recipe=fp8_recipe()):
+        return GPT(cfg, dtype=torch.bfloat16)
+
+
+def param_bytes(model) -> int:
+    """Bytes of the parameters' storages, each once (an FP8 parameter: its data, transpose and scale)."""
+    seen = {}
+    for p in model.parameters():
+        parts = [getattr(p, name, None) for name in ("_data", "_transpose", "_scale_inv")]
+        for t in [t for t in parts if isinstance(t, torch.Tensor)] or [p]:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def train_step(model, tokens, recipe, masters, optimizer):
+    with te_fuser.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+        logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+    loss.backward()
+    del logits, loss
+    params = list(model.parameters())
+    for p, m in zip(params, masters):
+        m.grad = p.grad.float()
+        p.grad = None
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, m in zip(params, masters):
+            p.copy_(m)
+
+
+def step_peak(model, tokens, recipe) -> int:
+    masters = [p.detach().float().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(masters, lr=1e-4)
+    train_step(model, tokens, recipe, masters, optimizer)  # AdamW's state, FP8 scaling state
+    with MemoryTracker("cpu") as tracker:
+        train_step(model, tokens, recipe, masters, optimizer)
+    return tracker.peak_bytes
+
+
+def measure(layers: int, fp8: bool, fp8_weights: bool):
+    model = build(layers, fp8_weights)
+    recipe = fp8_recipe() if fp8 else None
+    tokens = torch.randint(0, 256, (SEQ, BATCH), generator=torch.Generator().manual_seed(1))
+
+    def forward():
+        with te_fuser.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+            return model(tokens)
+
+    forward()  # FP8 scaling state created outside the measurement
+    out, saved = saved_for_backward(forward)
+    del out
+    return dict(saved=saved, params=param_bytes(model), peak=step_peak(model, tokens, recipe))
+
+
+def print_saved(title, saved):
+    print(f"\n== {title}: saved for backward, {saved.total_bytes / MIB:.2f} MiB in {len(saved)} storages")
+    for op, entries in saved.by_op().items():
+        total = sum(e.nbytes for e in entries)
+        print(f"  {op}  ({total / MIB:.3f} MiB)")
+        for e in entries:
+            print(f"      {e.slot:30s} {str(e.shape):22s} {str(e.dtype):22s} {e.nbytes:>10d} B")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=1, help="transformer blocks (default 1)")
+    parser.add_argument("--no-tensors", action="store_true", help="print only the summary table")
+    args = parser.parse_args()
+    if args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+
+    columns = {"bf16": measure(args.layers, False, False), "FP8": measure(args.layers, True, False)}
+    try:
+        columns["FP8 + FP8 weights"] = measure(args.layers, True, True)
+    except NotImplementedError as err:
+        columns["FP8 + FP8 weights"] = None
+        unavailable = str(err).splitlines()[0]
+    recipe = fp8_recipe()
+    print(f"example GPT: h=512, ffn=2048, 8 heads, s={SEQ}, b={BATCH}, {args.layers} layer(s), bf16 params, CPU; "
+          f"FP8 recipe: DelayedScaling(fp8_dpa={recipe.fp8_dpa}, fp8_mha={recipe.fp8_mha})")
+    if not args.no_tensors:
+        for name, col in columns.items():
+            if col is not None:
+                print_saved(name, col["saved"])
+
+    base = columns["bf16"]
+    rows = (("saved for backward", lambda c: c["saved"].total_bytes),
+            ("parameters", lambda c: c["params"]),
+            ("training step peak", lambda c: c["peak"]))
+    print(f"\n{'':22s}" + "".join(f"{name:>26s}" for name in columns))
+    for label, get in rows:
+        cells = []
+        for col in columns.values():
+            if col is None:
+                cells.append(f"{'not available':>26s}")
+            else:
+                value = get(col)
+                cells.append(f"{value / MIB:>12.2f} MiB ({value / get(base):.2f}x)")
+        print(f"{label:22s}" + "".join(f"{c:>26s}" for c in cells))
+    if columns["FP8 + FP8 weights"] is None:
+        print(f"\nFP8 + FP8 weights: not available (quantized_model_init(enabled=True): {unavailable})")
+    ratio = columns["FP8"]["saved"].total_bytes / base["saved"].total_bytes
+    print(f"saved for backward, FP8 / bf16 = {ratio:.3f} (issue 15 target <= 0.6)")
+
+
+if __name__ == "__main__":
+    main()
