@@ -124,8 +124,14 @@ class Float8Tensor(QuantizedTensor):
 
     # -- saving for backward without keeping anything on ctx --------------------------------
     def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], "Float8Tensor"]:
-        """Hand the buffers over for ctx.save_for_backward; self becomes an empty shell."""
+        """Hand the buffers over for ctx.save_for_backward; self becomes an empty shell.
+
+        Under torch.compile a traced tensor subclass cannot be emptied in place: the shell is then
+        a Float8Record (metadata only), and restoring builds a new Float8Tensor.
+        """
         tensors = [self._data, self._transpose, self._scale_inv]
+        if torch.compiler.is_compiling():
+            return tensors, Float8Record(self._fp8_dtype, self.dtype, self._quantizer)
         self._data = self._transpose = self._scale_inv = None
         return tensors, self
 
@@ -169,6 +175,17 @@ class Float8Tensor(QuantizedTensor):
         return (f"Float8Tensor(shape={tuple(self.shape)}, fp8_dtype={self._fp8_dtype}, "
                 f"dtype={self.dtype}, scale_inv={self._scale_inv.item():.6g}, "
                 f"transpose={'yes' if self._transpose is not None else 'no'})")
+
+
+class Float8Record:
+    """What prepare_for_saving keeps of a Float8Tensor under torch.compile: its metadata only."""
+
+    def __init__(self, fp8_dtype: torch.dtype, dtype: torch.dtype, quantizer):
+        self.fp8_dtype, self.dtype, self.quantizer = fp8_dtype, dtype, quantizer
+
+    def rebuild(self, tensors: List[Optional[torch.Tensor]]) -> Float8Tensor:
+        data, transpose, scale_inv = tensors
+        return Float8Tensor(data, scale_inv, self.fp8_dtype, self.dtype, transpose, quantizer=self.quantizer)
 
 
 def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, transpose, requires_grad):

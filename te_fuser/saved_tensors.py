@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .float8_tensor import Float8Tensor
+from .float8_tensor import Float8Record, Float8Tensor
 
 # Number of tensors Float8Tensor.prepare_for_saving() hands over.
 _FLOAT8_PARTS = 3
@@ -47,6 +47,9 @@ def restore_from_saved(objects: Sequence[Optional[Float8Tensor]], saved: Sequenc
         if shell is None:
             out.append(saved[pos])
             pos += 1
+        elif isinstance(shell, Float8Record):  # saved under torch.compile
+            out.append(shell.rebuild(list(saved[pos:pos + _FLOAT8_PARTS])))
+            pos += _FLOAT8_PARTS
         else:
             shell.restore_from_saved(list(saved[pos:pos + _FLOAT8_PARTS]))
             out.append(shell)

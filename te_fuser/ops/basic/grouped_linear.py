@@ -112,10 +112,10 @@ class GroupedBasicLinear(BasicOperation):
             if ctx.fp8:
                 dyq = ctx.grad_output_quantizers[i](dy.contiguous())
                 if ctx.input_requires_grad:
-                    dx = fp8_gemm_nt(dyq._data, dyq._scale_inv, w_saved._transpose, w_saved._scale_inv, ctx.dtype)
+                    dx = fp8_gemm_nt(dyq._data, dyq._scale_inv, w_saved._data, w_saved._scale_inv, ctx.dtype)
                 if ctx.weight_requires_grad:
                     with_transpose(dyq)
-                    dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._transpose, x_saved._scale_inv,
+                    dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._data, x_saved._scale_inv,
                                      torch.float32)
             else:
                 if ctx.input_requires_grad:

@@ -21,12 +21,13 @@ _GATHER_IN_FP8 = True
 
 
 def _saved_transpose(t: Float8Tensor) -> Float8Tensor:
-    """What a gradient GEMM keeps of an FP8 operand: its transposed data and scale_inv only.
+    """What a gradient GEMM keeps of an FP8 operand: the transposed matrix, as its own Float8Tensor.
 
-    A new object, so prepare_for_saving() cannot empty a tensor that lives on
-    (the cached FP8 weight), and the row-major data is not kept alive.
+    Its _data is t's transposed bytes (t viewed as (rows, last dim), transposed), with t's
+    scale_inv. A new object, so prepare_for_saving() cannot empty a tensor that lives on (the
+    cached FP8 weight), and the row-major data is not kept alive.
     """
-    return Float8Tensor(None, t._scale_inv, t._fp8_dtype, t.dtype, t._transpose, shape=t.shape)
+    return Float8Tensor(t._transpose, t._scale_inv, t._fp8_dtype, t.dtype)
 
 
 class BasicLinear(BasicOperation):
@@ -242,14 +243,13 @@ class BasicLinear(BasicOperation):
         if ctx.fp8:
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
             if ctx.input_requires_grad:
-                dx = fp8_gemm_nt(dyq._data.reshape(-1, n), dyq._scale_inv, w_saved._transpose,
+                dx = fp8_gemm_nt(dyq._data.reshape(-1, n), dyq._scale_inv, w_saved._data,
                                  w_saved._scale_inv, ctx.dtype)
             if ctx.weight_requires_grad:
                 with_transpose(dyq)
                 if ctx.input_quantizer is not None and not ctx.regather_input:  # the saved original input
-                    x_saved = ctx.input_quantizer(x_saved)
-                x_saved = with_transpose(x_saved)
-                dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._transpose, x_saved._scale_inv,
+                    x_saved = _saved_transpose(with_transpose(ctx.input_quantizer(x_saved)))
+                dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._data, x_saved._scale_inv,
                                  torch.float32)
         else:
             dy2 = high_precision(dy).reshape(-1, n)
