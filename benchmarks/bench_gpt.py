@@ -13,6 +13,9 @@ All three start from the same weights (te_fuser's initialization, copied into Pl
 tests/test_bench_gpt_baseline.py proves PlainGPT computes what te_fuser's GPT computes.
 Speedup = plain time / te_fuser time (medians of interleaved steps, benchmarks/bench_linear.py's timer).
 Goals of issue 14 (bf16): te_fuser FP8 >= 1.0x plain, te_fuser without FP8 >= 1.3x plain.
+On a machine whose cores are busy with other work, torch's OpenMP threads wait on each other and
+the rows slow down unevenly (the plain row ran 10x slower at 2 threads than at 1 on a loaded 2-core
+machine): compare with --threads 1 there.
 """
 
 import argparse
