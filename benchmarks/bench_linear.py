@@ -21,15 +21,15 @@ from te_fuser import recipe
 from te_fuser.memory import MemoryTracker
 
 
-def time_interleaved(steps, device, repeats):
-    """(median, min) seconds per step; the steps take turns, in alternating order, so machine
-    noise and cache state hit them alike."""
+def time_interleaved(steps, device, repeats, warmup=3):
+    """(median, min) seconds per step, after `warmup` untimed calls of each; the steps take turns,
+    in alternating order, so machine noise and cache state hit them alike."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     for step in steps.values():
-        for _ in range(3):
+        for _ in range(warmup):
             step()
     samples = {name: [] for name in steps}
     for r in range(repeats):
