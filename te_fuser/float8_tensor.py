@@ -29,8 +29,9 @@ class Float8Tensor(QuantizedTensor):
     _scale_inv: float32 tensor of one element, 1 / scale
     _fp8_dtype: the dtype of _data
     _transpose: optional FP8 transpose of _data viewed as a matrix (cast-transpose output)
-    _quantizer: optional quantizer that writes new values into it (copy_, in-place ops); without
-                one, new values are quantized with the tensor's own scale
+    _quantizer: optional quantizer that writes new high-precision values into it (copy_, in-place
+                ops); without one, they are quantized with the tensor's own scale. A Float8Tensor
+                of the same FP8 format is copied as it is (bytes and scale)
     dtype:      the nominal dtype it stands for
     """
 
@@ -89,7 +90,9 @@ class Float8Tensor(QuantizedTensor):
             raise ValueError(f"src has shape {tuple(src.shape)}, this Float8Tensor {tuple(self.shape)}")
         src = src.detach()
         if isinstance(src, Float8Tensor):
-            if src._fp8_dtype == self._fp8_dtype and self._quantizer is None and src.device == self.device:
+            # FP8 into FP8 of the same format: the bytes and scale as they are (exact; how a
+            # checkpoint of FP8 weights loads, whatever the receiving quantizer's scale is).
+            if src._fp8_dtype == self._fp8_dtype and src.device == self.device:
                 self._data.view(torch.uint8).copy_(src._live()._data.view(torch.uint8))
                 self._scale_inv.copy_(src._scale_inv)
                 self._refresh_transpose()
@@ -98,6 +101,9 @@ class Float8Tensor(QuantizedTensor):
         src = src.to(self.device).contiguous()
         if self._quantizer is not None:
             fresh = self._quantizer.quantize(src)
+            if fresh._fp8_dtype != self._fp8_dtype:
+                raise ValueError(f"this Float8Tensor holds {self._fp8_dtype} but its quantizer casts to "
+                                 f"{fresh._fp8_dtype}")
             self._data.view(torch.uint8).copy_(fresh._data.view(torch.uint8))
             self._scale_inv.copy_(fresh._scale_inv)
         else:
