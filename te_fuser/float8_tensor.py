@@ -144,6 +144,33 @@ class Float8Tensor(QuantizedTensor):
         """Drop every buffer reference (what backward does once it is done with the tensor)."""
         self._data = self._transpose = self._scale_inv = None
 
+    # -- FSDP2 (fully_shard): all-gather the FP8 bytes, not the nominal dtype ----------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This shard's bytes (uint8, padded to FSDP's padded shard size) and its scale_inv.
+
+        Every rank must hold the same scale (weights quantized before sharding, or delayed scaling
+        with its amaxes reduced over the group): the gathered bytes are read with this rank's."""
+        del outer_stride, module, mp_policy
+        self._live()
+        world = mesh.size()
+        padded_rows = -(-outer_size[0] // world)
+        data = self._data.view(torch.uint8)
+        if data.shape[0] < padded_rows:  # an uneven last shard: FSDP gathers equal sizes
+            padded = data.new_zeros((padded_rows, *data.shape[1:]))
+            padded[:data.shape[0]].copy_(data)
+            data = padded
+        return (data,), (self._scale_inv.clone(), self._fp8_dtype, self._quantizer)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded weight as a Float8Tensor over the gathered bytes (no copy)."""
+        (gathered,) = all_gather_outputs
+        scale_inv, fp8_dtype, quantizer = metadata
+        if out is not None:  # later all-gathers land in the same storage: refresh the scale
+            out._scale_inv.copy_(scale_inv)
+            return None
+        data = gathered.view(fp8_dtype)
+        return Float8Tensor(data, scale_inv, fp8_dtype, param_dtype, quantizer=quantizer), ()
+
     # -- torch.compile, pickling, deepcopy --------------------------------------------------
     def __tensor_flatten__(self):
         names = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
@@ -252,6 +279,23 @@ def _slice(func, args, kwargs):
     return t._like(func(t._data, *args[1:], **kwargs), None)
 
 
+def _new_fp8(func, args, kwargs):
+    """new_zeros / new_empty: a Float8Tensor of the given size with this tensor's scale (FSDP2 pads
+    shards with it); zero bytes are the value 0 in both FP8 formats."""
+    bound = _bound(func, args, kwargs)
+    t, size = bound["self"], bound["size"]
+    if bound.get("dtype") not in (None, t.dtype):
+        return func(t.dequantize(), *args[1:], **kwargs)
+    data = torch.zeros(size, dtype=t._fp8_dtype, device=t.device)
+    return Float8Tensor(data, t._scale_inv.clone(), t._fp8_dtype, t.dtype, quantizer=t._quantizer)
+
+
+def _as_strided(func, args, kwargs):
+    """as_strided of the bytes, in elements like the values (one scale for the whole tensor)."""
+    t = args[0]
+    return t._like(func(t._data, *args[1:], **kwargs), None)
+
+
 _FP8_OPS = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
@@ -267,6 +311,9 @@ _FP8_OPS = {
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split,
     aten.slice.Tensor: _slice,
+    aten.new_zeros.default: _new_fp8,
+    aten.new_empty.default: _new_fp8,
+    aten.as_strided.default: _as_strided,
 }
 
 # The ops that stay in FP8 (written down for users; the table above is the source of truth).
