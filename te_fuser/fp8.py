@@ -141,10 +141,6 @@ class FP8GlobalStateManager:
         return fp8_weights.current_init().preserve_high_precision_init_val
 
     @classmethod
-    def get_fp8_model_init_recipe(cls):
-        return fp8_weights.current_init().recipe
-
-    @classmethod
     def fp8_graph_capturing(cls) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
