@@ -10,7 +10,14 @@ Norm weights and biases stay high precision, as in TE.
 
 Inside fp8_autocast the FP8 GEMMs read the weight's bytes directly (no 16-bit copy); outside it the
 forward uses the dequantized values (a transient high-precision copy, as any op on a Float8Tensor).
-Gradients of FP8 weights are high precision, in the nominal dtype.
+Gradients of FP8 weights are high precision, in the nominal dtype. Loading a state_dict copies FP8
+weights byte for byte with their scales (Float8Tensor.copy_ from a Float8Tensor of the same format).
+
+FSDP2 (fully_shard) shards FP8 weights as Float8Tensors and all-gathers their bytes
+(Float8Tensor.fsdp_pre_all_gather / fsdp_post_all_gather); the ranks must agree on each weight's
+scale, as they do when the weights were quantized before sharding.
+Not supported: parameters_split with FP8 weights (NotImplementedError), sharded master weights in
+cast_master_weights_to_fp8 (TE's distributed-optimizer form), torch.compile of FP8 weights (untested).
 """
 
 import contextlib
