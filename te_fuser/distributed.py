@@ -344,8 +344,8 @@ def prepare_te_modules_for_fsdp(fsdp_root: torch.nn.Module) -> None:
 
     TE calls this to hand FSDP's process group to its modules, which shard the
     FP8 weight copies and saved activations FSDP cannot see. te_fuser modules
-    keep no such tensors (no FP8 weight copies: fp8_model_init(enabled=True)
-    raises; activations are saved through autograd), so there is nothing to
+    keep no such tensors (FP8 weights of fp8_model_init are the parameters
+    themselves; activations are saved through autograd), so there is nothing to
     shard and no group is recorded. This raises TypeError unless fsdp_root is
     wrapped by FSDP1 (FullyShardedDataParallel) or FSDP2 (fully_shard).
     """

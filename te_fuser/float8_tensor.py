@@ -29,8 +29,9 @@ class Float8Tensor(QuantizedTensor):
     _scale_inv: float32 tensor of one element, 1 / scale
     _fp8_dtype: the dtype of _data
     _transpose: optional FP8 transpose of _data viewed as a matrix (cast-transpose output)
-    _quantizer: optional quantizer that writes new values into it (copy_, in-place ops); without
-                one, new values are quantized with the tensor's own scale
+    _quantizer: optional quantizer that writes new high-precision values into it (copy_, in-place
+                ops); without one, they are quantized with the tensor's own scale. A Float8Tensor
+                of the same FP8 format is copied as it is (bytes and scale)
     dtype:      the nominal dtype it stands for
     """
 
@@ -89,7 +90,9 @@ class Float8Tensor(QuantizedTensor):
             raise ValueError(f"src has shape {tuple(src.shape)}, this Float8Tensor {tuple(self.shape)}")
         src = src.detach()
         if isinstance(src, Float8Tensor):
-            if src._fp8_dtype == self._fp8_dtype and self._quantizer is None and src.device == self.device:
+            # FP8 into FP8 of the same format: the bytes and scale as they are (exact; how a
+            # checkpoint of FP8 weights loads, whatever the receiving quantizer's scale is).
+            if src._fp8_dtype == self._fp8_dtype and src.device == self.device:
                 self._data.view(torch.uint8).copy_(src._live()._data.view(torch.uint8))
                 self._scale_inv.copy_(src._scale_inv)
                 self._refresh_transpose()
@@ -98,6 +101,9 @@ class Float8Tensor(QuantizedTensor):
         src = src.to(self.device).contiguous()
         if self._quantizer is not None:
             fresh = self._quantizer.quantize(src)
+            if fresh._fp8_dtype != self._fp8_dtype:
+                raise ValueError(f"this Float8Tensor holds {self._fp8_dtype} but its quantizer casts to "
+                                 f"{fresh._fp8_dtype}")
             self._data.view(torch.uint8).copy_(fresh._data.view(torch.uint8))
             self._scale_inv.copy_(fresh._scale_inv)
         else:
@@ -143,6 +149,33 @@ class Float8Tensor(QuantizedTensor):
     def clear(self) -> None:
         """Drop every buffer reference (what backward does once it is done with the tensor)."""
         self._data = self._transpose = self._scale_inv = None
+
+    # -- FSDP2 (fully_shard): all-gather the FP8 bytes, not the nominal dtype ----------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This shard's bytes (uint8, padded to FSDP's padded shard size) and its scale_inv.
+
+        Every rank must hold the same scale (weights quantized before sharding, or delayed scaling
+        with its amaxes reduced over the group): the gathered bytes are read with this rank's."""
+        del outer_stride, module, mp_policy
+        self._live()
+        world = mesh.size()
+        padded_rows = -(-outer_size[0] // world)
+        data = self._data.view(torch.uint8)
+        if data.shape[0] < padded_rows:  # an uneven last shard: FSDP gathers equal sizes
+            padded = data.new_zeros((padded_rows, *data.shape[1:]))
+            padded[:data.shape[0]].copy_(data)
+            data = padded
+        return (data,), (self._scale_inv.clone(), self._fp8_dtype, self._quantizer)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded weight as a Float8Tensor over the gathered bytes (no copy)."""
+        (gathered,) = all_gather_outputs
+        scale_inv, fp8_dtype, quantizer = metadata
+        if out is not None:  # later all-gathers land in the same storage: refresh the scale
+            out._scale_inv.copy_(scale_inv)
+            return None
+        data = gathered.view(fp8_dtype)
+        return Float8Tensor(data, scale_inv, fp8_dtype, param_dtype, quantizer=quantizer), ()
 
     # -- torch.compile, pickling, deepcopy --------------------------------------------------
     def __tensor_flatten__(self):
@@ -263,6 +296,23 @@ def _slice(func, args, kwargs):
     return t._like(func(t._data, *args[1:], **kwargs), None)
 
 
+def _new_fp8(func, args, kwargs):
+    """new_zeros / new_empty: a Float8Tensor of the given size with this tensor's scale (FSDP2 pads
+    shards with it); zero bytes are the value 0 in both FP8 formats."""
+    bound = _bound(func, args, kwargs)
+    t, size = bound["self"], bound["size"]
+    if bound.get("dtype") not in (None, t.dtype):
+        return func(t.dequantize(), *args[1:], **kwargs)
+    data = torch.zeros(size, dtype=t._fp8_dtype, device=t.device)
+    return Float8Tensor(data, t._scale_inv.clone(), t._fp8_dtype, t.dtype, quantizer=t._quantizer)
+
+
+def _as_strided(func, args, kwargs):
+    """as_strided of the bytes, in elements like the values (one scale for the whole tensor)."""
+    t = args[0]
+    return t._like(func(t._data, *args[1:], **kwargs), None)
+
+
 _FP8_OPS = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
@@ -278,6 +328,9 @@ _FP8_OPS = {
     aten.split.Tensor: _split,
     aten.split_with_sizes.default: _split,
     aten.slice.Tensor: _slice,
+    aten.new_zeros.default: _new_fp8,
+    aten.new_empty.default: _new_fp8,
+    aten.as_strided.default: _as_strided,
 }
 
 # The ops that stay in FP8 (written down for users; the table above is the source of truth).

@@ -11,15 +11,14 @@ C, GEMMs emulated exactly by dequantizing); on CUDA its GEMMs use
 torch._scaled_mm, which needs compute capability 8.9 or newer.
 """
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
 
+from . import fp8_weights
 from .fp8_state import FP8GlobalState, autocast, fp8_autocast
+from .fp8_weights import fp8_model_init, quantized_model_init
 from .recipe import DelayedScaling, Recipe
-
-FP8_WEIGHTS_NOT_IMPLEMENTED = "FP8 weights are not implemented yet (te_fuser issue 15)"
 
 
 def check_fp8_support() -> Tuple[bool, str]:
@@ -88,8 +87,14 @@ class QuantizationState:
     def is_first_fp8_module(self, value: bool) -> None:
         FP8GlobalState.is_first_module = bool(value)
 
-    fp8_parameters = False  # te_fuser has no FP8 weights yet (fp8_model_init)
-    high_precision_init_val = False
+    @property
+    def fp8_parameters(self) -> bool:
+        return fp8_weights.current_init().enabled
+
+    @property
+    def high_precision_init_val(self) -> bool:
+        return fp8_weights.current_init().preserve_high_precision_init_val
+
     fp8_graph_capturing = False
     skip_fp8_weight_update_tensor = None
 
@@ -128,11 +133,12 @@ class FP8GlobalStateManager:
 
     @classmethod
     def with_fp8_parameters(cls) -> bool:
-        return False  # fp8_model_init(enabled=True) raises: no module holds FP8 weights
+        """True inside quantized_model_init(enabled=True): modules built now get FP8 weights."""
+        return fp8_weights.current_init().enabled
 
     @classmethod
     def with_high_precision_init_val(cls) -> bool:
-        return False
+        return fp8_weights.current_init().preserve_high_precision_init_val
 
     @classmethod
     def fp8_graph_capturing(cls) -> bool:
@@ -175,21 +181,6 @@ class FP8GlobalStateManager:
     @classmethod
     def get_skip_fp8_weight_update_tensor(cls):
         return None  # never set: te_fuser updates weight scales on every step
-
-
-def fp8_model_init(enabled: bool = True, recipe=None, preserve_high_precision_init_val: bool = False):
-    """TE's context for creating modules with FP8 weights. enabled=False is a plain context (modules
-    keep high-precision weights, as outside it); enabled=True raises NotImplementedError."""
-    del recipe, preserve_high_precision_init_val
-    if enabled:
-        raise NotImplementedError(FP8_WEIGHTS_NOT_IMPLEMENTED)
-    return contextlib.nullcontext()
-
-
-def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precision_init_val: bool = False):
-    """TE's newer name for fp8_model_init."""
-    return fp8_model_init(enabled=enabled, recipe=recipe,
-                          preserve_high_precision_init_val=preserve_high_precision_init_val)
 
 
 __all__ = ["FP8GlobalStateManager", "QuantizationState", "autocast", "check_fp8_support", "fp8_autocast",

@@ -167,8 +167,11 @@ class DelayedScalingState:
         """One quantizer per tensor, writing into this state's buffers; marks the state for update."""
         self.group = group
         FP8GlobalState.mark_pending(self)
-        return [Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype)
-                for i in range(self.amax.numel())]
+        return [self.quantizer(i) for i in range(self.amax.numel())]
+
+    def quantizer(self, i: int) -> Float8Quantizer:
+        """Tensor i's quantizer (views of its scale and amax slots), without marking the state for update."""
+        return Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype)
 
     def update(self) -> None:
         """All-reduce amaxes over the group (if any), roll the history and update the scales."""
@@ -245,10 +248,13 @@ class CurrentScalingState:
 
     def quantizers(self, group=None) -> List[Float8CurrentScalingQuantizer]:
         del group  # each tensor's own amax: nothing to reduce
-        return [Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device,
-                                              force_pow_2_scales=self.recipe.force_pow_2_scales,
-                                              amax_epsilon=self.recipe.amax_epsilon)
-                for _ in range(self.num_quantizers)]
+        return [self.quantizer(i) for i in range(self.num_quantizers)]
+
+    def quantizer(self, i: int) -> Float8CurrentScalingQuantizer:
+        del i  # every tensor gets a fresh one
+        return Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device,
+                                             force_pow_2_scales=self.recipe.force_pow_2_scales,
+                                             amax_epsilon=self.recipe.amax_epsilon)
 
     def state_dict(self) -> dict:
         return {}

@@ -2,6 +2,7 @@
 
     python -m te_fuser.examples.train                       # one process, CPU or CUDA, FP8 on
     python -m te_fuser.examples.train --no-fp8              # the same in high precision
+    python -m te_fuser.examples.train --fp8-weights         # FP8 weights, float32 masters in AdamW
     torchrun --nproc-per-node 2 -m te_fuser.examples.train --tp 2 --sequence-parallel
     torchrun --nproc-per-node 2 -m te_fuser.examples.train --fsdp
 
@@ -26,6 +27,7 @@ import te_fuser as te
 from te_fuser.examples.checkpointing import load_checkpoint, save_checkpoint
 from te_fuser.examples.corpus import load_tokens, sample_batch
 from te_fuser.examples.gpt import GPT, GPTConfig, Parallel
+from te_fuser.examples.master_weights import MasterWeights
 from te_fuser.examples.plot import plot_history
 from te_fuser.memory import LossLog, MemoryTracker
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling, Format
@@ -44,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-fp8", action="store_true", help="train in high precision")
     p.add_argument("--recipe", choices=["delayed", "current"], default="delayed")
+    p.add_argument("--fp8-weights", action="store_true",
+                   help="build the model under te_fuser.quantized_model_init (FP8 linear weights); AdamW "
+                        "steps float32 master copies, cast back to FP8 after each step")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the parameters' dtype")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch with torchrun)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--fsdp", action="store_true", help="shard blocks with FSDP2 fully_shard (data parallel)")
@@ -122,9 +128,15 @@ def train(args, device, rank, world):
     par = Parallel(tp_group=tp_group, tp_size=args.tp, sequence_parallel=args.sequence_parallel and args.tp > 1)
     cfg = GPTConfig(seq_len=args.seq_len, hidden_size=args.hidden, num_heads=args.heads, num_layers=args.layers,
                     ffn_hidden_size=4 * args.hidden)
+    dtype = getattr(torch, args.dtype)
+    if args.fp8_weights and (par.tp_size > 1 or args.fsdp or args.save or args.resume):
+        raise SystemExit("--fp8-weights runs on one process without --save/--resume in this example")
     # Tensor parallel: the same initial weights as one process would draw, sharded.
-    full = GPT(cfg, device=device) if par.tp_size > 1 else None
-    model = GPT(cfg, par, device=device, checkpoint_blocks=args.checkpoint_activations)
+    full = GPT(cfg, device=device, dtype=dtype) if par.tp_size > 1 else None
+    recipe = make_recipe(args)
+    with te.quantized_model_init(enabled=args.fp8_weights, recipe=recipe,
+                                 preserve_high_precision_init_val=True):
+        model = GPT(cfg, par, device=device, dtype=dtype, checkpoint_blocks=args.checkpoint_activations)
     if full is not None:
         shard_from_full(model, full, rank, par.tp_size)
         del full
@@ -134,12 +146,12 @@ def train(args, device, rank, world):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    masters = MasterWeights(model) if args.fp8_weights else None
+    optimizer = torch.optim.AdamW(masters.masters if masters else model.parameters(), lr=args.lr, weight_decay=0.0)
     tokens = load_tokens()
     # Data: tensor-parallel ranks read the same batch; data-parallel (FSDP) ranks read their own.
     gen = torch.Generator().manual_seed(args.seed + 1000 * (rank if args.fsdp else 0))
     start_step = load_checkpoint(args.resume, model, optimizer, gen) if args.resume else 0
-    recipe = make_recipe(args)
     fp8 = not args.no_fp8
     history = []
     progress = None
@@ -167,8 +179,12 @@ def train(args, device, rank, world):
                 (loss / (args.microbatches * (args.tp if par.sequence_parallel else 1))).backward()
             if par.sequence_parallel:
                 sync_replicated_grads(model, tp_group)
+            if masters is not None:
+                masters.grads_from_model()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if masters is not None:
+                masters.cast_back()
         step_loss = losses.mean()
         if par.sequence_parallel:  # each rank saw a slice of the sequence: average the slices
             t = torch.tensor([step_loss])

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .. import fp8_weights
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.linear import BasicLinear
 from ..ops.fuser import OperationFuser
@@ -98,6 +99,10 @@ class LinearWeights:
         self.use_bias = use_bias
         self.prefix = prefix
         self.split = split_sizes(parameters_split, linear_op.out_features)
+        self.fp8_init = fp8_weights.current_init()  # quantized_model_init at construction
+        if self.fp8_init.enabled and self.split is not None:
+            raise NotImplementedError("te_fuser does not support parameters_split with FP8 weights "
+                                      "(quantized_model_init): the split weights would be concatenated in 16 bits")
 
     def names(self, kind: str):
         if self.split is None:
@@ -139,14 +144,19 @@ class LinearWeights:
             module.register_parameter(self.prefix + "bias", None)
 
     def initialize(self, module, init_method) -> None:
+        def init_fn(w):
+            if init_method is not None:
+                init_method(w)
+            else:
+                torch.nn.init.normal_(w, mean=0.0, std=_DEFAULT_INIT_STD)
+
+        for w in self.weights(module):
+            fp8_weights.initialize_weight(w, init_fn)
         with torch.no_grad():
-            for w in self.weights(module):
-                if init_method is not None:
-                    init_method(w)
-                else:
-                    torch.nn.init.normal_(w, mean=0.0, std=_DEFAULT_INIT_STD)
             for b in self.biases(module):
                 b.zero_()
+        if self.fp8_init.enabled:  # weight slot 1 of BasicLinear's forward quantizers
+            fp8_weights.quantize_weights(module, [(name, self.op, 1) for name in self.names("weight")], self.fp8_init)
 
     def weights(self, module):
         return [getattr(module, n) for n in self.names("weight")]

@@ -120,6 +120,11 @@ class BasicOperation(FusibleOperation):
         if not self._fp8_enabled:
             self._forward_quantizers, self._backward_quantizers = [], []
             return
+        self._ensure_fp8_states(recipe, device)
+        self._forward_quantizers = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
+        self._backward_quantizers = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []
+
+    def _ensure_fp8_states(self, recipe, device) -> None:
         if self._fp8_states is None or self._fp8_recipe != recipe:
             self._fp8_recipe = recipe
             self._fp8_states = (make_recipe_state(recipe, self.num_forward_quantizers, True, device),
@@ -127,8 +132,12 @@ class BasicOperation(FusibleOperation):
         for state in self._fp8_states:
             if hasattr(state, "amax") and state.amax.device != torch.device(device):
                 state.to(device)  # the module moved: its scaling state follows
-        self._forward_quantizers = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
-        self._backward_quantizers = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []
+
+    def forward_quantizer_for_init(self, recipe, device, index: int):
+        """Forward quantizer `index` of `recipe`'s state (made if needed), rowwise only, without marking
+        the state for an update: what fp8_model_init quantizes a weight with."""
+        self._ensure_fp8_states(recipe, device)
+        return self._fp8_states[0].quantizer(index)
 
     def fp8_extra_state(self):
         """The recipe and its scaling state, for a module's get_extra_state (None before FP8 ran)."""

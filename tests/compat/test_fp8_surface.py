@@ -77,10 +77,14 @@ def test_model_init_contexts(init):
     with init(enabled=False, recipe=DelayedScaling(), preserve_high_precision_init_val=True):
         layer = te_fuser.Linear(16, 16, device="cpu")
     assert layer.weight.dtype == torch.float32 and not isinstance(layer.weight, te_fuser.QuantizedTensor)
-    with pytest.raises(NotImplementedError, match=r"FP8 weights are not implemented yet \(te_fuser issue 15\)"):
-        init()
-    with pytest.raises(NotImplementedError, match="te_fuser issue 15"):
-        init(enabled=True, recipe=DelayedScaling())
+    with init(enabled=True, recipe=DelayedScaling()):
+        assert FP8GlobalStateManager.with_fp8_parameters()
+        layer = te_fuser.Linear(16, 16, device="cpu")
+    assert not FP8GlobalStateManager.with_fp8_parameters()
+    assert isinstance(layer.weight, te_fuser.QuantizedTensor) and layer.weight.dtype == torch.float32
+    with pytest.raises(TypeError, match="recipe must be DelayedScaling or Float8CurrentScaling"):
+        with init(recipe="hybrid"):
+            pass
     assert te_fuser.fp8_model_init is fp8_model_init and te_fuser.quantized_model_init is quantized_model_init
 
 

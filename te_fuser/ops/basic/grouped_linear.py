@@ -16,7 +16,7 @@ from ...float8_tensor import Float8Tensor
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt
 from ..op import BasicOperation
-from .linear import _saved_transpose
+from .linear import dgrad_weight_transpose, saved_weight, sync_weight_quantizer
 
 
 class GroupedBasicLinear(BasicOperation):
@@ -48,7 +48,11 @@ class GroupedBasicLinear(BasicOperation):
             self._backward_quantizers[i].set_usage(columnwise=weight_requires_grad)
 
     def _quantized_weight(self, i: int, weight: torch.Tensor, is_first_microbatch: Optional[bool]) -> Float8Tensor:
-        """As BasicLinear: True quantizes and caches, False reuses the cache, None never caches."""
+        """As BasicLinear: True quantizes and caches, False reuses the cache, None never caches.
+        An FP8 weight (quantized_model_init) is used as it is."""
+        if isinstance(weight, Float8Tensor):
+            sync_weight_quantizer(weight, self._forward_quantizers[2 * i + 1])
+            return weight
         cached = self._fp8_weight_cache[i]
         if is_first_microbatch is False and cached is not None:
             return cached
@@ -80,13 +84,15 @@ class GroupedBasicLinear(BasicOperation):
                 xq = self._forward_quantizers[2 * i](xi)
                 wq = self._quantized_weight(i, w, is_first_microbatch)
                 outs.append(fp8_gemm_nt(xq._data, xq._scale_inv, wq._data, wq._scale_inv, w.dtype, b))
-                saved += [_saved_transpose(with_transpose(xq)) if weight_requires_grad else None,
-                          _saved_transpose(with_transpose(wq)) if ctx.input_requires_grad else None]
+                saved += [saved_weight(xq, False) if weight_requires_grad else None,
+                          saved_weight(wq, isinstance(w, Float8Tensor)) if ctx.input_requires_grad else None]
             else:
-                outs.append(gemm_nt(xi, w, b))
-                saved += [xi if weight_requires_grad else None, w if ctx.input_requires_grad else None]
+                outs.append(gemm_nt(xi, w, b))  # an FP8 weight outside fp8_autocast: dequantized values
+                w_saved = saved_weight(w, True) if isinstance(w, Float8Tensor) else w
+                saved += [xi if weight_requires_grad else None, w_saved if ctx.input_requires_grad else None]
         ctx.save_for_backward(*saved)
         ctx.fp8 = fp8
+        ctx.fp8_weights = [isinstance(w, Float8Tensor) for w in weights]
         ctx.m_splits = tuple(m_splits)
         ctx.lead_shape = tuple(input_.shape[:-1])
         ctx.dtype = weights[0].dtype
@@ -112,7 +118,8 @@ class GroupedBasicLinear(BasicOperation):
             if ctx.fp8:
                 dyq = ctx.grad_output_quantizers[i](dy.contiguous())
                 if ctx.input_requires_grad:
-                    dx = fp8_gemm_nt(dyq._data, dyq._scale_inv, w_saved._data, w_saved._scale_inv, ctx.dtype)
+                    dx = fp8_gemm_nt(dyq._data, dyq._scale_inv, dgrad_weight_transpose(w_saved, ctx.fp8_weights[i]),
+                                     w_saved._scale_inv, ctx.dtype)
                 if ctx.weight_requires_grad:
                     with_transpose(dyq)
                     dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._data, x_saved._scale_inv,

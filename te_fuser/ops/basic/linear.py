@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from ...float8_tensor import Float8Tensor
+from ... import fp8_weights
+from ...float8_tensor import Float8Tensor, fp8_transpose
 from ...quantizer import Float8Quantizer
 from .. import _tensor_parallel as tp
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
@@ -28,6 +29,28 @@ def _saved_transpose(t: Float8Tensor) -> Float8Tensor:
     cached FP8 weight), and the row-major data is not kept alive.
     """
     return Float8Tensor(t._transpose, t._scale_inv, t._fp8_dtype, t.dtype)
+
+
+def saved_weight(w: Float8Tensor, fp8_weight: bool) -> Float8Tensor:
+    """What dgrad keeps of the FP8 weight. A cast weight: its transposed data (_saved_transpose). An FP8
+    parameter: a new object over the parameter's own bytes (no copy; autograd's version check catches
+    an update before backward) and a copy of its scale, transposed in backward when needed."""
+    if not fp8_weight:
+        return _saved_transpose(with_transpose(w))
+    return Float8Tensor(w._data, w._scale_inv.clone(), w._fp8_dtype, w.dtype)
+
+
+def dgrad_weight_transpose(w_saved: Float8Tensor, fp8_weight: bool) -> torch.Tensor:
+    """The transposed FP8 weight for dgrad: saved as such for a cast weight (_saved_transpose), made
+    now from the bytes of an FP8 parameter."""
+    return fp8_transpose(w_saved._data) if fp8_weight else w_saved._data
+
+
+def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
+    """Point an FP8 weight at the running recipe's quantizer for its slot (the recipe state may have
+    been made anew since the weight was built), when it casts to the weight's format."""
+    if quantizer.fp8_dtype == weight._fp8_dtype:
+        weight._quantizer = fp8_weights.rowwise_copy(quantizer)
 
 
 class BasicLinear(BasicOperation):
@@ -77,6 +100,7 @@ class BasicLinear(BasicOperation):
         # Keep the high-precision input for the weight gradient (quantized again in backward under
         # FP8), not an FP8 copy: saves memory when the caller keeps that input alive anyway.
         self.save_original_input = False
+        self._fp8_init = fp8_weights.current_init()  # quantized_model_init at construction
         if create_weight:
             self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features,
                                                          device=device, dtype=dtype))
@@ -105,8 +129,11 @@ class BasicLinear(BasicOperation):
             tp.mark_parallel_param(weight, 0 if self.tensor_parallel_mode == "column" else 1)
 
     def reset_parameters(self) -> None:
-        if self.weight is not None:
-            torch.nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.weight is None:
+            return
+        fp8_weights.initialize_weight(self.weight, lambda w: torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
+        if self._fp8_init.enabled:
+            fp8_weights.quantize_weights(self, [("weight", self, 1)], self._fp8_init)
 
     def op_params(self, weight=None, **kwargs):
         del kwargs
@@ -142,7 +169,11 @@ class BasicLinear(BasicOperation):
             columnwise=weight_requires_grad and not self.gathers_grad_output)
 
     def _quantized_weight(self, weight: torch.Tensor, is_first_microbatch: Optional[bool]) -> Float8Tensor:
-        """is_first_microbatch: True quantizes and caches, False reuses the cache, None never caches."""
+        """is_first_microbatch: True quantizes and caches, False reuses the cache, None never caches.
+        An FP8 weight (quantized_model_init) is used as it is."""
+        if isinstance(weight, Float8Tensor):
+            sync_weight_quantizer(weight, self._forward_quantizers[1])
+            return weight
         if is_first_microbatch is False and self._fp8_weight_cache is not None:
             return self._fp8_weight_cache
         wq = self._forward_quantizers[1](weight.detach())
@@ -205,15 +236,19 @@ class BasicLinear(BasicOperation):
                 x_saved = shard_for_saving(x_shard)
             else:
                 x_saved = _saved_transpose(with_transpose(xq))
-            ctx.save_for_backward(x_saved, _saved_transpose(with_transpose(wq)) if input_requires_grad else None)
+            ctx.fp8_weight = isinstance(weight, Float8Tensor)
+            ctx.save_for_backward(x_saved, saved_weight(wq, ctx.fp8_weight) if input_requires_grad else None)
         else:
             x = high_precision(x)
             if x.dtype != weight.dtype:
                 raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
             if x.device != weight.device:
                 raise ValueError(f"input is on {x.device} but the weight is on {weight.device}")
+            # An FP8 weight outside fp8_autocast: the GEMM sees its dequantized values.
             y = gemm_nt(x.reshape(-1, k), weight, bias)
             x_saved = original if original is not None else (x if weight_requires_grad else None)
+            if isinstance(weight, Float8Tensor):  # keep its bytes (a new object: the parameter stays whole)
+                weight = saved_weight(weight, True)
             ctx.save_for_backward(x_saved, weight if input_requires_grad else None)
         ctx.lead_shape = lead_shape
         ctx.dtype = weight.dtype
@@ -243,7 +278,8 @@ class BasicLinear(BasicOperation):
         if ctx.fp8:
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
             if ctx.input_requires_grad:
-                dx = fp8_gemm_nt(dyq._data.reshape(-1, n), dyq._scale_inv, w_saved._data,
+                dx = fp8_gemm_nt(dyq._data.reshape(-1, n), dyq._scale_inv,
+                                 dgrad_weight_transpose(w_saved, ctx.fp8_weight),
                                  w_saved._scale_inv, ctx.dtype)
             if ctx.weight_requires_grad:
                 with_transpose(dyq)
