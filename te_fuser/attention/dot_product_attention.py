@@ -46,8 +46,8 @@ class DotProductAttention(torch.nn.Module):
     quantized to FP8 E4M3 and the kernels consume the FP8 data (fp8_mha=True, as in TE, turns
     this on too). Float8Tensor q, k, v in E4M3 (fp8_mha: views of the QKV projection's FP8
     output) are used as they are, with their per-tensor scales; outside FP8 attention they are
-    dequantized. forward(fp8_output=True) under FP8 attention returns the output as a
-    Float8Tensor, quantized with an O scaling slot of its own (delayed scaling: its own amax
+    dequantized. forward(fp8_output=True) under FP8 attention (and any forward under a recipe
+    with fp8_mha=True, as in TE) returns the output as a Float8Tensor, quantized with an O scaling slot of its own (delayed scaling: its own amax
     history; current scaling: the output's amax); otherwise it is ignored.
     """
 
@@ -244,6 +244,7 @@ class DotProductAttention(torch.nn.Module):
                                            lens_kv, self.softmax_scale, "causal" in mask_type, dropout_p, seed,
                                            offset, quantizers)
         out = out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
-        if fp8_output and quantizers is not None:
+        # TE: under fp8_mha the attention output is FP8 whether or not fp8_output is passed.
+        if quantizers is not None and (fp8_output or getattr(FP8GlobalState.get_recipe(), "fp8_mha", False)):
             out = QuantizeWithGrad.apply(out, self._fp8_output_quantizer(query_layer.device))
         return out

@@ -305,3 +305,55 @@ def test_fp8_mha_leaves_nothing_on_ctx_after_backward(fp8_recipe, monkeypatch, g
         without_clearing(patch)
         _, after_leaky, _ = reachable_after_backward(module, forward)
     assert after_leaky, "the graph walk missed the tensors left on ctx"
+
+
+def test_example_gpt_block_runs_fp8_mha_end_to_end(monkeypatch, generator):
+    from te_fuser.examples.gpt import GPTConfig, Parallel, TransformerBlock
+
+    torch.manual_seed(1234)  # the block's initial weights
+    cfg = GPTConfig(hidden_size=64, num_heads=4, ffn_hidden_size=128, seq_len=32)
+    block = TransformerBlock(cfg, Parallel(), "cpu", torch.float32)
+    x = torch.randn(32, 2, 64, generator=generator).requires_grad_()
+    dy = torch.randn(x.shape, generator=generator)
+
+    def run(fp8_recipe, record=None):
+        hooks = []
+        if record is not None:
+            hooks = [block.qkv.register_forward_hook(lambda m, args, out: record.append(out)),
+                     block.attention.register_forward_pre_hook(lambda m, args: record.append(args[:3])),
+                     block.proj.register_forward_pre_hook(lambda m, args: record.append(args[0]))]
+        for _ in range(3):
+            x.grad = None
+            with te_fuser.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                out = block(x)
+            out.backward(dy)
+        for h in hooks:
+            h.remove()
+        return out.detach().double(), x.grad.double()
+
+    plain_out, plain_grad = run(None)
+    dpa_out, dpa_grad = run(recipe.DelayedScaling(fp8_dpa=True, amax_history_len=4))
+    record = []
+    mha_recipe = recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True, amax_history_len=4)
+    mha_out, mha_grad = run(mha_recipe, record)
+    projected, (q, k, v), context = record[-3:]
+    assert isinstance(projected, Float8Tensor) and isinstance(context, Float8Tensor)
+    for t in (q, k, v):  # views of the projection's FP8 bytes with its scale
+        assert isinstance(t, Float8Tensor) and t._scale_inv is projected._scale_inv
+        assert t._data.untyped_storage().data_ptr() == projected._data.untyped_storage().data_ptr()
+    # The residual stream dominates the block's output: compare the attention + MLP part.
+    base = x.detach().double()
+    dpa_rel, mha_rel = _rel(dpa_out - base, plain_out - base), _rel(mha_out - base, plain_out - base)
+    assert 1e-4 < dpa_rel < 0.08 and 1e-4 < mha_rel < 0.08 and mha_rel < 2 * dpa_rel + 0.03, (dpa_rel, mha_rel)
+    assert _rel(mha_grad - dy.double(), plain_grad - dy.double()) < 0.15
+
+    def forward():
+        with te_fuser.fp8_autocast(fp8_recipe=mha_recipe):
+            return block(x)
+
+    before, after, _ = reachable_after_backward(block, forward)
+    assert before and after == [], after
+    with monkeypatch.context() as patch:
+        without_clearing(patch)
+        _, after_leaky, _ = reachable_after_backward(block, forward)
+    assert after_leaky, "the graph walk missed the tensors left on ctx"
