@@ -357,3 +357,27 @@ def test_example_gpt_block_runs_fp8_mha_end_to_end(monkeypatch, generator):
         without_clearing(patch)
         _, after_leaky, _ = reachable_after_backward(block, forward)
     assert after_leaky, "the graph walk missed the tensors left on ctx"
+
+
+def test_output_and_grad_input_states_round_trip_in_te_slots(generator):
+    module = _layer("Linear")
+    x = _x(generator)
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    for _ in range(3):
+        with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+            out = module(x, fp8_output=True, fp8_grad=True)
+        out.backward(torch.ones_like(out))
+    state = module.state_dict()
+    payload = te_fuser.module._te_pickle.safe_loads(state["_extra_state"].numpy().tobytes())
+    for kind, key, column in (("output", "fwd", 2), ("grad_input", "bwd", 1)):  # TE's GEMM1_OUTPUT, GRAD_INPUT1
+        mine = _io_state(module, kind)
+        assert payload[f"scale_{key}"][column] == mine.scale[0] != 1.0
+        assert torch.equal(payload[f"amax_history_{key}"][:, column], mine.te_amax_history()[:, 0])
+    fresh = _layer("Linear")
+    fresh.load_state_dict(state)
+    for kind in ("output", "grad_input"):
+        for name in ("amax_history", "amax", "scale", "scale_inv"):
+            assert torch.equal(getattr(_io_state(fresh, kind), name), getattr(_io_state(module, kind), name)), name
+    with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+        a, b = module(x, fp8_output=True), fresh(x, fp8_output=True)
+    assert torch.equal(a._data.view(torch.uint8), b._data.view(torch.uint8)) and torch.equal(a._scale_inv, b._scale_inv)

@@ -152,6 +152,12 @@ class BasicLinear(BasicOperation):
             state.to(device)
         return state.quantizers(FP8GlobalState.get_group())[0]
 
+    def load_fp8_io_state(self, kind: str, state: dict, device) -> None:
+        """Restore the fp8_io_quantizer(kind) state from `_extra_state` (after load_fp8_extra_state)."""
+        loaded = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
+        loaded.load_state_dict(state)
+        self.__dict__.setdefault("_fp8_io_states", {})[kind] = loaded
+
     # -- forward / backward -------------------------------------------------------------
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
                    weight=None, is_first_microbatch=None, input_gathered=False):
