@@ -157,13 +157,14 @@ class DotProductAttention(torch.nn.Module):
         """TE's `_extra_state`: the q, k, v delayed-scaling state (see te_fuser/attention/extra_state.py)."""
         # Imported here: the TE format lives in te_fuser.module, whose MultiheadAttention imports this module.
         from .extra_state import dpa_extra_state
-        return dpa_extra_state(self._fp8_state)
+        return dpa_extra_state(self._fp8_state, self._fp8_output_state)
 
     def set_extra_state(self, state) -> None:
-        from .extra_state import load_dpa_extra_state
+        from .extra_state import load_dpa_extra_state, load_dpa_output_state
         loaded = load_dpa_extra_state(state, torch.device("cpu"))
         if loaded is not None:
             self._fp8_state, self._fp8_recipe, self._fp8_device = loaded, loaded.recipe, torch.device("cpu")
+            self._fp8_output_state = load_dpa_output_state(state, torch.device("cpu"))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):

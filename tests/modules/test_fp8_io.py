@@ -381,3 +381,20 @@ def test_output_and_grad_input_states_round_trip_in_te_slots(generator):
     with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
         a, b = module(x, fp8_output=True), fresh(x, fp8_output=True)
     assert torch.equal(a._data.view(torch.uint8), b._data.view(torch.uint8)) and torch.equal(a._scale_inv, b._scale_inv)
+
+
+def test_attention_output_state_round_trips_in_te_o_slot(generator):
+    layout = (True, True, 2, "sbhd", False)
+    module = _mha(*layout)
+    x = _mha_input(generator, "sbhd")
+    _mha_run(module, x, recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True, amax_history_len=4),
+             torch.ones(x.shape))
+    mine = module.core_attention._fp8_output_state
+    state = module.state_dict()
+    payload = te_fuser.module._te_pickle.safe_loads(state["core_attention._extra_state"].numpy().tobytes())
+    assert payload["scale_fwd"][3] == mine.scale[0] != 1.0  # TE's META_O
+    assert torch.equal(payload["amax_history_fwd"][:, 3], mine.te_amax_history()[:, 0])
+    fresh = _mha(*layout)
+    fresh.load_state_dict(state)
+    for name in ("amax_history", "amax", "scale", "scale_inv"):
+        assert torch.equal(getattr(fresh.core_attention._fp8_output_state, name), getattr(mine, name)), name
