@@ -32,8 +32,8 @@ import torch
 
 from ..float8_tensor import Float8Tensor
 from ..fp8_state import FP8GlobalState
-from ._fp8_io import high_precision
 from ..saved_tensors import prepare_for_saving, restore_from_saved
+from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
 from .basic.bias import Bias
 from .basic.linear import BasicLinear
