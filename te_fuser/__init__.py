@@ -1,7 +1,7 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import distributed, fp8, memory, ops, recipe, tensor
+from . import distributed, fp8, memory, ops, recipe, tensor, utils
 from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init

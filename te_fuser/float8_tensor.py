@@ -44,13 +44,14 @@ class Float8Tensor(QuantizedTensor):
                 raise ValueError(f"data must hold {fp8_dtype}, got {data.dtype}")
             if shape is not None and tuple(shape) != tuple(data.shape):
                 raise ValueError(f"shape {tuple(shape)} does not match data's shape {tuple(data.shape)}")
-            shape, device = data.shape, data.device
+            shape, device, strides = data.shape, data.device, data.stride()
         elif shape is None:
             raise ValueError("a Float8Tensor without data needs its shape")
         else:
             held = transpose if transpose is not None else scale_inv
             device = held.device if held is not None else torch.device("cpu")
-        self = super().__new__(cls, shape, dtype, device, requires_grad)
+            strides = None
+        self = super().__new__(cls, shape, dtype, device, requires_grad, strides)
         self._data = data
         self._scale_inv = scale_inv
         self._fp8_dtype = fp8_dtype
@@ -244,7 +245,8 @@ def _view(func, args, kwargs):
 
 def _clone(func, args, kwargs):
     t = args[0]
-    return t._like(t._data.clone(), None if t._transpose is None else t._transpose.clone(),
+    data = t._data.clone(memory_format=kwargs.get("memory_format", torch.preserve_format))
+    return t._like(data, None if t._transpose is None else t._transpose.clone(),
                    scale_inv=t._scale_inv.clone())
 
 

@@ -41,9 +41,12 @@ class QuantizedTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, shape, dtype: torch.dtype, device: torch.device, requires_grad: bool = False):
+    def __new__(cls, shape, dtype: torch.dtype, device: torch.device, requires_grad: bool = False, strides=None):
+        # strides: those of the quantized data when it is a strided view (default: contiguous), so
+        # torch's reshape/contiguous decide view-or-copy from the layout the bytes really have.
+        layout = {} if strides is None else {"strides": strides}  # (torch.compile traces no strides=None)
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device,
-                                                   requires_grad=requires_grad)
+                                                   requires_grad=requires_grad, **layout)
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not implement dequantize()")

@@ -8,6 +8,7 @@ import torch
 
 from ..fp8_state import DelayedScalingState, FP8GlobalState, make_recipe_state
 from ..kernels.validate import FLOAT_DTYPES
+from ..ops._fp8_io import QuantizeWithGrad, dequantized_with_grad
 from .function import FusedAttentionFunction
 from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
 
@@ -42,7 +43,12 @@ class DotProductAttention(torch.nn.Module):
     Constructor and forward follow TransformerEngine's DotProductAttention.
     Options te_fuser does not implement raise NotImplementedError naming the
     option. With fp8_autocast and a recipe with fp8_dpa=True, q, k and v are
-    quantized to FP8 E4M3 and the kernels consume the FP8 data.
+    quantized to FP8 E4M3 and the kernels consume the FP8 data (fp8_mha=True, as in TE, turns
+    this on too). Float8Tensor q, k, v in E4M3 (fp8_mha: views of the QKV projection's FP8
+    output) are used as they are, with their per-tensor scales; outside FP8 attention they are
+    dequantized. forward(fp8_output=True) under FP8 attention (and any forward under a recipe
+    with fp8_mha=True, as in TE) returns the output as a Float8Tensor, quantized with an O scaling slot of its own (delayed scaling: its own amax
+    history; current scaling: the output's amax); otherwise it is ignored.
     """
 
     def __init__(self, num_attention_heads: int, kv_channels, num_gqa_groups: Optional[int] = None,
@@ -90,6 +96,7 @@ class DotProductAttention(torch.nn.Module):
         self._fp8_recipe = None
         self._fp8_device = None
         self._fp8_state = None
+        self._fp8_output_state = None  # the O quantizer's (fp8_output), made on first use
 
     def _check_inputs(self, q, k, v, qkv_format):
         rank = 3 if qkv_format == "thd" else 4
@@ -122,7 +129,7 @@ class DotProductAttention(torch.nn.Module):
         if not FP8GlobalState.is_enabled() or FP8GlobalState.is_calibrating():
             return None
         recipe = FP8GlobalState.get_recipe()
-        if not getattr(recipe, "fp8_dpa", False):
+        if not (getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)):
             return None
         if recipe.fp8_format.fwd_dtype != torch.float8_e4m3fn:
             raise NotImplementedError(f"fp8_dpa with fp8_format={recipe.fp8_format.name}: the attention kernels "
@@ -137,17 +144,27 @@ class DotProductAttention(torch.nn.Module):
             self._fp8_recipe, self._fp8_device = recipe, device
         return self._fp8_state.quantizers(FP8GlobalState.get_group())
 
+    def _fp8_output_quantizer(self, device):
+        """The O quantizer of fp8_output (one forward slot, kept apart from the q, k, v state)."""
+        state, recipe = self._fp8_output_state, self._fp8_recipe
+        if state is None or state.recipe != recipe:
+            state = self._fp8_output_state = make_recipe_state(recipe, 1, forward=True, device=device)
+        elif isinstance(state, DelayedScalingState) and state.amax.device != device:
+            state.to(device)
+        return state.quantizers(FP8GlobalState.get_group())[0]
+
     def get_extra_state(self) -> torch.Tensor:
         """TE's `_extra_state`: the q, k, v delayed-scaling state (see te_fuser/attention/extra_state.py)."""
         # Imported here: the TE format lives in te_fuser.module, whose MultiheadAttention imports this module.
         from .extra_state import dpa_extra_state
-        return dpa_extra_state(self._fp8_state)
+        return dpa_extra_state(self._fp8_state, self._fp8_output_state)
 
     def set_extra_state(self, state) -> None:
-        from .extra_state import load_dpa_extra_state
+        from .extra_state import load_dpa_extra_state, load_dpa_output_state
         loaded = load_dpa_extra_state(state, torch.device("cpu"))
         if loaded is not None:
             self._fp8_state, self._fp8_recipe, self._fp8_device = loaded, loaded.recipe, torch.device("cpu")
+            self._fp8_output_state = load_dpa_output_state(state, torch.device("cpu"))
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -203,7 +220,6 @@ class DotProductAttention(torch.nn.Module):
             "alibi_slopes": alibi_slopes is not None,
             "inference_params": inference_params is not None,
             "pad_between_seqs": bool(pad_between_seqs),
-            "fp8_output": bool(fp8_output),
         }
         for option, used in unsupported.items():
             if used:
@@ -222,7 +238,14 @@ class DotProductAttention(torch.nn.Module):
             with tracker().fork() if tracker is not None else contextlib.nullcontext():
                 seed, offset = _dropout_seed(query_layer.device)
         quantizers = self._fp8_quantizers(query_layer.device)
+        if quantizers is None:  # high-precision attention: FP8 inputs are read as their values
+            query_layer, key_layer, value_layer = (dequantized_with_grad(t)
+                                                   for t in (query_layer, key_layer, value_layer))
         out = FusedAttentionFunction.apply(query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q,
                                            lens_kv, self.softmax_scale, "causal" in mask_type, dropout_p, seed,
                                            offset, quantizers)
-        return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+        out = out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+        # TE: under fp8_mha the attention output is FP8 whether or not fp8_output is passed.
+        if quantizers is not None and (fp8_output or getattr(FP8GlobalState.get_recipe(), "fp8_mha", False)):
+            out = QuantizeWithGrad.apply(out, self._fp8_output_quantizer(query_layer.device))
+        return out

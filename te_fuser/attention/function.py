@@ -47,6 +47,16 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def fp8_input(t: torch.Tensor, quantizer) -> Float8Tensor:
+    """t for the FP8 kernels: quantized, or, when it already is a Float8Tensor in the quantizer's
+    format (fp8_mha: a view of the QKV projection's FP8 output), its bytes and scale as they are,
+    in a new wrapper (prepare_for_saving empties the wrapper, never the caller's tensor)."""
+    if isinstance(t, Float8Tensor) and t._fp8_dtype == quantizer.fp8_dtype:
+        t._live()
+        return Float8Tensor(t._data, t._scale_inv, t._fp8_dtype, t.dtype)
+    return quantizer(t.dequantize() if isinstance(t, Float8Tensor) else t)
+
+
 def _fp8_parts(t: Float8Tensor, qkv_format: str):
     return to_kernel_layout(t._data, qkv_format), t._scale_inv
 
@@ -73,7 +83,7 @@ class FusedAttentionFunction(torch.autograd.Function):
             out = from_kernel_layout(out, qkv_format)
             saved, objects = (q, k, v, out, lse, *lengths), None
         else:
-            q8, k8, v8 = (quantizer(t) for quantizer, t in zip(quantizers, (q, k, v)))
+            q8, k8, v8 = (fp8_input(t, quantizer) for quantizer, t in zip(quantizers, (q, k, v)))
             (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, qkv_format) for t in (q8, k8, v8))
             out, lse = attn_kernels.attention_fwd(
                 qd, kd, vd, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqlens_q=seqlens_q,

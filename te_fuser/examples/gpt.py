@@ -68,11 +68,18 @@ class TransformerBlock(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(self.norm(x))
+        # Under a recipe with fp8_mha=True (and fp8_dpa=True) the QKV projection returns FP8, q, k and v
+        # are FP8 views of its bytes (SplitAlongDim keeps FP8), the attention returns FP8 (TE's rule
+        # under fp8_mha) and proj's FP8 GEMM reads it as it is, handing the attention an FP8 gradient.
+        manager = te.fp8.FP8GlobalStateManager
+        fp8_mha = manager.is_fp8_enabled() and manager.get_fp8_recipe().fp8_mha
+        qkv = self.qkv(self.norm(x), fp8_output=fp8_mha)
         s, b = qkv.shape[0], qkv.shape[1]
         # Megatron's QKV layout [s, b, heads, (q k v), d]: a column split keeps whole heads per rank.
-        q, k, v = qkv.view(s, b, self.local_heads, 3, self.head_dim).unbind(dim=3)
-        x = x + self.proj(self.attention(q, k, v))
+        parts = te.utils.SplitAlongDim.apply(qkv.view(s, b, self.local_heads, 3, self.head_dim), 3, [1, 1, 1])
+        q, k, v = (t.view(s, b, self.local_heads, self.head_dim) for t in parts)
+        context = self.attention(q, k, v)
+        x = x + self.proj(context, fp8_grad=isinstance(context, te.tensor.QuantizedTensor))
         return x + self.mlp(x)
 
 

@@ -17,9 +17,11 @@ TE 1.x payloads lack `recipe` (delayed scaling was the only recipe); TE 0.x
 stored an io.BytesIO of torch.save. All are read without unpickling code.
 
 An op with FP8 quantizers counts as g GEMMs when it has 2g forward quantizers
-(input, weight per GEMM) and g backward ones (grad_output per GEMM); te_fuser
-keeps no output / grad_input scales, so TE's slots for them are written as
-scale 1 with an empty history and ignored on load.
+(input, weight per GEMM) and g backward ones (grad_output per GEMM). A linear
+op's output and grad_input states (fp8_output / fp8_grad, made on first use)
+go to TE's slots 3k+2 and 2k+1, and come back from them when those slots hold
+a state (a scale other than 1 or a non-zero history); otherwise TE's slots are
+written as scale 1 with an empty history.
 
 History layouts differ: TE accumulates the current amax in history row 0 and
 keeps the completed amaxes oldest-to-newest in rows 1.., te_fuser accumulates
@@ -33,6 +35,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..fp8_state import DelayedScalingState
 from ..ops.op import BasicOperation
 from ..recipe import DelayedScaling, Format
 from ._te_pickle import (PickledFormat, PickledRecipe, TEFormat, TERecipe, UnsafeExtraStateError, safe_loads,
@@ -40,6 +43,14 @@ from ._te_pickle import (PickledFormat, PickledRecipe, TEFormat, TERecipe, Unsaf
 
 _TE_KEYS = ("scale_fwd", "amax_history_fwd", "scale_bwd", "amax_history_bwd")
 _FWD_SLOTS, _BWD_SLOTS = 3, 2  # TE's per-GEMM scaling slots
+# A linear op's fp8_output / fp8_grad states: (kind, forward?, TE's slot within the GEMM's slots)
+_IO_SLOTS = (("output", True, 2), ("grad_input", False, 1))
+
+
+def _io_columns(gemm: int):
+    """(kind, which TE tensors, column) of GEMM `gemm`'s output and grad_input slots."""
+    return [(kind, forward, (_FWD_SLOTS if forward else _BWD_SLOTS) * gemm + slot)
+            for kind, forward, slot in _IO_SLOTS]
 
 
 def _fp8_ops(ops: Sequence[BasicOperation]) -> List[Tuple[BasicOperation, int]]:
@@ -123,6 +134,13 @@ def get_fp8_extra_state(ops: Sequence[BasicOperation]) -> torch.Tensor:
             slot = _BWD_SLOTS * (gemm + k)
             scale_bwd[slot] = bwd.scale[k]
             hist_bwd[:, slot] = bwd_hist[:, k]
+        io_states = op.__dict__.get("_fp8_io_states", {})
+        for kind, forward, column in _io_columns(gemm) if g == 1 else ():
+            io = io_states.get(kind)
+            if isinstance(io, DelayedScalingState) and io.recipe == recipe:
+                scales, hists = (scale_fwd, hist_fwd) if forward else (scale_bwd, hist_bwd)
+                scales[column] = io.scale[0]
+                hists[:, column] = io.te_amax_history().cpu()[:, 0]
         gemm += g
     return te_state_payload(recipe, num_gemms, scale_fwd, hist_fwd, scale_bwd, hist_bwd)
 
@@ -223,6 +241,14 @@ def _load_te(fp8_ops, slots: TESlots, device) -> None:
             op_state[key] = {"amax_history": history, "amax": amax, "scale": scale_part,
                              "scale_inv": torch.reciprocal(scale_part)}
         op.load_fp8_extra_state(op_state, device)
+        for kind, forward, column in _io_columns(gemm) if g == 1 and hasattr(op, "load_fp8_io_state") else ():
+            scale, hist = ((slots.scale_fwd, slots.amax_history_fwd) if forward
+                           else (slots.scale_bwd, slots.amax_history_bwd))
+            if scale[column] != 1 or hist[:, column].any():
+                amax, history = from_te_history(hist[:, column:column + 1])
+                scale_part = scale[column:column + 1].clone()
+                op.load_fp8_io_state(kind, {"amax_history": history, "amax": amax, "scale": scale_part,
+                                            "scale_inv": torch.reciprocal(scale_part)}, device)
         gemm += g
 
 

@@ -56,7 +56,7 @@ class LayerNormLinear(FusedModule):
     all-gathered sequence with return_layernorm_output_gathered (whose gradient is
     reduce-scattered back; TE drops the gradient of a gathered output).
     parallel_mode "row" is refused, as in TE. Not supported (NotImplementedError naming the
-    option): ub_*, delay_wgrad_compute, symmetric_ar_type, fp8_output/fp8_grad.
+    option): ub_*, delay_wgrad_compute, symmetric_ar_type. fp8_output / fp8_grad as te_fuser.Linear.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, sequence_parallel: bool = False,
@@ -160,7 +160,7 @@ class LayerNormLinear(FusedModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
         weight = self._weights.full_weight(self)
-        check_forward_input("LayerNormLinear", inp, weight, fp8_output, fp8_grad)
+        check_forward_input("LayerNormLinear", inp, weight)
         bias = self._weights.full_bias(self)
         kwargs = [norm_kwargs(self, self._norm_op)]
         if self.return_layernorm_output:
@@ -169,7 +169,7 @@ class LayerNormLinear(FusedModule):
                        "input_gathered": self._gathered_extra})
         if self._bias_in_fuser:
             kwargs.append({"bias": bias})
-        result = self._fuser(inp, kwargs)
+        result = self._fuser(inp, kwargs, fp8_output=fp8_output, fp8_grad=fp8_grad)
         out, ln_out = result if self.return_layernorm_output else (result, None)
         if self.return_bias:
             return (out, bias, ln_out) if self.return_layernorm_output else (out, bias)

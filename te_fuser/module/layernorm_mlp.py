@@ -143,7 +143,7 @@ class LayerNormMLP(FusedModule):
                 op.sequence_parallel_group = tp_group
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        check_forward_input("LayerNormMLP", inp, self.fc1_weight, False, False)
+        check_forward_input("LayerNormMLP", inp, self.fc1_weight)
         kwargs = [norm_kwargs(self, self._norm_op)]
         if self.return_layernorm_output:
             kwargs.append({})

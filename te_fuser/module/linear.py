@@ -11,13 +11,8 @@ from ._linear_base import FusedModule, LinearWeights, check_unsupported, default
 
 _PARALLEL_MODES = (None, "column", "row")
 
-FP8_OUTPUT_MESSAGE = ("does not support fp8_output/fp8_grad: its Float8Tensor is not a torch.Tensor "
-                      "and cannot carry autograd between modules")
 
-
-def check_forward_input(module_name: str, inp, param: torch.Tensor, fp8_output: bool, fp8_grad: bool) -> None:
-    if fp8_output or fp8_grad:
-        raise NotImplementedError(f"te_fuser.{module_name} {FP8_OUTPUT_MESSAGE}")
+def check_forward_input(module_name: str, inp, param: torch.Tensor) -> None:
     if not isinstance(inp, torch.Tensor):
         raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
     if inp.device != param.device:
@@ -39,9 +34,13 @@ class Linear(FusedModule):
     raises under the DelayedScaling recipe.
     Not supported (NotImplementedError naming the option): userbuffer overlap
     (ub_*), delay_wgrad_compute (backward_dw() exists and does nothing),
-    symmetric_ar_type, and forward(fp8_output=True / fp8_grad=True), since
-    te_fuser's Float8Tensor is not a torch.Tensor and cannot carry autograd
-    across modules.
+    symmetric_ar_type.
+    forward(fp8_output=True) returns a Float8Tensor (quantized with the
+    layer's output quantizer: under delayed scaling a forward scaling slot of
+    its own, under current scaling the output's amax), and fp8_grad=True makes
+    the input's gradient a Float8Tensor (the grad-input quantizer, a backward
+    slot); outside fp8_autocast both are ignored, as in TE. A Float8Tensor
+    input in the recipe's forward format feeds the FP8 GEMM as it is.
     """
 
     def __init__(self, in_features: int, out_features: int, sequence_parallel: bool = False,
@@ -129,10 +128,10 @@ class Linear(FusedModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None,
                 fp8_output: bool = False, fp8_grad: bool = False):
         weight = self._weights.full_weight(self)
-        check_forward_input("Linear", inp, weight, fp8_output, fp8_grad)
+        check_forward_input("Linear", inp, weight)
         bias = self._weights.full_bias(self)
         kwargs = [{"weight": weight, "is_first_microbatch": is_first_microbatch}]
         if self._bias_in_fuser:
             kwargs.append({"bias": bias})
-        out = self._fuser(inp, kwargs)
+        out = self._fuser(inp, kwargs, fp8_output=fp8_output, fp8_grad=fp8_grad)
         return (out, bias) if self.return_bias else out

@@ -8,8 +8,11 @@ import torch
 from ..attention.dot_product_attention import DotProductAttention
 from ..attention.rope import apply_rotary_pos_emb
 from ..distributed import checkpoint as te_checkpoint
+from ..float8_tensor import Float8Tensor
 from ..fp8_state import FP8GlobalState
 from ..ops import _tensor_parallel as tp
+from ..quantized_tensor import QuantizedTensor
+from ..utils import SplitAlongDim
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
@@ -54,7 +57,11 @@ class MultiheadAttention(torch.nn.Module):
     checkpoint_core_attention=True recomputes the attention in backward (te_fuser.distributed.checkpoint).
     Not supported (NotImplementedError naming it): userbuffer overlap (ub_*),
     qk_norm_type, softmax_type other than "vanilla", bottom_right_diagonal=True,
-    recipes with fp8_mha=True, and the DotProductAttention options it lacks.
+    and the DotProductAttention options it lacks.
+    With a recipe with fp8_mha=True (TE's semantics, without rotary_pos_emb), the QKV
+    projections return FP8, q, k and v are FP8 views of those bytes (one scale), the attention
+    runs on them without a 16-bit copy and returns FP8, which the output projection's FP8 GEMM
+    reads as it is (and gives the attention its gradient in FP8, fp8_grad).
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
@@ -176,29 +183,34 @@ class MultiheadAttention(torch.nn.Module):
         """[..., heads * head_dim] -> [..., heads, head_dim] (a copy only when the layout needs one)."""
         return x.reshape(*x.shape[:-1], heads, self.hidden_size_per_attention_head)
 
+    @staticmethod
+    def _split(x: torch.Tensor, sizes, dim: int):
+        """x.split(sizes, dim), in FP8 when x is a Float8Tensor (views of its bytes, one scale)."""
+        return SplitAlongDim.apply(x, dim, sizes) if isinstance(x, Float8Tensor) else x.split(sizes, dim=dim)
+
     def _split_qkv(self, mixed: torch.Tensor):
         """q [..., np, hn], k and v [..., ng, hn] out of the fused projection's output."""
         lead, hn = mixed.shape[:-1], self.hidden_size_per_attention_head
         groups = self.num_gqa_groups_per_partition
         per_group = self.num_attention_heads_per_partition // groups
         if self.qkv_weight_interleaved:
-            parts = mixed.view(*lead, groups, per_group + 2, hn).split([per_group, 1, 1], dim=-2)
+            parts = self._split(mixed.view(*lead, groups, per_group + 2, hn), [per_group, 1, 1], -2)
         else:
-            parts = mixed.view(*lead, per_group + 2, groups, hn).split([per_group, 1, 1], dim=-3)
+            parts = self._split(mixed.view(*lead, per_group + 2, groups, hn), [per_group, 1, 1], -3)
         return tuple(p.reshape(*lead, -1, hn) for p in parts)
 
     def _split_kv(self, mixed: torch.Tensor):
         lead, hn = mixed.shape[:-1], self.hidden_size_per_attention_head
         groups = self.num_gqa_groups_per_partition
         if self.qkv_weight_interleaved:
-            k, v = mixed.view(*lead, groups, 2 * hn).split([hn, hn], dim=-1)
+            k, v = self._split(mixed.view(*lead, groups, 2 * hn), [hn, hn], -1)
         else:
-            k, v = mixed.view(*lead, 2 * groups, hn).split([groups, groups], dim=-2)
+            k, v = self._split(mixed.view(*lead, 2 * groups, hn), [groups, groups], -2)
         return k.reshape(*lead, groups, hn), v.reshape(*lead, groups, hn)
 
-    def _project(self, module, x, is_first_microbatch):
+    def _project(self, module, x, is_first_microbatch, fp8_output):
         """(projection, layernorm output or None)."""
-        out = module(x, is_first_microbatch=is_first_microbatch)
+        out = module(x, is_first_microbatch=is_first_microbatch, fp8_output=fp8_output)
         if getattr(module, "return_layernorm_output", False):
             return out
         return out, None
@@ -213,9 +225,8 @@ class MultiheadAttention(torch.nn.Module):
                 fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None):
         check_unsupported("MultiheadAttention.forward", {"bottom_right_diagonal": bool(bottom_right_diagonal),
                                                          "inference_params": inference_params is not None})
-        if FP8GlobalState.is_enabled() and getattr(FP8GlobalState.get_recipe(), "fp8_mha", False):
-            raise NotImplementedError("te_fuser.MultiheadAttention does not support recipes with fp8_mha=True "
-                                      "(FP8 tensors between the projections and attention); use fp8_dpa")
+        fp8_mha = FP8GlobalState.is_enabled() and bool(getattr(FP8GlobalState.get_recipe(), "fp8_mha", False))
+        qkv_fp8 = fp8_mha and rotary_pos_emb is None  # RoPE is applied in high precision (TE)
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if self.attention_type == "cross" and not isinstance(encoder_output, torch.Tensor):
@@ -223,12 +234,13 @@ class MultiheadAttention(torch.nn.Module):
 
         if self.attention_type == "self":
             module = self.layernorm_qkv if self.input_layernorm else self.qkv
-            mixed, layernorm_output = self._project(module, hidden_states, is_first_microbatch)
+            mixed, layernorm_output = self._project(module, hidden_states, is_first_microbatch, qkv_fp8)
             query, key, value = self._split_qkv(mixed)
         else:
-            key, value = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch))
+            key, value = self._split_kv(self.key_value(encoder_output, is_first_microbatch=is_first_microbatch,
+                                                       fp8_output=qkv_fp8))
             module = self.layernorm_query if self.input_layernorm else self.query_layer
-            query, layernorm_output = self._project(module, hidden_states, is_first_microbatch)
+            query, layernorm_output = self._project(module, hidden_states, is_first_microbatch, qkv_fp8)
             query = self._heads(query, self.num_attention_heads_per_partition)
 
         if rotary_pos_emb is not None:
@@ -243,7 +255,8 @@ class MultiheadAttention(torch.nn.Module):
             attn_mask_type=attn_mask_type or self.attn_mask_type,
             window_size=window_size if window_size is not None else self.window_size,
             core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
-            alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
+            alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs,
+            fp8_output=fp8_mha)
         if checkpoint_core_attention:
             # Recomputed in backward from q, k, v, with the forward's RNG (tracker) and FP8 states.
             context = te_checkpoint(self.core_attention, query, key, value, use_reentrant=False,
@@ -252,7 +265,8 @@ class MultiheadAttention(torch.nn.Module):
         else:
             context = self.core_attention(query, key, value, **attention_kwargs)
 
-        projection = self.proj(context, is_first_microbatch=is_first_microbatch)
+        projection = self.proj(context, is_first_microbatch=is_first_microbatch,
+                               fp8_grad=isinstance(context, QuantizedTensor))
         outputs = projection if self.return_bias else (projection,)
         if self.input_layernorm and self.return_layernorm_output:
             outputs = tuple(outputs) + (layernorm_output,)

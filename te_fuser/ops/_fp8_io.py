@@ -36,3 +36,40 @@ def with_transpose(t: Float8Tensor) -> Float8Tensor:
 def high_precision(x):
     """x as a plain tensor (dequantized when it is a Float8Tensor)."""
     return x.dequantize() if isinstance(x, Float8Tensor) else x
+
+
+class QuantizeWithGrad(torch.autograd.Function):
+    """quantizer(x) as a Float8Tensor that carries autograd; the gradient passes through unchanged
+    (dequantized when it arrives in FP8). Saves nothing for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quantizer) -> Float8Tensor:
+        del ctx
+        return quantizer(high_precision(x).contiguous())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        del ctx
+        return high_precision(grad), None
+
+
+class DequantizeWithGrad(torch.autograd.Function):
+    """x.dequantize() that carries autograd (Float8Tensor.dequantize() reads the buffers and is not
+    recorded): the gradient passes through. Saves nothing for backward."""
+
+    @staticmethod
+    def forward(ctx, x: Float8Tensor) -> torch.Tensor:
+        del ctx
+        return x.dequantize()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        del ctx
+        return high_precision(grad)
+
+
+def dequantized_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """x as a plain tensor, through autograd when it is a Float8Tensor."""
+    return DequantizeWithGrad.apply(x) if isinstance(x, Float8Tensor) else x

@@ -15,6 +15,12 @@ tensors kept as plain ctx attributes lived until the next iteration):
 _CLEAR_CTX_AFTER_BACKWARD = False turns the dropping off; it exists only so the
 tests can show that they catch the leak.
 
+FP8 across the chain's boundaries (TE's fp8_output / fp8_grad): the caller may
+ask for the output quantized with the last linear op's output quantizer and
+for the input gradient quantized with the first linear op's grad-input
+quantizer; both come back as Float8Tensors carrying autograd. The grad-input
+quantizer rides on the backward state and is dropped with it.
+
 Extra outputs: an op with num_extra_outputs > 0 sets ctx.extra_outputs in its
 forward; the fuser takes them off the ctx at once and returns (output,
 *extra outputs), and sets ctx.grad_extra_outputs before that op's backward.
@@ -27,6 +33,7 @@ import torch
 from ..float8_tensor import Float8Tensor
 from ..fp8_state import FP8GlobalState
 from ..saved_tensors import prepare_for_saving, restore_from_saved
+from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
 from .basic.bias import Bias
 from .basic.linear import BasicLinear
@@ -93,13 +100,13 @@ class _Plan:
 class _BackwardState:
     """Everything the backward needs besides the saved tensors; dropped once backward ran."""
 
-    __slots__ = ("plan", "op_ctxs", "tensor_objects", "save_ranges", "num_params")
+    __slots__ = ("plan", "op_ctxs", "tensor_objects", "save_ranges", "num_params", "grad_input_quantizer")
 
 
 class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(func_ctx, input_, fuser, plan, kwargs_list, *params):
+    def forward(func_ctx, input_, fuser, plan, kwargs_list, boundary_quantizers, *params):
         basic_ops = fuser.basic_ops
         ctxs = [OperationContext() for _ in basic_ops]
         for ctx, needs, (start, end) in zip(ctxs, plan.input_requires_grad, plan.param_slices):
@@ -114,7 +121,10 @@ class _FuserFunction(torch.autograd.Function):
             for j in idx:
                 if basic_ops[j].num_extra_outputs:
                     extras.extend(ctxs[j].__dict__.pop("extra_outputs"))
-        if isinstance(x, Float8Tensor):
+        output_quantizer, grad_input_quantizer = boundary_quantizers
+        if output_quantizer is not None:
+            x = output_quantizer(high_precision(x).contiguous())
+        elif isinstance(x, Float8Tensor):
             x = x.dequantize()
 
         to_save, ranges = [], []
@@ -127,6 +137,7 @@ class _FuserFunction(torch.autograd.Function):
         state = _BackwardState()
         state.plan, state.op_ctxs = plan, ctxs
         state.tensor_objects, state.save_ranges, state.num_params = objects, ranges, len(params)
+        state.grad_input_quantizer = grad_input_quantizer
         func_ctx.state = state
         func_ctx.backward_done = False
         return (x, *extras) if extras else x
@@ -167,7 +178,9 @@ class _FuserFunction(torch.autograd.Function):
                 start, _ = state.plan.param_slices[j]
                 for k, g in enumerate(grads):
                     param_grads[start + k] = g
-        if isinstance(dy, Float8Tensor):
+        if state.grad_input_quantizer is not None and dy is not None:
+            dy = state.grad_input_quantizer(high_precision(dy).contiguous())
+        elif isinstance(dy, Float8Tensor):
             dy = dy.dequantize()
 
         if _CLEAR_CTX_AFTER_BACKWARD and not compiling:
@@ -177,7 +190,7 @@ class _FuserFunction(torch.autograd.Function):
             for ctx in state.op_ctxs:
                 ctx.clear()
             func_ctx.state = None
-        return (dy, None, None, None, *param_grads)
+        return (dy, None, None, None, None, *param_grads)
 
 
 class _BackwardContext:
@@ -205,7 +218,11 @@ class OperationFuser:
         self._plan_key = None
         self.plans_built = 0  # how often fusions were (re)found; tests check the cache with it
 
-    def __call__(self, input_: torch.Tensor, basic_op_kwargs: Optional[Sequence[dict]] = None) -> torch.Tensor:
+    def __call__(self, input_: torch.Tensor, basic_op_kwargs: Optional[Sequence[dict]] = None, *,
+                 fp8_output: bool = False, fp8_grad: bool = False) -> torch.Tensor:
+        """Run the chain. fp8_output / fp8_grad (TE's semantics): under fp8_autocast, the output is a
+        Float8Tensor quantized with the last linear op's output quantizer, and the input's gradient
+        one quantized with the first linear op's grad-input quantizer; outside it they do nothing."""
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         kwargs_list = basic_op_kwargs if basic_op_kwargs is not None else [{}] * len(self.basic_ops)
@@ -228,4 +245,17 @@ class OperationFuser:
                 op.setup_fp8(fp8, recipe, group, input_.device)
                 start, end = plan.param_slices[j]
                 op.configure_quantizers(plan.input_requires_grad[j], params_rg[start:end])
-        return _FuserFunction.apply(input_, self, plan, kwargs_list, *params)
+        boundary = (self._boundary_quantizer("output", fp8 and fp8_output, input_.device, reverse=True),
+                    self._boundary_quantizer("grad_input", fp8 and fp8_grad and key[4], input_.device))
+        return _FuserFunction.apply(input_, self, plan, kwargs_list, boundary, *params)
+
+    def _boundary_quantizer(self, kind: str, wanted: bool, device, reverse: bool = False):
+        """The last (reverse) or first linear op's fp8_io_quantizer(kind), when wanted."""
+        if not wanted:
+            return None
+        ops = reversed(self.basic_ops) if reverse else self.basic_ops
+        owner = next((op for op in ops if hasattr(op, "fp8_io_quantizer") and op.fp8_enabled), None)
+        if owner is None:
+            raise ValueError(f"fp8_{'output' if kind == 'output' else 'grad'}=True needs a linear op in FP8 "
+                             f"in this chain; it has none")
+        return owner.fp8_io_quantizer(kind, device)

@@ -168,9 +168,6 @@ def test_fp8_mha_recipe_and_unsupported_options_raise():
         _mha(tp_size=8)
     module = _mha(fuse_qkv_params=True)
     x = torch.randn(SEQ, BATCH, HIDDEN)
-    with pytest.raises(NotImplementedError, match="fp8_mha"):
-        with te_fuser.fp8_autocast(fp8_recipe=recipe.DelayedScaling(fp8_mha=True)):
-            module(x)
     with pytest.raises(NotImplementedError, match="inference_params"):
         module(x, inference_params=object())
     with pytest.raises(ValueError, match="encoder_output"):

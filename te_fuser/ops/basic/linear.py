@@ -7,6 +7,7 @@ import torch
 
 from ... import fp8_weights
 from ...float8_tensor import Float8Tensor, fp8_transpose
+from ...fp8_state import FP8GlobalState, make_recipe_state
 from ...quantizer import Float8Quantizer
 from .. import _tensor_parallel as tp
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
@@ -51,6 +52,14 @@ def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
     been made anew since the weight was built), when it casts to the weight's format."""
     if quantizer.fp8_dtype == weight._fp8_dtype:
         weight._quantizer = fp8_weights.rowwise_copy(quantizer)
+
+
+def _saved_input_transpose(x: Float8Tensor, caller_owned: bool) -> Float8Tensor:
+    """_saved_transpose of the FP8 GEMM input. The caller's Float8Tensor (an FP8 output of the
+    previous module) is not given a transpose buffer: it would live on as long as the caller's tensor."""
+    if caller_owned and x._transpose is None:
+        return Float8Tensor(fp8_transpose(x._data), x._scale_inv, x._fp8_dtype, x.dtype)
+    return _saved_transpose(with_transpose(x))
 
 
 class BasicLinear(BasicOperation):
@@ -180,6 +189,33 @@ class BasicLinear(BasicOperation):
         self._fp8_weight_cache = wq if is_first_microbatch is not None else None
         return wq
 
+    def fp8_io_quantizer(self, kind: str, device) -> object:
+        """The quantizer of this op's FP8 output (kind "output", TE's forward GEMM1_OUTPUT slot) or of the
+        FP8 gradient of the module input (kind "grad_input", TE's backward GRAD_INPUT1 slot).
+
+        Each has its own recipe state of one slot (delayed scaling: its own amax history, updated with
+        the others; current scaling: the tensor's amax), made on first use. They are kept apart from the
+        input/weight/grad_output states, whose layout the `_extra_state` format relies on.
+        """
+        if kind not in ("output", "grad_input"):
+            raise ValueError(f"kind must be 'output' or 'grad_input', got {kind!r}")
+        if not self._fp8_enabled:
+            raise RuntimeError("fp8_io_quantizer() needs FP8 to be set up (inside fp8_autocast)")
+        states = self.__dict__.setdefault("_fp8_io_states", {})
+        state = states.get(kind)
+        device = torch.device(device)
+        if state is None or state.recipe != self._fp8_recipe:
+            state = states[kind] = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
+        elif hasattr(state, "amax") and state.amax.device != device:
+            state.to(device)
+        return state.quantizers(FP8GlobalState.get_group())[0]
+
+    def load_fp8_io_state(self, kind: str, state: dict, device) -> None:
+        """Restore the fp8_io_quantizer(kind) state from `_extra_state` (after load_fp8_extra_state)."""
+        loaded = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
+        loaded.load_state_dict(state)
+        self.__dict__.setdefault("_fp8_io_states", {})[kind] = loaded
+
     # -- forward / backward -------------------------------------------------------------
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
                    weight=None, is_first_microbatch=None, input_gathered=False):
@@ -221,7 +257,10 @@ class BasicLinear(BasicOperation):
             check_fp8_gemm_dims(**{"the number of input rows (tokens)": math.prod(lead_shape),
                                    "in_features (local)": k, "out_features (local)": n})
             input_quantizer = self._forward_quantizers[0]
-            xq = x if isinstance(x, Float8Tensor) else input_quantizer(x)
+            # An FP8 input in the format this GEMM reads (the previous module's fp8_output, or the
+            # gathered FP8 input) is used as is.
+            caller_owned = isinstance(x, Float8Tensor) and x._fp8_dtype == input_quantizer.fp8_dtype
+            xq = x if caller_owned else input_quantizer(high_precision(x))
             if xq.dtype != weight.dtype:
                 raise TypeError(f"input dtype {xq.dtype} does not match the weight dtype {weight.dtype}")
             wq = self._quantized_weight(weight, is_first_microbatch)
@@ -235,7 +274,7 @@ class BasicLinear(BasicOperation):
             elif x_shard is not None:
                 x_saved = shard_for_saving(x_shard)
             else:
-                x_saved = _saved_transpose(with_transpose(xq))
+                x_saved = _saved_input_transpose(xq, caller_owned)
             ctx.fp8_weight = isinstance(weight, Float8Tensor)
             ctx.save_for_backward(x_saved, saved_weight(wq, ctx.fp8_weight) if input_requires_grad else None)
         else:
