@@ -22,11 +22,13 @@ ISSUE_CFG = dict(hidden_size=512, ffn_hidden_size=2048, num_heads=8, num_layers=
 @pytest.mark.parametrize("extra", [[], ["--dtype", "bfloat16"], ["--recipe", "current"]],
                          ids=["fp32", "bf16", "current"])
 def test_trainer_with_fp8_weights_learns_like_the_ordinary_run(extra):
-    ref = [h["loss"] for h in train.main(["--steps", "6"] + TINY + extra)]
-    fp8w = [h["loss"] for h in train.main(["--steps", "6", "--fp8-weights"] + TINY + extra)]
+    ref = [h["loss"] for h in train.main(["--steps", "20"] + TINY + extra)]
+    fp8w = [h["loss"] for h in train.main(["--steps", "20", "--fp8-weights"] + TINY + extra)]
     print("losses, ordinary:", [round(v, 4) for v in ref], "FP8 weights:", [round(v, 4) for v in fp8w])
-    assert fp8w[-1] < fp8w[0] - 0.3, fp8w
-    assert abs(fp8w[-1] - ref[-1]) < 0.1, (ref, fp8w)
+    # Means over 5 steps: one batch's loss is noisy.
+    first, last, ref_last = sum(fp8w[:5]) / 5, sum(fp8w[-5:]) / 5, sum(ref[-5:]) / 5
+    assert last < first - 0.3, fp8w
+    assert abs(last - ref_last) < 0.1, (ref, fp8w)
 
 
 def test_trainer_refuses_fp8_weights_where_it_does_not_support_them():
