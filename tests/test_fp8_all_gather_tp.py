@@ -15,13 +15,11 @@ record what it sends. Checked per recipe (delayed and current scaling, E4M3 and 
 """
 
 import contextlib
-import os
-import socket
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _gloo_ranks import run_cases
 
 import te_fuser
 from te_fuser import recipe
@@ -41,12 +39,6 @@ RECIPES = {
     "current-HYBRID": lambda: recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID),
 }
 GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -449,38 +441,9 @@ def _scale_mismatch_case(rank):
     assert rel.max() <= 2 ** -3, rel.max()
 
 
-def _worker(rank, port, cases, errors):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for case in cases:
-            try:
-                case[0](rank, *case[1:])
-            except Exception:  # reported to the parent, which fails the test
-                errors.put((rank, case[0].__name__, case[1:], traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(cases):
-    errors = mp.get_context("spawn").Queue()
-    crash = None
-    try:
-        mp.start_processes(_worker, args=(_free_port(), cases, errors), nprocs=WORLD, join=True,
-                           start_method="spawn")
-    except mp.ProcessExitedException as exc:  # a failed case desynchronized the ranks' collectives
-        crash = exc
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures and crash is None, (f"{crash}\n" if crash else "") + "\n".join(
-        f"rank {r} {name}{args}:\n{tb}" for r, name, args, tb in failures)
-
-
 def test_fp8_all_gather_bytes_halved():
-    _run([(_bytes_case, m, r) for m in MODULES for r in RECIPES] + [(_grad_bytes_case, r) for r in RECIPES])
+    run_cases([(_bytes_case, m, r) for m in MODULES for r in RECIPES] + [(_grad_bytes_case, r) for r in RECIPES],
+              world=WORLD)
 
 
 def test_fp8_all_gather_exact_and_matches_unsharded():
@@ -488,4 +451,4 @@ def test_fp8_all_gather_exact_and_matches_unsharded():
     cases += [(_saved_case, r) for r in RECIPES]
     cases += [(_save_original_input_case, r) for r in RECIPES if r.startswith("current")]
     cases += [(_module_case, m, r) for m in MODULES for r in RECIPES]
-    _run(cases)
+    run_cases(cases, world=WORLD)

@@ -1,25 +1,17 @@
 """Tensor-parallel te_fuser.Linear on 2 gloo ranks against a single-process Linear holding the full weight."""
 
-import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _gloo_ranks import run_cases
 
 import te_fuser
 from te_fuser import ops, recipe
 
 WORLD = 2
 SEQ, BATCH, IN, OUT = 32, 2, 32, 64
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _case(rank, parallel_mode, sequence_parallel, fp8):
@@ -169,39 +161,12 @@ def _amax_reduction_case(rank):
     assert history[0].item() == local.item()  # the input amax, reduced with MAX
 
 
-def _worker(rank, port, cases, errors):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for case in cases:
-            try:
-                if case == "amax_reduction":
-                    _amax_reduction_case(rank)
-                elif case[0] == "ops_mlp":
-                    _ops_mlp_case(rank, case[1])
-                else:
-                    _case(rank, *case)
-            except Exception:  # reported to the parent, which fails the test
-                errors.put((rank, case, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-CASES = [(mode, sp, fp8) for mode in ("column", "row") for sp in (False, True) for fp8 in (False, True)]
-CASES += ["amax_reduction", ("ops_mlp", False), ("ops_mlp", True)]
+CASES = [(_case, mode, sp, fp8) for mode in ("column", "row") for sp in (False, True) for fp8 in (False, True)]
+CASES += [(_amax_reduction_case,), (_ops_mlp_case, False), (_ops_mlp_case, True)]
 
 
 def test_tensor_parallel_matches_single_process():
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    mp.start_processes(_worker, args=(_free_port(), CASES, errors), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(f"rank {r} case {c}:\n{tb}" for r, c, tb in failures)
+    run_cases(CASES, world=WORLD)
 
 
 def test_column_parallel_shapes_and_errors():

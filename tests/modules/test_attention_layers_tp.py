@@ -8,13 +8,11 @@ all-gather are needed for (one rank's partial sum differs from the full result).
 All cases run in one spawn.
 """
 
-import os
-import socket
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _gloo_ranks import run_cases
 
 import te_fuser
 from te_fuser import recipe
@@ -101,27 +99,6 @@ def _case(rank, kind, fuse_qkv_params, sequence_parallel, fp8):
             torch.testing.assert_close(value, ref, rtol=2e-5, atol=2e-5, msg=name)
 
 
-def _worker(rank, port, cases, errors):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        for case in cases:
-            try:
-                _case(rank, *case)
-            except Exception:  # reported to the parent, which fails the test
-                errors.put((rank, case, traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 CASES = [  # (module, fuse_qkv_params, sequence_parallel, fp8)
     ("mha", True, False, False),
     ("ln_mha", False, True, False),
@@ -133,9 +110,4 @@ CASES = [  # (module, fuse_qkv_params, sequence_parallel, fp8)
 
 
 def test_tensor_parallel_matches_single_process():
-    errors = mp.get_context("spawn").Queue()
-    mp.start_processes(_worker, args=(_free_port(), CASES, errors), nprocs=WORLD, join=True, start_method="spawn")
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not failures, "\n".join(f"rank {r} case {c}:\n{tb}" for r, c, tb in failures)
+    run_cases([(_case, *case) for case in CASES], world=WORLD)
