@@ -204,11 +204,17 @@ class Float8Tensor(QuantizedTensor):
         return out
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        if self._data is None:
-            return f"Float8Tensor(<empty shell>, shape={tuple(self.shape)}, fp8_dtype={self._fp8_dtype}, dtype={self.dtype})"
-        return (f"Float8Tensor(shape={tuple(self.shape)}, fp8_dtype={self._fp8_dtype}, "
-                f"dtype={self.dtype}, scale_inv={self._scale_inv.item():.6g}, "
-                f"transpose={'yes' if self._transpose is not None else 'no'})")
+        data = getattr(self, "_data", None)  # also called by torch.compile on half-built or traced objects
+        fp8_dtype = getattr(self, "_fp8_dtype", None)
+        if data is None:
+            return f"Float8Tensor(<empty shell>, shape={tuple(self.shape)}, fp8_dtype={fp8_dtype}, dtype={self.dtype})"
+        try:
+            scale_inv = f"{self._scale_inv.item():.6g}"
+        except (TypeError, RuntimeError, AttributeError):  # a traced (fake or symbolic) scale
+            scale_inv = "traced"
+        transpose = "yes" if getattr(self, "_transpose", None) is not None else "no"
+        return (f"Float8Tensor(shape={tuple(self.shape)}, fp8_dtype={fp8_dtype}, dtype={self.dtype}, "
+                f"scale_inv={scale_inv}, transpose={transpose})")
 
 
 class Float8Record:
