@@ -76,6 +76,20 @@ class FusedModule(torch.nn.Module):
     def _param_device(self) -> torch.device:
         return next(iter(self.parameters())).device
 
+    # -- parameters: subclasses define _create_parameters(device) and reset_parameters() -----
+    def _build_parameters(self, device) -> None:
+        """Create the parameters on device (default_device() when None); initialize them unless the
+        device is "meta" (deferred init: reset_parameters() materializes them later)."""
+        device = torch.device(device) if device is not None else default_device()
+        self._create_parameters(device)
+        if device.type != "meta":
+            self.reset_parameters()
+
+    def _materialize_parameters(self) -> None:
+        """Meta parameters become real ones on default_device(), for reset_parameters() to initialize."""
+        if self._param_device().type == "meta":
+            self._create_parameters(default_device())
+
     # -- FP8 state in the state_dict ----------------------------------------------------
     def get_extra_state(self):
         return get_fp8_extra_state(self._ops)

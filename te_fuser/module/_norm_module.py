@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ._linear_base import FusedModule, default_device
+from ._linear_base import FusedModule
 
 
 def _shape(normalized_shape, hidden_size, module_name: str):
@@ -40,10 +40,7 @@ class NormModule(FusedModule):
         self.sequence_parallel = sequence_parallel
         self.params_dtype = next(d for d in (params_dtype, dtype, torch.get_default_dtype()) if d is not None)
         self._set_ops([op])
-        device = torch.device(device) if device is not None else default_device()
-        self._create_parameters(device)
-        if device.type != "meta":
-            self.reset_parameters()
+        self._build_parameters(device)
 
     def _create_parameters(self, device) -> None:
         op = self._ops[0]
@@ -56,8 +53,7 @@ class NormModule(FusedModule):
         """weight = 1 (0 with zero_centered_gamma), bias = 0, materializing meta parameters first."""
         if defer_init:
             return
-        if self.weight.device.type == "meta":
-            self._create_parameters(default_device())
+        self._materialize_parameters()
         self._ops[0].init_params(self.weight, self.bias)
         if self.sequence_parallel is not None:
             for param in (self.weight, self.bias):

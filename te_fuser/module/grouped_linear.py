@@ -7,7 +7,7 @@ import torch
 from .. import fp8_weights
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.grouped_linear import GroupedBasicLinear, validate_m_splits
-from ._linear_base import _DEFAULT_INIT_STD, FusedModule, default_device as _default_device, rng_fork
+from ._linear_base import _DEFAULT_INIT_STD, FusedModule, rng_fork
 
 _PARALLEL_MODES = (None, "column", "row")
 
@@ -86,10 +86,7 @@ class GroupedLinear(FusedModule):
                                 accumulate_into_main_grad=self.fuse_wgrad_accumulation)
         self._set_ops([op])
 
-        device = torch.device(device) if device is not None else _default_device()
-        self._create_parameters(device)
-        if device.type != "meta":
-            self.reset_parameters()
+        self._build_parameters(device)
 
     def _create_parameters(self, device: torch.device) -> None:
         for i in range(self.num_gemms):
@@ -110,8 +107,7 @@ class GroupedLinear(FusedModule):
         """Initialize the parameters (materializing them first when they are on the meta device)."""
         if defer_init:
             return
-        if self.weight0.device.type == "meta":
-            self._create_parameters(_default_device())
+        self._materialize_parameters()
         def init_fn(w):
             if self.init_method is not None:
                 self.init_method(w)

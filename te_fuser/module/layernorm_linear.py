@@ -10,7 +10,7 @@ from ..ops.basic.bias import Bias
 from ..ops.basic.extra_output import MakeExtraOutput
 from ..ops.basic.linear import BasicLinear
 from ..ops.basic.norm import LayerNorm as LayerNormOp, RMSNorm as RMSNormOp
-from ._linear_base import FusedModule, LinearWeights, check_unsupported, default_device, rng_fork
+from ._linear_base import FusedModule, LinearWeights, check_unsupported, rng_fork
 from .linear import check_forward_input
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -131,10 +131,7 @@ class LayerNormLinear(FusedModule):
         object.__setattr__(self, "_norm_op", norm_op)
         object.__setattr__(self, "_linear_op", linear_op)
 
-        device = torch.device(device) if device is not None else default_device()
-        self._create_parameters(device)
-        if device.type != "meta":
-            self.reset_parameters()
+        self._build_parameters(device)
 
     def _create_parameters(self, device) -> None:
         create_norm_params(self, self._norm_op, device, self.params_dtype, self.sequence_parallel)
@@ -144,8 +141,7 @@ class LayerNormLinear(FusedModule):
         """Initialize the parameters (materializing them first when they are on the meta device)."""
         if defer_init:
             return
-        if self.layer_norm_weight.device.type == "meta":
-            self._create_parameters(default_device())
+        self._materialize_parameters()
         self._norm_op.init_params(self.layer_norm_weight, self.layer_norm_bias)
         with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
             self._weights.initialize(self, self.init_method)

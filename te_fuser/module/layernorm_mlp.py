@@ -10,7 +10,7 @@ from ..ops.basic.activation import GELU, ReLU, SwiGLU
 from ..ops.basic.bias import Bias
 from ..ops.basic.extra_output import MakeExtraOutput
 from ..ops.basic.linear import BasicLinear
-from ._linear_base import FusedModule, LinearWeights, check_unsupported, default_device, positive_int, rng_fork
+from ._linear_base import FusedModule, LinearWeights, check_unsupported, positive_int, rng_fork
 from .layernorm_linear import create_norm_params, make_norm_op, norm_kwargs
 from .linear import check_forward_input
 
@@ -112,10 +112,7 @@ class LayerNormMLP(FusedModule):
         self._set_ops(ops)
         object.__setattr__(self, "_norm_op", norm_op)
 
-        device = torch.device(device) if device is not None else default_device()
-        self._create_parameters(device)
-        if device.type != "meta":
-            self.reset_parameters()
+        self._build_parameters(device)
 
     def _create_parameters(self, device) -> None:
         create_norm_params(self, self._norm_op, device, self.params_dtype, self.sequence_parallel)
@@ -126,8 +123,7 @@ class LayerNormMLP(FusedModule):
         """Initialize the parameters (materializing them first when they are on the meta device)."""
         if defer_init:
             return
-        if self.layer_norm_weight.device.type == "meta":
-            self._create_parameters(default_device())
+        self._materialize_parameters()
         self._norm_op.init_params(self.layer_norm_weight, self.layer_norm_bias)
         with rng_fork(self.get_rng_state_tracker, None):
             self._fc1.initialize(self, self.init_method)

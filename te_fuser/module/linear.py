@@ -7,7 +7,7 @@ import torch
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.bias import Bias
 from ..ops.basic.linear import BasicLinear
-from ._linear_base import FusedModule, LinearWeights, check_unsupported, default_device, rng_fork
+from ._linear_base import FusedModule, LinearWeights, check_unsupported, rng_fork
 
 _PARALLEL_MODES = (None, "column", "row")
 
@@ -96,10 +96,7 @@ class Linear(FusedModule):
         self._set_ops(ops)
         self.save_original_input = save_original_input
 
-        device = torch.device(device) if device is not None else default_device()
-        self._weights.create(self, device, self.params_dtype)
-        if device.type != "meta":
-            self.reset_parameters()
+        self._build_parameters(device)
 
     @property
     def save_original_input(self) -> bool:
@@ -110,12 +107,14 @@ class Linear(FusedModule):
         self._ops[0].save_original_input = bool(value)
 
     # -- parameters ---------------------------------------------------------------------
+    def _create_parameters(self, device) -> None:
+        self._weights.create(self, device, self.params_dtype)
+
     def reset_parameters(self, defer_init: bool = False) -> None:
         """Initialize the parameters (materializing them first when they are on the meta device)."""
         if defer_init:
             return
-        if self._weights.weights(self)[0].device.type == "meta":
-            self._weights.create(self, default_device(), self.params_dtype)
+        self._materialize_parameters()
         with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
             self._weights.initialize(self, self.init_method)
 
