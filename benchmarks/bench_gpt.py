@@ -71,7 +71,7 @@ class PlainBlock(nn.Module):
 
 class PlainGPT(nn.Module):
     """te_fuser/examples/gpt.py's GPT in torch.nn: embedding + learned positions, blocks, final norm,
-    head without bias. Input tokens and output logits are [s, b] and [s, b, vocab]."""
+    head tied to the embedding. Input tokens and output logits are [s, b] and [s, b, vocab]."""
 
     def __init__(self, cfg: GPTConfig, device=None, dtype=torch.float32):
         super().__init__()
@@ -79,13 +79,12 @@ class PlainGPT(nn.Module):
         self.pos = nn.Parameter(torch.zeros(cfg.seq_len, 1, cfg.hidden_size, device=device, dtype=dtype))
         self.blocks = nn.ModuleList(PlainBlock(cfg, device, dtype) for _ in range(cfg.num_layers))
         self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=1e-5, device=device, dtype=dtype)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[0]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.final_norm(x))
+        return F.linear(self.final_norm(x), self.embed.weight)
 
 
 # te_fuser's MLP is Sequential(LayerNorm, BasicLinear, Bias, GELU, BasicLinear, Bias); PlainBlock's

@@ -84,17 +84,19 @@ class TransformerBlock(torch.nn.Module):
 
 
 class GPT(torch.nn.Module):
-    """Byte-level GPT: embedding, blocks, final norm, output head. Input and output are [s, b]."""
+    """Byte-level GPT: embedding, blocks, final norm, output head. Input tokens are [s, b], logits
+    [s, b, vocab]. The head reads the token embedding's weight (tied, as in GPT-2 and Megatron's default
+    share_embeddings_and_output_weights), so both start from GPT-2's N(0, 0.02)."""
 
     def __init__(self, cfg: GPTConfig, par: Parallel = Parallel(), device=None, dtype=torch.float32,
                  checkpoint_blocks: bool = False):
         super().__init__()
         self.cfg, self.par, self.checkpoint_blocks = cfg, par, checkpoint_blocks
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        torch.nn.init.normal_(self.embed.weight, std=0.02)
         self.pos = torch.nn.Parameter(torch.randn(cfg.seq_len, 1, cfg.hidden_size, device=device, dtype=dtype) * 0.02)
         self.blocks = torch.nn.ModuleList(TransformerBlock(cfg, par, device, dtype) for _ in range(cfg.num_layers))
         self.final_norm = te.ops.LayerNorm(cfg.hidden_size, device=device, dtype=dtype)
-        self.head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device, dtype=dtype)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.pos[: tokens.shape[0]]
@@ -102,7 +104,7 @@ class GPT(torch.nn.Module):
             x = scatter_sequence(x, self.par.tp_group)
         for block in self.blocks:
             x = te.checkpoint(block, x) if self.checkpoint_blocks and self.training else block(x)
-        return self.head(self.final_norm(x))
+        return torch.nn.functional.linear(self.final_norm(x), self.embed.weight)
 
 
 def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
