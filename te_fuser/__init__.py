@@ -6,7 +6,7 @@ from .attention import DotProductAttention
 from .float8_tensor import Float8Tensor
 from .fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
-from .fp8_weights import cast_master_weights_to_fp8
+from .tensor.utils import cast_master_weights_to_fp8
 from .module import (GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
                      TransformerLayer)
 from .quantized_tensor import QuantizedTensor

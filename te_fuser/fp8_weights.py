@@ -1,4 +1,4 @@
-"""FP8 weights: quantized_model_init / fp8_model_init and the master-weight cast (TransformerEngine's names).
+"""FP8 weights: quantized_model_init / fp8_model_init (TransformerEngine's names).
 
 Modules built inside `quantized_model_init(enabled=True)` (Linear, LayerNormLinear, LayerNormMLP,
 GroupedLinear, ops.BasicLinear) hold their linear weights as Float8Tensor parameters: one byte per
@@ -16,8 +16,10 @@ weights byte for byte with their scales (Float8Tensor.copy_ from a Float8Tensor 
 FSDP2 (fully_shard) shards FP8 weights as Float8Tensors and all-gathers their bytes
 (Float8Tensor.fsdp_pre_all_gather / fsdp_post_all_gather); the ranks must agree on each weight's
 scale, as they do when the weights were quantized before sharding.
-Not supported: parameters_split with FP8 weights (NotImplementedError), sharded master weights in
-cast_master_weights_to_fp8 (TE's distributed-optimizer form), torch.compile of FP8 weights (untested).
+The master-weight cast is te_fuser.tensor.utils.cast_master_weights_to_fp8 (TE's place for it).
+torch.compile (without fullgraph: the FP8 scaling-state updates break the graph) trains FP8 weights
+bitwise like eager (tests/test_compile_fp8.py). Not supported: parameters_split with FP8 weights
+(NotImplementedError).
 """
 
 import contextlib
@@ -134,40 +136,3 @@ def initialize_weight(weight: torch.Tensor, init_fn) -> torch.Tensor:
         with torch.no_grad():
             weight.copy_(target)
     return weight
-
-
-def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_weights: Sequence[Optional[torch.Tensor]],
-                               start_offsets: Optional[Sequence[int]] = None, group=None) -> None:
-    """Write each float32 master weight into its model weight (TE's helper, single-process meaning).
-
-    An FP8 model weight is requantized through its quantizer: delayed scaling casts with the weight
-    slot's current scale and records the master's amax into the slot (the next fp8_autocast exit
-    updates the scale from it); current scaling takes a new scale from the master's amax. A
-    high-precision model weight is copied into. A master of None leaves its weight alone.
-    In TE, masters may be shards of the flattened weight at `start_offsets`, with the amaxes reduced
-    over `group`; te_fuser takes whole masters only: start_offsets None or zeros, group None or of size 1.
-    """
-    if len(model_weights) != len(master_weights):
-        raise ValueError(f"model_weights has {len(model_weights)} tensors but master_weights {len(master_weights)}")
-    if start_offsets is not None:
-        if len(start_offsets) != len(model_weights) or any(int(o) != 0 for o in start_offsets):
-            raise NotImplementedError("cast_master_weights_to_fp8: te_fuser takes whole master weights only "
-                                      "(start_offsets must be None or one 0 per weight)")
-    if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-        raise NotImplementedError("cast_master_weights_to_fp8: sharded master weights over a group are not "
-                                  "supported (group must be None or of size 1)")
-    with torch.no_grad():
-        for i, (model, master) in enumerate(zip(model_weights, master_weights)):
-            if master is None:
-                continue
-            if master.numel() != model.numel():
-                raise ValueError(f"master_weights[{i}] has {master.numel()} elements, its model weight "
-                                 f"{model.numel()} (te_fuser takes whole master weights only)")
-            master = master.detach().reshape(model.shape)
-            if isinstance(model, Float8Tensor):
-                if model._quantizer is None:
-                    raise ValueError(f"model_weights[{i}] is a Float8Tensor without a quantizer: build the "
-                                     "model under te_fuser.quantized_model_init")
-                model.quantize_(master)
-            else:
-                model.copy_(master)

@@ -8,7 +8,7 @@ import torch
 
 from ..fp8_state import DelayedScalingState, FP8GlobalState, make_recipe_state
 from ..kernels.validate import FLOAT_DTYPES
-from ..ops._fp8_io import QuantizeWithGrad, dequantized_with_grad
+from ..ops._fp8_io import dequantized_with_grad
 from .function import FusedAttentionFunction
 from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
 
@@ -241,11 +241,11 @@ class DotProductAttention(torch.nn.Module):
         if quantizers is None:  # high-precision attention: FP8 inputs are read as their values
             query_layer, key_layer, value_layer = (dequantized_with_grad(t)
                                                    for t in (query_layer, key_layer, value_layer))
+        # TE: under fp8_mha the attention output is FP8 whether or not fp8_output is passed.
+        output_quantizer = None
+        if quantizers is not None and (fp8_output or getattr(FP8GlobalState.get_recipe(), "fp8_mha", False)):
+            output_quantizer = self._fp8_output_quantizer(query_layer.device)
         out = FusedAttentionFunction.apply(query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q,
                                            lens_kv, self.softmax_scale, "causal" in mask_type, dropout_p, seed,
-                                           offset, quantizers)
-        out = out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
-        # TE: under fp8_mha the attention output is FP8 whether or not fp8_output is passed.
-        if quantizers is not None and (fp8_output or getattr(FP8GlobalState.get_recipe(), "fp8_mha", False)):
-            out = QuantizeWithGrad.apply(out, self._fp8_output_quantizer(query_layer.device))
-        return out
+                                           offset, quantizers, output_quantizer)
+        return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])

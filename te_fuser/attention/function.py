@@ -9,10 +9,13 @@ ctx.tensor_objects and with them 20 GB alive).
 
 Under fp8_dpa, q, k, v and out are all saved in FP8 E4M3 (one byte per element
 plus a scale), never in 16 bits: q, k, v are the FP8 tensors the forward kernel
-consumed (the backward kernel decodes them the same way), and out is quantized
-with current scaling (its amax is known once the kernel has run). The backward
-needs out only for D = rowsum(dout * out); it dequantizes it for the kernel
-call and frees it right after.
+consumed (the backward kernel decodes them the same way). out is quantized once:
+with the O quantizer when the caller asked for an FP8 output (fp8_output /
+fp8_mha) -- the Function then returns those very bytes, so the output projection
+that saves its FP8 input keeps no second copy -- else with current scaling (its
+amax is known once the kernel has run). The backward needs out only for
+D = rowsum(dout * out); it dequantizes it for the kernel call and frees it
+right after.
 """
 
 from typing import Optional, Sequence
@@ -21,6 +24,7 @@ import torch
 
 from ..float8_tensor import Float8Tensor
 from ..kernels import attention as attn_kernels
+from ..ops._fp8_io import high_precision
 from ..quantizer import Float8CurrentScalingQuantizer
 from ..saved_tensors import prepare_for_saving, restore_from_saved
 
@@ -67,12 +71,13 @@ def quantize_saved_output(out: torch.Tensor) -> Float8Tensor:
 
 
 class FusedAttentionFunction(torch.autograd.Function):
-    """out = attention(q, k, v) in qkv_format, with FP8 inputs when quantizers are given."""
+    """out = attention(q, k, v) in qkv_format, with FP8 inputs when quantizers are given, and out
+    returned as a Float8Tensor when output_quantizer is given too."""
 
     @staticmethod
     def forward(ctx, q, k, v, qkv_format: str, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
                 softmax_scale: float, causal: bool, dropout_p: float, seed: int, offset: int,
-                quantizers: Optional[Sequence] = None):
+                quantizers: Optional[Sequence] = None, output_quantizer=None):
         lengths = (cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
         if quantizers is None:
             out, lse = attn_kernels.attention_fwd(
@@ -90,7 +95,13 @@ class FusedAttentionFunction(torch.autograd.Function):
                 seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal, dropout_p=dropout_p,
                 seed=seed, offset=offset, q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=q.dtype)
             out = from_kernel_layout(out, qkv_format)
-            saved, objects = prepare_for_saving(q8, k8, v8, quantize_saved_output(out), lse, *lengths)
+            if output_quantizer is None:
+                out_saved = quantize_saved_output(out)
+            else:
+                out = output_quantizer(out.contiguous())
+                # A wrapper of its own over the returned bytes: prepare_for_saving empties it, not `out`.
+                out_saved = Float8Tensor(out._data, out._scale_inv, out._fp8_dtype, out.dtype)
+            saved, objects = prepare_for_saving(q8, k8, v8, out_saved, lse, *lengths)
         ctx.save_for_backward(*saved)
         # FP8: the Float8Tensor shells (prepare_for_saving handed their buffers to save_for_backward).
         ctx.tensor_objects = objects
@@ -119,10 +130,11 @@ class FusedAttentionFunction(torch.autograd.Function):
             q, k, v = qd, kd, vd
             # The shells are no longer needed: nothing may outlive backward on ctx.
             ctx.tensor_objects = None
-        dout = _last_dim_contiguous(to_kernel_layout(dout, fmt)).to(out.dtype)
+        # An FP8 dout (the output projection's fp8_grad) is read as its values.
+        dout = _last_dim_contiguous(to_kernel_layout(high_precision(dout), fmt)).to(out.dtype)
         dq, dk, dv = attn_kernels.attention_bwd(
             dout, q, k, v, to_kernel_layout(out, fmt), lse, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
             seqlens_q=lens_q, seqlens_kv=lens_kv, softmax_scale=ctx.softmax_scale, causal=ctx.causal,
             dropout_p=ctx.dropout_p, seed=ctx.seed, offset=ctx.offset, **descales)
         grads = tuple(from_kernel_layout(g, fmt) for g in (dq, dk, dv))
-        return grads + (None,) * 11
+        return grads + (None,) * 12

@@ -1,7 +1,7 @@
 """float32 master weights for a model whose linear weights are FP8 (te_fuser.quantized_model_init).
 
 The optimizer steps the masters; after each step `cast_back()` writes them into the model through
-te_fuser.fp8_weights.cast_master_weights_to_fp8 (FP8 weights are requantized by their quantizers,
+te_fuser.tensor.utils.cast_master_weights_to_fp8 (FP8 weights are requantized by their quantizers,
 the other parameters are copied into).
 """
 
@@ -10,7 +10,7 @@ from typing import List
 import torch
 
 from te_fuser.float8_tensor import Float8Tensor
-from te_fuser.fp8_weights import cast_master_weights_to_fp8
+from te_fuser.tensor.utils import cast_master_weights_to_fp8
 
 
 class MasterWeights:

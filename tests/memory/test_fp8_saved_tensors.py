@@ -6,7 +6,9 @@ DotProductAttention under fp8_dpa and one block of the example GPT. The checks:
   * no 16-bit or float32 tensor of an FP8 operand's size is saved (Linear: x and W; attention: q, k, v and
     the output o; between the GPT's two FP8 MLP linears, GELU's input), and in the GPT no float tensor whose values are those of a saved FP8 tensor
     (a 16-bit copy found by value: the FP8 data times one scale, in either layout);
-  * no operand is saved both row-major and transposed (the same FP8 bytes in both layouts).
+  * no operand is saved both row-major and transposed (the same FP8 bytes in both layouts);
+  * under fp8_mha the attention output's FP8 bytes are saved once: the output projection keeps the
+    attention's bytes, not a transposed copy (the FP8 bytes saved equal the sum of what each op needs).
 Each check runs once more on the bug it is meant to catch (monkeypatched back in) and must fail there.
 """
 
@@ -123,8 +125,12 @@ def attention_forward(recipe):
     return out, saved, (q.numel(), k.numel(), out.numel())
 
 
+GPT_CFG = GPTConfig(vocab_size=64, seq_len=64, hidden_size=128, num_heads=2, num_layers=1, ffn_hidden_size=256)
+GPT_TOKENS = 64 * 4
+
+
 def gpt_forward(recipe):
-    cfg = GPTConfig(vocab_size=64, seq_len=64, hidden_size=128, num_heads=2, num_layers=1, ffn_hidden_size=256)
+    cfg = GPT_CFG
     model = GPT(cfg, dtype=torch.bfloat16)
     tokens = torch.randint(0, cfg.vocab_size, (64, 4))
 
@@ -179,7 +185,43 @@ def test_gpt_block_saves_no_16_bit_copy_of_an_fp8_operand(generator):
     out.float().sum().backward()
 
 
+def fp8_mha_block_fp8_bytes(saved, cfg, tokens):
+    """(FP8 bytes saved by one GPT block under fp8_mha, the bytes it needs): each operand once, in one layout."""
+    h, f, t = cfg.hidden_size, cfg.ffn_hidden_size, tokens
+    needed = (3 * t * h + 3 * h * h + t * h   # QKV: its FP8 output (q, k, v views), W, x.T
+              + t * h + h * h                 # attention output o (also the projection's input), proj W
+              + t * h + f * h                 # fc1: x.T, W
+              + t * f                         # GELU's input
+              + t * f + h * f)                # fc2: x.T, W
+    return sum(e.nbytes for e in saved if e.dtype in FP8), needed
+
+
+def test_fp8_mha_saves_the_attention_output_once(generator):
+    """Under fp8_mha the attention returns the FP8 bytes it saves, and the output projection keeps those
+    same bytes (row-major, transposed in backward) instead of a transposed copy."""
+    seed_from(generator)
+    out, saved, _ = gpt_forward(te_fuser.recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True))
+    got, needed = fp8_mha_block_fp8_bytes(saved, GPT_CFG, GPT_TOKENS)
+    assert got == needed, listing(saved)
+    out.float().sum().backward()
+
+
 # -- bug-on controls -------------------------------------------------------------------------------------------------
+
+def _input_transposed_copy(x, caller_owned):
+    """The bug: the projection saves a transposed copy of the attention's FP8 output."""
+    del caller_owned
+    return linear_module._saved_transpose(linear_module.with_transpose(x)), False
+
+
+def test_fp8_mha_check_catches_a_second_copy_of_the_attention_output(monkeypatch, generator):
+    seed_from(generator)
+    monkeypatch.setattr(linear_module, "_saved_input", _input_transposed_copy)
+    out, saved, _ = gpt_forward(te_fuser.recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True))
+    got, needed = fp8_mha_block_fp8_bytes(saved, GPT_CFG, GPT_TOKENS)
+    assert got == needed + GPT_TOKENS * GPT_CFG.hidden_size
+    out.float().sum().backward()  # the buggy layout still computes; only its memory differs
+
 
 def _both_layouts_saved(t):
     """The bug: the saved weight/input keeps its row-major data next to the transpose."""
@@ -202,7 +244,7 @@ class _Bf16SavedAttention(FusedAttentionFunction):
 
     @staticmethod
     def forward(ctx, *args):
-        return FusedAttentionFunction.forward(ctx, *args[:-1], None)
+        return FusedAttentionFunction.forward(ctx, *args[:-2], None, None)
 
 
 BUGS = {

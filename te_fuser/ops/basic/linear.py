@@ -54,12 +54,17 @@ def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
         weight._quantizer = fp8_weights.rowwise_copy(quantizer)
 
 
-def _saved_input_transpose(x: Float8Tensor, caller_owned: bool) -> Float8Tensor:
-    """_saved_transpose of the FP8 GEMM input. The caller's Float8Tensor (an FP8 output of the
-    previous module) is not given a transpose buffer: it would live on as long as the caller's tensor."""
+def _saved_input(x: Float8Tensor, caller_owned: bool) -> tuple:
+    """(what the wgrad keeps of the FP8 GEMM input, whether it is row-major).
+
+    Our own quantized input: its _saved_transpose. The caller's Float8Tensor without a transpose (an
+    FP8 output of the previous module, e.g. the attention's, which keeps the same bytes for its own
+    backward): a new wrapper over its row-major bytes, transposed in backward. Its bytes live as long
+    as the caller keeps them anyway; a transposed copy would double them.
+    """
     if caller_owned and x._transpose is None:
-        return Float8Tensor(fp8_transpose(x._data), x._scale_inv, x._fp8_dtype, x.dtype)
-    return _saved_transpose(with_transpose(x))
+        return Float8Tensor(x._data, x._scale_inv, x._fp8_dtype, x.dtype), True
+    return _saved_transpose(with_transpose(x)), False
 
 
 class BasicLinear(BasicOperation):
@@ -267,6 +272,7 @@ class BasicLinear(BasicOperation):
             y = fp8_gemm_nt(xq._data.reshape(-1, k), xq._scale_inv, wq._data, wq._scale_inv, weight.dtype, bias)
             ctx.grad_output_quantizer = self._backward_quantizers[0]
             ctx.input_quantizer = input_quantizer if original is not None else None
+            ctx.input_rowmajor = False
             if original is not None:
                 x_saved = original
             elif not weight_requires_grad:
@@ -274,7 +280,7 @@ class BasicLinear(BasicOperation):
             elif x_shard is not None:
                 x_saved = shard_for_saving(x_shard)
             else:
-                x_saved = _saved_input_transpose(xq, caller_owned)
+                x_saved, ctx.input_rowmajor = _saved_input(xq, caller_owned)
             ctx.fp8_weight = isinstance(weight, Float8Tensor)
             ctx.save_for_backward(x_saved, saved_weight(wq, ctx.fp8_weight) if input_requires_grad else None)
         else:
@@ -324,8 +330,8 @@ class BasicLinear(BasicOperation):
                 with_transpose(dyq)
                 if ctx.input_quantizer is not None and not ctx.regather_input:  # the saved original input
                     x_saved = _saved_transpose(with_transpose(ctx.input_quantizer(x_saved)))
-                dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._data, x_saved._scale_inv,
-                                 torch.float32)
+                x_t = fp8_transpose(x_saved._data) if ctx.input_rowmajor else x_saved._data
+                dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_t, x_saved._scale_inv, torch.float32)
         else:
             dy2 = high_precision(dy).reshape(-1, n)
             if ctx.input_requires_grad:

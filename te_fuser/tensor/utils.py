@@ -1,0 +1,107 @@
+"""TransformerEngine's `pytorch.tensor.utils`: casting float32 master weights into FP8 model weights."""
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..float8_tensor import Float8Tensor
+from ..kernels import fp8 as fp8_kernels
+from ..quantizer import Float8CurrentScalingQuantizer
+
+__all__ = ["cast_master_weights_to_fp8"]
+
+
+def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_weights: Sequence[Optional[torch.Tensor]],
+                               start_offsets: Optional[Sequence[int]] = None, group=None) -> None:
+    """Write each master weight into its model weight (TE's helper and signature).
+
+    master_weights[i] is all of model_weights[i], or, with start_offsets, the shard of the flattened
+    weight that starts at start_offsets[i] (TE's distributed optimizer: each data-parallel rank steps
+    one shard of the masters). None: this rank holds nothing of that weight.
+
+    An FP8 model weight is requantized with its quantizer's recipe. The shards' amaxes are reduced
+    (max) over `group`, so every rank casts with the scale the whole master gives:
+    - delayed scaling casts with the weight slot's current scale and records the amax in the slot
+      (the next fp8_autocast exit updates the scale from it);
+    - current scaling takes a new scale from the amax.
+    Each rank writes its shard's bytes and the common scale_inv; the caller then all-gathers the
+    model weights' bytes (the distributed optimizer's parameter all-gather), as with TE. A
+    high-precision model weight gets its shard copied in.
+
+    group=None reduces nothing: each process's masters are whole (or it is alone). Every rank of
+    `group` must call this with the same model weights in the same order.
+    """
+    count = len(model_weights)
+    if len(master_weights) != count:
+        raise ValueError(f"model_weights has {count} tensors but master_weights {len(master_weights)}")
+    if start_offsets is not None and len(start_offsets) != count:
+        raise ValueError(f"start_offsets has {len(start_offsets)} entries, expected one per model weight ({count})")
+    offsets = [0] * count if start_offsets is None else [int(o) for o in start_offsets]
+    shards = [_flat_shard(i, model, master, offsets[i], start_offsets is not None)
+              for i, (model, master) in enumerate(zip(model_weights, master_weights))]
+    fp8 = [i for i, model in enumerate(model_weights) if isinstance(model, Float8Tensor)]
+    with torch.no_grad():
+        amaxes = _reduced_amaxes([model_weights[i] for i in fp8], [shards[i] for i in fp8], group)
+        for i, amax in zip(fp8, amaxes):
+            _cast_shard(model_weights[i], shards[i], offsets[i], amax)
+        for i, (model, shard) in enumerate(zip(model_weights, shards)):
+            if shard is not None and not isinstance(model, Float8Tensor):
+                model.view(-1)[offsets[i]: offsets[i] + shard.numel()].copy_(shard)
+
+
+def _flat_shard(i: int, model: torch.Tensor, master: Optional[torch.Tensor], offset: int,
+                sharded: bool) -> Optional[torch.Tensor]:
+    """master_weights[i] flattened, on its model weight's device, after checking where it lands."""
+    if isinstance(model, Float8Tensor):
+        model._live()
+        if model._quantizer is None:
+            raise ValueError(f"model_weights[{i}] is a Float8Tensor without a quantizer: build the model "
+                             "under te_fuser.quantized_model_init")
+    if master is None:
+        return None
+    if not sharded and master.numel() != model.numel():
+        raise ValueError(f"master_weights[{i}] has {master.numel()} elements, its model weight {model.numel()} "
+                         "(pass start_offsets for shards of the flattened weight)")
+    if offset < 0 or offset + master.numel() > model.numel():
+        raise ValueError(f"master_weights[{i}] ({master.numel()} elements at start_offsets[{i}]={offset}) does "
+                         f"not fit in its model weight of {model.numel()} elements")
+    return master.detach().reshape(-1).to(model.device).contiguous()
+
+
+def _reduced_amaxes(models: List[Float8Tensor], shards: List[Optional[torch.Tensor]], group) -> List[torch.Tensor]:
+    """max|shard| of each FP8 weight, reduced over group in one all-reduce (0 where no shard is here)."""
+    if not models:
+        return []
+    amaxes = torch.stack([fp8_kernels.compute_amax(s).reshape(()) if s is not None
+                          else torch.zeros((), dtype=torch.float32, device=m.device)
+                          for m, s in zip(models, shards)])
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=group)
+    return list(amaxes.reshape(-1, 1).unbind(0))
+
+
+def _cast_shard(model: Float8Tensor, shard: Optional[torch.Tensor], offset: int, amax: torch.Tensor) -> None:
+    """The scale for `amax` under the weight's recipe, the shard's bytes and scale_inv written into model."""
+    quantizer = model._quantizer
+    if quantizer.fp8_dtype != model._fp8_dtype:
+        raise ValueError(f"the Float8Tensor holds {model._fp8_dtype} but its quantizer casts to {quantizer.fp8_dtype}")
+    if isinstance(quantizer, Float8CurrentScalingQuantizer):
+        scale, _ = fp8_kernels.current_scale(amax, fp8_kernels.fp8_max(quantizer.fp8_dtype),
+                                             quantizer.amax_epsilon, quantizer.force_pow_2_scales)
+        quantizer.amax.copy_(amax)
+        quantizer.scale.copy_(scale)
+    else:  # delayed scaling: the slot's scale; the amax is recorded for its next update
+        scale = quantizer.scale
+        torch.maximum(quantizer.amax, amax, out=quantizer.amax)
+    if shard is not None:
+        data = fp8_kernels.quantize(shard, scale, torch.zeros_like(amax), model._fp8_dtype)
+        model._data.view(-1).view(torch.uint8)[offset: offset + shard.numel()].copy_(data.view(torch.uint8))
+    model._scale_inv.copy_(torch.reciprocal(scale))
+    if model._transpose is not None:
+        # Stale until every shard's bytes are here: a whole master refreshes it, shards drop it (the
+        # GEMMs transpose on demand).
+        whole = shard is not None and shard.numel() == model.numel()
+        if whole:
+            model._refresh_transpose()
+        else:
+            model._transpose = None
