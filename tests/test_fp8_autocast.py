@@ -1,7 +1,6 @@
 """fp8_autocast / autocast: recipe state, amax reduction over a group, scale updates."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,8 @@ import torch.multiprocessing as mp
 import te_fuser
 from te_fuser.fp8_state import FP8GlobalState, make_recipe_state
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+from _gloo_ranks import free_port
 
 
 def test_recipe_defaults_and_formats():
@@ -71,12 +72,6 @@ def test_state_dict_round_trip_and_mismatch():
         b.load_state_dict({k: v for k, v in a.state_dict().items() if k != "scale_inv"})
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _reduce_worker(rank, world_size, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -93,7 +88,7 @@ def _reduce_worker(rank, world_size, port, results):
 
 def test_amax_is_all_reduced_over_the_group():
     results = mp.Manager().dict()
-    mp.spawn(_reduce_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    mp.spawn(_reduce_worker, args=(2, free_port(), results), nprocs=2, join=True)
     expected = (20.0, (torch.tensor(448.0) / 20.0).item())
     assert results[0] == expected and results[1] == expected
 

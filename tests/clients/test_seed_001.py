@@ -23,7 +23,6 @@ restored tensors) and show the same measurements catch them.
 
 import inspect
 import os
-import socket
 import sys
 import time
 import traceback
@@ -32,6 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from _gloo_ranks import free_port
 
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS / "memory"))
@@ -246,18 +247,12 @@ def _worker(rank, world, port, script, results):
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_seed_001_script_runs_on_te_fuser_and_holds_nothing(world):
     script = seed_script()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    mp.start_processes(_worker, args=(world, _free_port(), script, results), nprocs=world, join=True,
+    mp.start_processes(_worker, args=(world, free_port(), script, results), nprocs=world, join=True,
                        start_method="spawn")
     by_rank = dict(results.get(timeout=5) for _ in range(world))
     errors = {rank: r for rank, r in by_rank.items() if isinstance(r, str)}

@@ -1,7 +1,6 @@
 """te_fuser.distributed: TE's RNG tracker, checkpoint, recompute flags and FSDP preparation."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,8 @@ import torch.multiprocessing as mp
 import te_fuser
 from te_fuser import distributed as ted
 from te_fuser.recipe import DelayedScaling
+
+from _gloo_ranks import free_port
 
 
 def test_tracker_forks_a_seeded_stream_and_leaves_the_default_one_alone(generator):
@@ -174,12 +175,6 @@ def test_prepare_te_modules_for_fsdp_rejects_an_unwrapped_model():
         ted.prepare_te_modules_for_fsdp(torch.nn.Linear(2, 2))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_rank_worker(rank, world_size, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -211,6 +206,6 @@ def _two_rank_worker(rank, world_size, port, out_dir):
 
 
 def test_distribute_saved_activations_keeps_one_chunk_per_rank(tmp_path):
-    mp.spawn(_two_rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_two_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == (16 * 32 // 2, (16, 32), True, True)

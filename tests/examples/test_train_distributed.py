@@ -3,7 +3,6 @@
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,23 +11,19 @@ import pytest
 
 from te_fuser.examples import train
 
+from _gloo_ranks import free_port
+
 SMALL = ["--hidden", "64", "--heads", "4", "--layers", "2", "--seq-len", "64", "--batch-size", "4", "--quiet",
          "--plot", "", "--steps", "4"]
 
 
 def _torchrun(tmp_path, *args):
     history = tmp_path / "history.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "te_fuser.examples.train", *SMALL, "--history", str(history), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [h["loss"] for h in json.loads(history.read_text())]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -80,7 +75,7 @@ def _rank_worker(rank, port, failure, result_queue):
 def test_a_failing_rank_makes_the_others_fail_clearly_within_the_timeout(failure):
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_worker, args=(r, port, failure, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -5,7 +5,6 @@ import atexit
 import datetime
 import os
 import queue
-import socket
 import traceback
 
 import torch
@@ -17,6 +16,7 @@ import te_fuser
 from te_fuser.ops import fuser as fuser_module
 
 from _fuser_ctx_walk import allowed_storages, reachable_tensors, retained_cpu_bytes
+from _gloo_ranks import free_port
 
 
 # -- float64 references ------------------------------------------------------------------
@@ -130,12 +130,6 @@ WORLD = 2
 _JOB_TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank, port, jobs, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -156,7 +150,7 @@ def _rank_main(rank, port, jobs, results):
 class _RankPool:
     def __init__(self):
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(WORLD)]
         self.procs = [ctx.Process(target=_rank_main, args=(r, port, self.jobs[r], self.results), daemon=True)
