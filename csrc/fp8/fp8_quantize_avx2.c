@@ -137,7 +137,7 @@ enum { GENERIC = 0, FAST = 1 };
  * that |x| * (scale * 2^-8) is |x| * scale scaled exactly wherever the FP8 code is not zero.
  */
 static int fast_scale(float scale, tf_fp8_format f) {
-  return scale > 0.0f && scale <= FLT_MAX && (f == TF_FP8_E5M2 || scale * 0x1p-8f >= FLT_MIN);
+  return scale > 0.0f && scale <= FLT_MAX && (f == TF_FP8_E5M2 || scale >= 0x1p-118f);
 }
 
 /* The multiplier the fast encoder uses: E4M3 works on values scaled by 2^-8. */
