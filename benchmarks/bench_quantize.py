@@ -1,6 +1,6 @@
 """FP8 quantize+amax and cast-transpose against the memory ceiling (x.clone()) and the torch path, in one run.
 
-    python benchmarks/bench_quantize.py [--numel N] [--device cpu|cuda] [--isa portable,avx2,...]
+    python benchmarks/bench_quantize.py [--numel N] [--device cpu|cuda] [--isa portable,avx2,...] [--heap]
 
 Bandwidth counts bytes read plus bytes written once: quantize reads x and writes one byte per
 element; cast-transpose reads x and writes two (the FP8 matrix and its transpose); x.clone()
@@ -12,12 +12,20 @@ The torch path is `amax = x.abs().amax()` then `(x * scale).clamp(-m, m).to(fp8)
 cast-transpose also `.t().contiguous()` of the FP8 matrix. Times are medians over --repeats
 runs in which every variant takes its turn (alternating order), so that machine noise hits
 them alike. Cast-transpose views x as a square matrix (4096 x 4096 for 16 Mi elements).
+
+Every variant allocates its outputs, but not alike: glibc serves a block above its mmap threshold
+(at most 32 MiB) with fresh pages that fault on first touch, and smaller ones from its heap, so by
+default x.clone() of a float32 x (64 MiB) pays page faults that the 16 MiB FP8 outputs do not.
+--heap re-runs the script with glibc told to keep every block on its heap (MALLOC_MMAP_THRESHOLD_,
+MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_), so that no variant faults and clone is pure copy bandwidth.
 """
 
 import argparse
 import contextlib
 import math
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -27,6 +35,9 @@ from te_fuser.kernels import fp8 as k
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# glibc: serve every block from the heap and never give its top back to the OS.
+HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**31),
+            "MALLOC_TOP_PAD_": str(2**30)}
 
 
 def time_interleaved(steps, device, repeats):
@@ -80,7 +91,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--isa", default=None,
                         help="comma-separated CPU tiers to measure (default: the quantizer's paths this CPU has)")
+    parser.add_argument("--heap", action="store_true",
+                        help="keep every allocation on glibc's heap, so that no variant pays page faults")
     args = parser.parse_args()
+    if args.heap and HEAP_ENV.items() - os.environ.items():
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **HEAP_ENV})
     device = torch.device(args.device)
     side = math.isqrt(args.numel)
     if side * side != args.numel:
@@ -90,6 +105,7 @@ def main():
     else:
         paths = [None]
     print(f"device={device} numel={args.numel} threads={torch.get_num_threads()} repeats={args.repeats}"
+          + (" allocations=heap" if args.heap else "")
           + (f" cpu_tier_detected={cpu.detected_isa()}" if device.type == "cpu" else ""))
     print(f"{'op':>14} {'dtype':>9} {'path':>9} {'te_fuser GB/s':>14} {'clone GB/s':>11} {'of clone':>9} "
           f"{'torch GB/s':>11} {'vs torch':>9}")

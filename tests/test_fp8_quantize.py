@@ -67,6 +67,35 @@ def test_encoding_bit_exact_every_16bit_value(device, dtype, fp8_dtype):
         torch.testing.assert_close(as_bytes(data), as_bytes(reference_quantize(x, scale, fp8_dtype)), rtol=0, atol=0)
 
 
+# The AVX2 path has two encoders: a fast one for positive finite scales (for E4M3 at least 2^-118,
+# so that scale * 2^-8 is a normal float) and a generic one for the rest. These scales take each
+# side of every boundary; no infinite or NaN scale, where torch's NaN sign rules are its own.
+ENCODER_SCALES = [2.0**-118, 2.0**-118 * (1 - 2.0**-24), 2.0**-140, 1e30, 3.4e38, -1.7, -(2.0**-7), 0.0, -0.0]
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_encoding_bit_exact_scales_of_both_encoders(device, generator, dtype, fp8_dtype):
+    if dtype == torch.float32:
+        bits = torch.randint(-(2**31), 2**31 - 1, (100_000,), generator=generator, dtype=torch.int64)
+        x = torch.cat([bits.to(torch.int32).view(torch.float32), random_decades(10_007, dtype, generator, -45, 38)])
+    else:
+        x = all_16bit_patterns(dtype)
+    x = torch.cat([x, edge_values(fp8_dtype, dtype)]).to(device)
+    for s in ENCODER_SCALES:
+        scale = torch.tensor([s], device=device)
+        data, amax = quantize(x, scale, fp8_dtype)
+        torch.testing.assert_close(as_bytes(data), as_bytes(reference_quantize(x, scale, fp8_dtype)), rtol=0, atol=0,
+                                   msg=lambda m: f"scale {s!r}: {m}")
+        ref_amax = reference_amax(x)
+        assert amax.isnan().item() if ref_amax.isnan() else amax.item() == ref_amax.item()
+        n = x.numel() // 96 * 96
+        data, data_t = k.cast_transpose(x[:n].view(-1, 96), scale, amax, fp8_dtype)
+        expected = reference_quantize(x[:n].view(-1, 96), scale, fp8_dtype)
+        torch.testing.assert_close(as_bytes(data), as_bytes(expected), rtol=0, atol=0)
+        torch.testing.assert_close(as_bytes(data_t), as_bytes(expected).t(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 def test_encoding_bit_exact_random_float32_bits(device, generator, fp8_dtype):
     """Random bit patterns reach every float32 exponent, float32 subnormals and NaN payloads."""

@@ -1,25 +1,38 @@
 /*
  * The FP8 quantizer kernels on AVX2 + F16C, 8 lanes at a time, 32 elements a step.
  *
- * The encoder is fp8_format.h's, lane-wise and without a table or a branch:
- *   - |v| is clamped to the largest finite value by vminps, which is what
- *     saturation means for numbers and Inf, and which lets NaN through;
- *   - normal results round the float32 bit pattern to mbits mantissa bits
- *     (ties to even), carrying into the exponent;
- *   - results below the smallest normal come from one float add: |v| + C,
- *     where the float32 step at C = 2^(24 - bias - mbits) is the FP8
- *     subnormal step, rounds |v| to the FP8 grid (ties to even) and leaves
- *     the code in the low bits of the sum;
- *   - packing the 32-bit codes to bytes saturates NaN's to 0x7F, and the
- *     signs are packed from the values themselves.
- * Each step gives the same result as the portable encoder for every input,
- * which tests/c/test_fp8_core.c checks over all 16-bit inputs and random
- * float32 bit patterns. float16 is widened by F16C's vcvtph2ps, which is
- * exact and quiets a signalling NaN like the portable conversion.
+ * Two lane-wise encoders, neither with a table or a branch, and a kernel picks one per call:
+ *
+ * The fast one, for a positive finite scale (the scales of every FP8 recipe), works on |x| * scale
+ * and takes each element's sign from x (which x * scale keeps when scale > 0):
+ *   - |v| is clamped to the largest finite value by vminps, which is what saturation means for
+ *     numbers and Inf, and which lets NaN through;
+ *   - one float add and one subtract of a magic number M = 2^(e + 23 - mbits), e the exponent of
+ *     |v| but at least the smallest normal one's, round |v| to the FP8 grid (ties to even, the
+ *     subnormal steps included: below the smallest normal value M stays put);
+ *   - the rounded value is exact in float16, so F16C's vcvtps2ph turns it into bits from which
+ *     the code is a shift: E5M2 is float16's upper byte, and E4M3, scaled by 2^-8 beforehand
+ *     (folded into the scale), lines up with float16 bits 7..14, subnormals included;
+ *   - bfloat16 and float16 amax is taken on the 16-bit patterns, which order like the values.
+ * The generic one serves any other scale (zero, negative, Inf, NaN, or too small to scale by
+ * 2^-8), where x * scale itself must be encoded:
+ *   - |v| is clamped as above;
+ *   - normal results round the float32 bit pattern to mbits mantissa bits (ties to even),
+ *     carrying into the exponent;
+ *   - results below the smallest normal come from one float add: |v| + C, where the float32
+ *     step at C = 2^(24 - bias - mbits) is the FP8 subnormal step, rounds |v| to the FP8 grid
+ *     (ties to even) and leaves the code in the low bits of the sum.
+ * Both pack the codes to bytes with saturating packs that send NaN to 0x7F, and the signs from
+ * the values themselves. Each gives the same result as the portable encoder for every input,
+ * which tests/c/test_fp8_core.c checks over all 16-bit inputs and random float32 bit patterns,
+ * with scales that take either encoder. float16 is widened by F16C's vcvtph2ps, which is exact
+ * and quiets a signalling NaN like the portable conversion.
  *
  * Only whole steps and whole cast-transpose tiles are done here; the few elements
  * past them are handed to the portable kernels, which give the same bytes.
  */
+#include <float.h>
+
 #include "fp8_kernels.h"
 #include "fp8_quantize.h"
 
@@ -113,32 +126,178 @@ TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
   return (uint32_t)_mm_cvtsi128_si32(r);
 }
 
+/* ---- The fast encoder (positive finite scale). ---- */
+
+/* The kernels pass this as a constant, so each kernel is compiled once per encoder. */
+enum { GENERIC = 0, FAST = 1 };
+
 /*
- * Encodes the 32 elements at x + i (scaled), folds their |x| bits into *amax
- * and returns their codes.
+ * Whether the fast encoder applies: scale > 0 and finite, so that |x * scale| = |x| * scale and
+ * sign(x * scale) = sign(x) for every x, NaN included; for E4M3, scale * 2^-8 must be normal so
+ * that |x| * (scale * 2^-8) is |x| * scale scaled exactly wherever the FP8 code is not zero.
  */
-TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 scale, __m256i *amax, tf_dtype d,
-                                tf_fp8_format f) {
+static int fast_scale(float scale, tf_fp8_format f) {
+  return scale > 0.0f && scale <= FLT_MAX && (f == TF_FP8_E5M2 || scale >= 0x1p-118f);
+}
+
+/* The multiplier the fast encoder uses: E4M3 works on values scaled by 2^-8. */
+static float fast_multiplier(float scale, tf_fp8_format f) {
+  return f == TF_FP8_E4M3 ? scale * 0x1p-8f : scale;
+}
+
+/*
+ * 8 values |v| (non-negative or NaN; for E4M3 scaled by 2^-8) rounded to the FP8 grid, as
+ * float16 bits. Both formats' smallest normal value is 2^-14 in these units, float16's own.
+ */
+TF_AVX2_INLINE __m128i fast_round8(__m256 a, tf_fp8_format f) {
+  const float max_value = f == TF_FP8_E4M3 ? TF_FP8_E4M3_MAX * 0x1p-8f : TF_FP8_E5M2_MAX;
+  const int mbits = f == TF_FP8_E4M3 ? 3 : 2;
+  /* vminps returns its second operand when either is NaN: numbers and Inf saturate, NaN stays. */
+  const __m256 c = _mm256_min_ps(_mm256_set1_ps(max_value), a);
+  __m256i e = _mm256_and_si256(_mm256_castps_si256(c), _mm256_set1_epi32(0x7F800000));
+  e = _mm256_max_epi32(e, _mm256_set1_epi32((127 - 14) << 23));
+  /* M's float32 step is c's FP8 step; M's last bit is even, so the add rounds ties to even. */
+  const __m256 magic = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_set1_epi32((23 - mbits) << 23)));
+  const __m256 rounded = _mm256_sub_ps(_mm256_add_ps(c, magic), magic);
+  return _mm256_cvtps_ph(rounded, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/*
+ * The 32 codes without sign of h[0..3] (float16 bits of elements 8k..8k+7 in h[k]), in order.
+ * NaN's float16 bits are 0x7E00 and above: E4M3's shift leaves 0xFC..0xFF, which vpminub brings
+ * to 0x7F; E5M2's leaves 0x7E or 0x7F (numbers end at 0x7B), which get the low bits set.
+ */
+TF_AVX2_INLINE __m256i fast_codes32(const __m128i h[4], tf_fp8_format f) {
+  const int shift = f == TF_FP8_E4M3 ? 7 : 8;
+  /* packus works per 128-bit lane: pairing h0 with h2 and h1 with h3 gives elements in order. */
+  const __m256i h02 = _mm256_inserti128_si256(_mm256_castsi128_si256(h[0]), h[2], 1);
+  const __m256i h13 = _mm256_inserti128_si256(_mm256_castsi128_si256(h[1]), h[3], 1);
+  const __m256i codes = _mm256_packus_epi16(_mm256_srli_epi16(h02, shift), _mm256_srli_epi16(h13, shift));
+  if (f == TF_FP8_E4M3) return _mm256_min_epu8(codes, _mm256_set1_epi8(0x7F));
+  const __m256i nan = _mm256_cmpgt_epi8(codes, _mm256_set1_epi8(0x7B));
+  return _mm256_or_si256(codes, _mm256_and_si256(nan, _mm256_set1_epi8(3)));
+}
+
+/*
+ * Fast-encodes the 32 elements at x + i (s: the fast multiplier) and folds |x| into *amax:
+ * float32 lanes for float32 input, 16-bit lanes for bfloat16 and float16 (amax16_bits reads them).
+ */
+TF_AVX2_INLINE __m256i fast_encode32(const void *x, int64_t i, __m256 s, __m256i *amax, tf_dtype d,
+                                     tf_fp8_format f) {
+  const __m256i sign_bit = _mm256_set1_epi8((char)0x80);
+  __m128i h[4];
+  if (d == TF_FLOAT32) {
+    __m256i xk[4];
+    for (int k = 0; k < 4; ++k) {
+      xk[k] = _mm256_loadu_si256((const __m256i *)((const float *)x + i + 8 * k));
+      const __m256i a = _mm256_and_si256(xk[k], _mm256_set1_epi32(0x7FFFFFFF));
+      *amax = _mm256_max_epu32(*amax, a);
+      h[k] = fast_round8(_mm256_mul_ps(_mm256_castsi256_ps(a), s), f);
+    }
+    /* Signed packs keep each sign bit; per 128-bit lane they leave 4-byte groups 0 2 4 6 | 1 3 5 7. */
+    const __m256i sign = _mm256_packs_epi16(_mm256_packs_epi32(xk[0], xk[1]), _mm256_packs_epi32(xk[2], xk[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(sign, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return _mm256_or_si256(fast_codes32(h, f), _mm256_and_si256(ordered, sign_bit));
+  }
+  const __m256i x0 = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+  const __m256i x1 = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i + 16));
+  const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
+  const __m256i a0 = _mm256_and_si256(x0, abs_mask), a1 = _mm256_and_si256(x1, abs_mask);
+  *amax = _mm256_max_epu16(*amax, _mm256_max_epu16(a0, a1));
+  const __m256i a[2] = {a0, a1};
+  for (int k = 0; k < 2; ++k) {
+    __m256 lo, hi; /* elements 0..7 and 8..15 of a[k] as float32 */
+    if (d == TF_BFLOAT16) {
+      /* Quadwords 0 2 | 1 3, so that the in-lane interleaves give elements 0..7 and 8..15. */
+      const __m256i q = _mm256_permute4x64_epi64(a[k], _MM_SHUFFLE(3, 1, 2, 0));
+      lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), q));
+      hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), q));
+    } else {
+      lo = _mm256_cvtph_ps(_mm256_castsi256_si128(a[k]));
+      hi = _mm256_cvtph_ps(_mm256_extracti128_si256(a[k], 1));
+    }
+    h[2 * k] = fast_round8(_mm256_mul_ps(lo, s), f);
+    h[2 * k + 1] = fast_round8(_mm256_mul_ps(hi, s), f);
+  }
+  /* Signed saturation keeps the sign; the pack leaves quadwords 0 2 | 1 3. */
+  const __m256i sign = _mm256_permute4x64_epi64(_mm256_packs_epi16(x0, x1), _MM_SHUFFLE(3, 1, 2, 0));
+  return _mm256_or_si256(fast_codes32(h, f), _mm256_and_si256(sign, sign_bit));
+}
+
+TF_AVX2_INLINE uint32_t hmax_u16(__m256i m) {
+  __m128i r = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  r = _mm_max_epu16(r, _mm_srli_si128(r, 8));
+  r = _mm_max_epu16(r, _mm_srli_si128(r, 4));
+  r = _mm_max_epu16(r, _mm_srli_si128(r, 2));
+  return (uint32_t)_mm_cvtsi128_si32(r) & 0xFFFFu;
+}
+
+/*
+ * The float32 amax bits of 16-bit lanes of |x| bit patterns, which order like the values. A
+ * float16 NaN is the exception: the widening quiets a signalling one, which reorders NaN
+ * payloads, so then UINT32_MAX asks the caller to recount in float32 bits.
+ */
+TF_AVX2_INLINE uint32_t amax16_bits(__m256i amax, tf_dtype d) {
+  const uint32_t m = hmax_u16(amax);
+  if (d == TF_BFLOAT16) return m << 16;
+  return m > 0x7C00u ? UINT32_MAX : tf_f32_bits(tf_f16_to_f32((uint16_t)m));
+}
+
+/* ---- Either encoder. ---- */
+
+/*
+ * Encodes the 32 elements at x + i and folds their |x| into *amax (in 16-bit lanes for 16-bit
+ * input under the fast encoder, as the amax bits otherwise). s is the scale, or the fast
+ * multiplier under the fast encoder.
+ */
+TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 s, __m256i *amax, tf_dtype d,
+                                tf_fp8_format f, int fast) {
+  if (fast) return fast_encode32(x, i, s, amax, d, f);
   __m256 v[4];
   for (int k = 0; k < 4; ++k) {
     const __m256 xk = load8(x, i + 8 * k, d);
     *amax = _mm256_max_epu32(*amax, abs_bits8(xk));
-    v[k] = _mm256_mul_ps(xk, scale);
+    v[k] = _mm256_mul_ps(xk, s);
   }
   return codes32(v, f);
 }
 
-#define DEFINE_QUANTIZE(NAME, DTYPE, FORMAT)                                                 \
-  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale, \
-                                      uint8_t *y) {                                          \
-    const __m256 s = _mm256_set1_ps(scale);                                                  \
-    __m256i amax = _mm256_setzero_si256();                                                   \
-    int64_t i = begin;                                                                       \
-    for (; end - i >= 32; i += 32)                                                           \
-      _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, &amax, DTYPE, FORMAT));      \
-    const uint32_t tail = tf_fp8_kernels_portable.quantize[DTYPE][FORMAT](x, i, end, scale, y); \
-    const uint32_t head = hmax_u32(amax);                                                    \
-    return head > tail ? head : tail;                                                        \
+/* The amax bits of an encode32 accumulator, or UINT32_MAX where the caller must recount. */
+TF_AVX2_INLINE uint32_t amax_of(__m256i amax, tf_dtype d, int fast) {
+  return fast && d != TF_FLOAT32 ? amax16_bits(amax, d) : hmax_u32(amax);
+}
+
+enum { PREFETCH_BYTES = 4096 };
+
+TF_AVX2_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end, float scale,
+                                       uint8_t *y, tf_dtype d, tf_fp8_format f, int fast) {
+  const __m256 s = _mm256_set1_ps(fast ? fast_multiplier(scale, f) : scale);
+  __m256i amax = _mm256_setzero_si256();
+  const int64_t size = tf_dtype_size(d);
+  int64_t i = begin;
+  for (; end - i >= 32; i += 32) {
+    /*
+     * x 4 KiB ahead: with this much work per line the hardware prefetchers alone keep too few
+     * reads in flight. A prefetch is a hint that never faults, so near the end of x the address
+     * (computed as an integer) may lie past it; past this range it is what the thread's next
+     * range reads.
+     */
+    const uintptr_t ahead = (uintptr_t)x + (uintptr_t)(i * size + PREFETCH_BYTES);
+    for (int64_t line = 0; line < 32 * size; line += 64)
+      _mm_prefetch((const char *)(ahead + (uintptr_t)line), _MM_HINT_T0);
+    _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, &amax, d, f, fast));
+  }
+  uint32_t head = amax_of(amax, d, fast);
+  if (head == UINT32_MAX) head = tf_fp8_kernels_portable.amax[d](x, begin, i);
+  const uint32_t tail = tf_fp8_kernels_portable.quantize[d][f](x, i, end, scale, y);
+  return head > tail ? head : tail;
+}
+
+#define DEFINE_QUANTIZE(NAME, DTYPE, FORMAT)                                                    \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale,    \
+                                      uint8_t *y) {                                             \
+    return fast_scale(scale, FORMAT) ? quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, FAST) \
+                                     : quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, GENERIC); \
   }
 
 DEFINE_QUANTIZE(quantize_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
@@ -148,17 +307,33 @@ DEFINE_QUANTIZE(quantize_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
 DEFINE_QUANTIZE(quantize_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
 DEFINE_QUANTIZE(quantize_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
 
-#define DEFINE_AMAX(NAME, DTYPE)                                                                \
-  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end) {               \
-    __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();                          \
-    int64_t i = begin;                                                                          \
-    for (; end - i >= 16; i += 16) {                                                            \
-      m0 = _mm256_max_epu32(m0, abs_bits8(load8(x, i, DTYPE)));                                 \
-      m1 = _mm256_max_epu32(m1, abs_bits8(load8(x, i + 8, DTYPE)));                             \
-    }                                                                                           \
-    const uint32_t tail = tf_fp8_kernels_portable.amax[DTYPE](x, i, end);                       \
-    const uint32_t head = hmax_u32(_mm256_max_epu32(m0, m1));                                   \
-    return head > tail ? head : tail;                                                           \
+/* float32: two accumulators of float32 bits; bfloat16 and float16: 16-bit lanes, 32 a step. */
+TF_AVX2_INLINE uint32_t amax_range(const void *x, int64_t begin, int64_t end, tf_dtype d) {
+  __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
+  int64_t i = begin;
+  uint32_t head;
+  if (d == TF_FLOAT32) {
+    for (; end - i >= 16; i += 16) {
+      m0 = _mm256_max_epu32(m0, abs_bits8(load8_f32(x, i)));
+      m1 = _mm256_max_epu32(m1, abs_bits8(load8_f32(x, i + 8)));
+    }
+    head = hmax_u32(_mm256_max_epu32(m0, m1));
+  } else {
+    const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
+    for (; end - i >= 32; i += 32) {
+      m0 = _mm256_max_epu16(m0, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i)), abs_mask));
+      m1 = _mm256_max_epu16(m1, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i + 16)), abs_mask));
+    }
+    head = amax16_bits(_mm256_max_epu16(m0, m1), d);
+    if (head == UINT32_MAX) head = tf_fp8_kernels_portable.amax[d](x, begin, i);
+  }
+  const uint32_t tail = tf_fp8_kernels_portable.amax[d](x, i, end);
+  return head > tail ? head : tail;
+}
+
+#define DEFINE_AMAX(NAME, DTYPE)                                                  \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end) { \
+    return amax_range(x, begin, end, DTYPE);                                      \
   }
 
 DEFINE_AMAX(amax_f32, TF_FLOAT32)
@@ -215,8 +390,8 @@ TF_AVX2_INLINE void store32(__m256i *p, __m256i v, int stream) {
 
 TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_x, int64_t r0,
                                         int64_t c0, int width, int stream, tf_dtype d,
-                                        tf_fp8_format f, __m256 s, __m256i *amax, uint8_t *y, int64_t ld_y,
-                                        uint8_t *y_t, int64_t ld_t) {
+                                        tf_fp8_format f, int fast, __m256 s, __m256i *amax, uint8_t *y,
+                                        int64_t ld_y, uint8_t *y_t, int64_t ld_t) {
   __m256i tile[2][TILE_ROWS];        /* tile[k][r]: row r, columns 32k..32k+31 */
   __m256i tile_t[64][TILE_ROWS / 32]; /* tile_t[c]: column c, TILE_ROWS codes */
   for (int r = 0; r < TILE_ROWS; ++r) {
@@ -224,7 +399,7 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     const char *next = (const char *)x + ((r0 + r) * ld_x + c0 + 32 * width) * size;
     for (int64_t line = 0; line < 32 * width * size; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     for (int k = 0; k < width; ++k) {
-      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, amax, d, f);
+      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, amax, d, f, fast);
       store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
     }
   }
@@ -247,42 +422,58 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
  * are left; the ragged right and bottom edges go to the portable kernel as
  * blocks of their own.
  */
-#define DEFINE_CAST_TRANSPOSE(NAME, DTYPE, FORMAT)                                               \
-  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols,   \
-                                      float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,       \
-                                      int64_t ld_t) {                                            \
-    const int64_t size = tf_dtype_size(DTYPE);                                                   \
-    const int64_t full_rows = rows - rows % TILE_ROWS, wide_cols = cols - cols % 64;             \
-    const int64_t full_cols = cols - cols % 32;                                                  \
-    const __m256 s = _mm256_set1_ps(scale);                                                      \
-    __m256i amax_v = _mm256_setzero_si256();                                                     \
-    const int stream = (uintptr_t)y % 32 == 0 && ld_y % 32 == 0 && (uintptr_t)y_t % 32 == 0 &&   \
-                       ld_t % 32 == 0;                                                           \
-    for (int64_t r0 = 0; r0 < full_rows; r0 += TILE_ROWS) {                                      \
-      for (int64_t c0 = 0; c0 < wide_cols; c0 += 64) {                                           \
-        if (stream)                                                                              \
-          cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, DTYPE, FORMAT, s, &amax_v, y, ld_y, y_t, ld_t); \
-        else                                                                                     \
-          cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, DTYPE, FORMAT, s, &amax_v, y, ld_y, y_t, ld_t); \
-      }                                                                                          \
-      if (wide_cols < full_cols)                                                                 \
-        cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, DTYPE, FORMAT, s, &amax_v, y, ld_y, \
-                            y_t, ld_t);                                                          \
-    }                                                                                            \
-    if (stream) _mm_sfence(); /* the streamed stores are visible before the caller's next step */ \
-    const tf_fp8_cast_transpose_fn edge = tf_fp8_kernels_portable.cast_transpose[DTYPE][FORMAT]; \
-    uint32_t amax = hmax_u32(amax_v), a;                                                         \
-    if (full_cols < cols) { /* right edge of the whole-tile rows */                              \
-      a = edge((const char *)x + full_cols * size, ld_x, full_rows, cols - full_cols, scale,     \
-               y + full_cols, ld_y, y_t + full_cols * ld_t, ld_t);                               \
-      amax = a > amax ? a : amax;                                                                \
-    }                                                                                            \
-    if (full_rows < rows) { /* bottom rows, every column */                                      \
-      a = edge((const char *)x + full_rows * ld_x * size, ld_x, rows - full_rows, cols, scale,   \
-               y + full_rows * ld_y, ld_y, y_t + full_rows, ld_t);                               \
-      amax = a > amax ? a : amax;                                                                \
-    }                                                                                            \
-    return amax;                                                                                 \
+TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
+                                             float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,
+                                             int64_t ld_t, tf_dtype d, tf_fp8_format f, int fast) {
+  const int64_t size = tf_dtype_size(d);
+  const int64_t full_rows = rows - rows % TILE_ROWS, wide_cols = cols - cols % 64;
+  const int64_t full_cols = cols - cols % 32;
+  const __m256 s = _mm256_set1_ps(fast ? fast_multiplier(scale, f) : scale);
+  __m256i amax_v = _mm256_setzero_si256();
+  const int stream =
+      (uintptr_t)y % 32 == 0 && ld_y % 32 == 0 && (uintptr_t)y_t % 32 == 0 && ld_t % 32 == 0;
+  for (int64_t r0 = 0; r0 < full_rows; r0 += TILE_ROWS) {
+    for (int64_t c0 = 0; c0 < wide_cols; c0 += 64) {
+      if (stream)
+        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, d, f, fast, s, &amax_v, y, ld_y, y_t, ld_t);
+      else
+        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, d, f, fast, s, &amax_v, y, ld_y, y_t, ld_t);
+    }
+    if (wide_cols < full_cols)
+      cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, d, f, fast, s, &amax_v, y, ld_y, y_t,
+                          ld_t);
+  }
+  if (stream) _mm_sfence(); /* the streamed stores are visible before the caller's next step */
+  const tf_fp8_cast_transpose_fn edge = tf_fp8_kernels_portable.cast_transpose[d][f];
+  uint32_t amax = amax_of(amax_v, d, fast), a;
+  if (amax == UINT32_MAX) { /* a float16 NaN: recount the whole tiles in float32 bits */
+    amax = 0;
+    for (int64_t r = 0; r < full_rows; ++r) {
+      a = tf_fp8_kernels_portable.amax[d](x, r * ld_x, r * ld_x + full_cols);
+      amax = a > amax ? a : amax;
+    }
+  }
+  if (full_cols < cols) { /* right edge of the whole-tile rows */
+    a = edge((const char *)x + full_cols * size, ld_x, full_rows, cols - full_cols, scale, y + full_cols,
+             ld_y, y_t + full_cols * ld_t, ld_t);
+    amax = a > amax ? a : amax;
+  }
+  if (full_rows < rows) { /* bottom rows, every column */
+    a = edge((const char *)x + full_rows * ld_x * size, ld_x, rows - full_rows, cols, scale,
+             y + full_rows * ld_y, ld_y, y_t + full_rows, ld_t);
+    amax = a > amax ? a : amax;
+  }
+  return amax;
+}
+
+#define DEFINE_CAST_TRANSPOSE(NAME, DTYPE, FORMAT)                                                  \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols,      \
+                                      float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,          \
+                                      int64_t ld_t) {                                               \
+    return fast_scale(scale, FORMAT)                                                                \
+               ? cast_transpose_block(x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t, DTYPE, FORMAT, FAST) \
+               : cast_transpose_block(x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t, DTYPE, FORMAT,    \
+                                      GENERIC);                                                     \
   }
 
 DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)

@@ -397,7 +397,16 @@ static int simd_paths(isa_path paths[1]) {
 }
 
 static const char *const dtype_names[3] = {"f32", "bf16", "f16"};
-static const float path_scales[5] = {1.0f, 0.5f, 3.0f, 0x1p-7f, 0.37f};
+/*
+ * Scales of both AVX2 encoders: positive finite ones take the fast encoder (the first two are the
+ * smallest for which E4M3's scale * 2^-8 is still normal, and just below it); zero, negative,
+ * infinite and too small ones take the generic one. (No NaN scale: which NaN x * NaN gives depends
+ * on the operand order the compiler picks, in the portable loops too.)
+ */
+static const float path_scales[] = {1.0f,  0.5f,      3.0f,      0x1p-7f,   0.37f,     0x1p-118f,
+                                    0x1.fffffep-119f, 0x1p-140f, 0x1p+100f, FLT_MAX,   -1.0f,
+                                    -0.37f, 0.0f,     -0.0f,     INFINITY,  -INFINITY};
+#define N_PATH_SCALES (int)(sizeof path_scales / sizeof path_scales[0])
 
 /* Canary bytes around every output: a kernel writing outside its range changes them. */
 #define PAD 64
@@ -431,7 +440,7 @@ static void test_paths_every_16bit_value(const isa_path *path) {
   for (int i = 0; i < LEN; ++i) x[i] = (uint16_t)i;
   for (int d = TF_BFLOAT16; d <= TF_FLOAT16; ++d)
     for (int f = 0; f < 2; ++f)
-      for (int k = 0; k < 5; ++k) {
+      for (int k = 0; k < N_PATH_SCALES; ++k) {
         int ok = same_quantize(path, x, (tf_dtype)d, 0, LEN, path_scales[k], (tf_fp8_format)f, y, y_ref);
         /* Odd sub-ranges start and end inside vectors. */
         ok &= same_quantize(path, x, (tf_dtype)d, 3, LEN - 5, path_scales[k], (tf_fp8_format)f, y, y_ref);
@@ -451,7 +460,7 @@ static void test_paths_random_f32_bits(const isa_path *path) {
     x[i] = u;
   }
   for (int f = 0; f < 2; ++f)
-    for (int k = 0; k < 5; ++k)
+    for (int k = 0; k < N_PATH_SCALES; ++k)
       CHECK(same_quantize(path, x, TF_FLOAT32, 1, LEN - 2, path_scales[k], (tf_fp8_format)f, y, y_ref),
             "%s: random f32 bits, %s, scale %a", path->name, f ? "e5m2" : "e4m3",
             (double)path_scales[k]);
@@ -472,8 +481,10 @@ static void test_paths_lengths(const isa_path *path) {
     for (int f = 0; f < 2; ++f)
       for (int64_t begin = 0; begin < 9; ++begin)
         for (int64_t len = 0; begin + len <= LEN - 8; ++len)
-          bad += !same_quantize(path, d == TF_FLOAT32 ? (const void *)x32 : (const void *)x16,
-                                (tf_dtype)d, begin, begin + len, 0.75f, (tf_fp8_format)f, y, y_ref);
+          for (int sc = 0; sc < 2; ++sc) /* the fast encoder, then the generic one */
+            bad += !same_quantize(path, d == TF_FLOAT32 ? (const void *)x32 : (const void *)x16,
+                                  (tf_dtype)d, begin, begin + len, sc ? -0.75f : 0.75f,
+                                  (tf_fp8_format)f, y, y_ref);
   CHECK(bad == 0, "%s: %d (dtype, format, begin, length) cases differ from portable", path->name, bad);
 }
 
@@ -528,27 +539,61 @@ static void test_paths_cast_transpose(const isa_path *path) {
   for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; ++sh) {
     const int64_t rows = shapes[sh][0], cols = shapes[sh][1], ld = shapes[sh][2];
     for (int d = 0; d < 3; ++d)
-      for (int f = 0; f < 2; ++f) {
-        const void *x = d == TF_FLOAT32 ? (const void *)x32 : (const void *)x16;
-        memset(y, CANARY, sizeof y);
-        memset(y_ref, CANARY, sizeof y_ref);
-        memset(t, CANARY, sizeof t);
-        memset(t_ref, CANARY, sizeof t_ref);
-        const uint32_t a = path->set->cast_transpose[d][f](x, ld, rows, cols, 1.3f, y, cols, t, rows);
-        const uint32_t a_ref = tf_fp8_kernels_portable.cast_transpose[d][f](x, ld, rows, cols, 1.3f,
-                                                                          y_ref, cols, t_ref, rows);
-        uint32_t amax_ref = 0;
-        for (int64_t r = 0; r < rows; ++r) {
-          const uint32_t m = tf_fp8_kernels_portable.amax[d](x, r * ld, r * ld + cols);
-          amax_ref = m > amax_ref ? m : amax_ref;
+      for (int f = 0; f < 2; ++f)
+        for (int sc = 0; sc < 4; ++sc) {
+          static const float scales[4] = {1.3f, -1.3f, 0x1p-125f, -INFINITY};
+          const float scale = scales[sc];
+          const void *x = d == TF_FLOAT32 ? (const void *)x32 : (const void *)x16;
+          memset(y, CANARY, sizeof y);
+          memset(y_ref, CANARY, sizeof y_ref);
+          memset(t, CANARY, sizeof t);
+          memset(t_ref, CANARY, sizeof t_ref);
+          const uint32_t a = path->set->cast_transpose[d][f](x, ld, rows, cols, scale, y, cols, t, rows);
+          const uint32_t a_ref = tf_fp8_kernels_portable.cast_transpose[d][f](x, ld, rows, cols, scale,
+                                                                            y_ref, cols, t_ref, rows);
+          uint32_t amax_ref = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            const uint32_t m = tf_fp8_kernels_portable.amax[d](x, r * ld, r * ld + cols);
+            amax_ref = m > amax_ref ? m : amax_ref;
+          }
+          const size_t n = (size_t)(rows * cols);
+          bad += a != a_ref || a != amax_ref || memcmp(y, y_ref, n) != 0 || memcmp(t, t_ref, n) != 0 ||
+                 !canaries_intact(y, 0, (int64_t)n, MAX_Y + PAD) ||
+                 !canaries_intact(t, 0, (int64_t)n, MAX_Y + PAD);
         }
-        const size_t n = (size_t)(rows * cols);
-        bad += a != a_ref || a != amax_ref || memcmp(y, y_ref, n) != 0 || memcmp(t, t_ref, n) != 0 ||
-               !canaries_intact(y, 0, (int64_t)n, MAX_Y + PAD) ||
-               !canaries_intact(t, 0, (int64_t)n, MAX_Y + PAD);
-      }
-  }
-  CHECK(bad == 0, "%s: cast_transpose: %d (shape, dtype, format) cases differ", path->name, bad);
+    }
+  CHECK(bad == 0, "%s: cast_transpose: %d (shape, dtype, format, scale) cases differ", path->name, bad);
+}
+
+/*
+ * float16 NaNs of different kinds in one range: the widening quiets a signalling NaN, so the
+ * float32 amax bits are not the widened 16-bit maximum (0x7C01 -> 0x7FC02000 beats 0x7E00 ->
+ * 0x7FC00000). Every kernel must report the portable bits, NaN codes included.
+ */
+static void test_paths_f16_nan_payloads(const isa_path *path) {
+  enum { ROWS = 3, COLS = 64, LEN = ROWS * COLS };
+  static uint16_t x[LEN];
+  static _Alignas(64) uint8_t y[LEN + PAD], y_ref[LEN + PAD], t[LEN], t_ref[LEN];
+  static const uint16_t nans[4][2] = {{0x7E00, 0x7C01}, {0x7C01, 0x7E00}, {0xFE00, 0xFC01}, {0x7FFF, 0x7D00}};
+  int bad = 0;
+  for (int k = 0; k < 4; ++k)
+    for (int p = 0; p < LEN; p += 37) {
+      for (int i = 0; i < LEN; ++i) x[i] = tf_f32_to_f16((float)((int)(rand_u32() % 2000) - 1000) / 8.0f);
+      x[p] = nans[k][0];
+      x[(p + 70) % LEN] = nans[k][1];
+      const uint32_t want = tf_fp8_kernels_portable.amax[TF_FLOAT16](x, 0, LEN);
+      bad += path->set->amax[TF_FLOAT16](x, 0, LEN) != want;
+      for (int f = 0; f < 2; ++f)
+        for (int sc = 0; sc < 2; ++sc) {
+          const float scale = sc ? -2.0f : 2.0f;
+          bad += !same_quantize(path, x, TF_FLOAT16, 0, LEN, scale, (tf_fp8_format)f, y, y_ref);
+          const uint32_t a = path->set->cast_transpose[TF_FLOAT16][f](x, COLS, ROWS, COLS, scale, y, COLS, t, ROWS);
+          const uint32_t a_ref = tf_fp8_kernels_portable.cast_transpose[TF_FLOAT16][f](x, COLS, ROWS, COLS, scale,
+                                                                                     y_ref, COLS, t_ref, ROWS);
+          bad += a != want || a_ref != want || memcmp(y, y_ref, LEN) != 0 || memcmp(t, t_ref, LEN) != 0;
+        }
+    }
+  CHECK(bad == 0, "%s: float16 NaN payloads: %d wrong", path->name, bad);
 }
 
 /*
@@ -600,6 +645,7 @@ static void test_isa_paths(void) {
     test_paths_lengths(&paths[i]);
     test_paths_amax_every_position(&paths[i]);
     test_paths_cast_transpose(&paths[i]);
+    test_paths_f16_nan_payloads(&paths[i]);
   }
   test_public_api_under_cap();
 }
