@@ -66,10 +66,9 @@ _TIERS_WITHOUT_BF16_DOT = frozenset(cpu.TIERS[: cpu.TIERS.index("avx512_bf16")])
 
 
 def widens_to_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether mm() computes a @ b in float32: plain 16-bit CPU operands (a quantized weight keeps its own
-    dispatch), on a CPU without bf16 dot products."""
-    return (a.dtype in _WIDENED_DTYPES and a.device.type == "cpu"
-            and not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor)
+    """Whether mm() computes a @ b in float32: 16-bit CPU operands (a quantized one, e.g. an FP8 weight
+    outside fp8_autocast, is widened from its exact dequantized values), on a CPU without bf16 dot products."""
+    return (a.dtype in _WIDENED_DTYPES and b.dtype == a.dtype and a.device.type == "cpu"
             and cpu.current_isa() in _TIERS_WITHOUT_BF16_DOT)
 
 
@@ -79,7 +78,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
     (default: the operands' dtype). See the module docstring for when the GEMM runs in float32."""
     out_dtype = a.dtype if out_dtype is None else out_dtype
     if widens_to_float32(a, b):
-        a, b = a.float(), b.float()
+        a, b = (t.dequantize().float() if isinstance(t, QuantizedTensor) else t.float() for t in (a, b))
         bias = None if bias is None else bias.float()
     out = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
     return out if out.dtype == out_dtype else out.to(out_dtype)
