@@ -6,6 +6,7 @@ csrc/attention/attention.h. Tensors are in the kernel layout: q is
 [batch, seq_q, heads_q, head_dim], k and v [batch, seq_kv, heads_kv, head_dim]
 with a contiguous last dim (other strides free, so an sbhd tensor permuted to
 bshd needs no copy). Packed (thd) inputs have batch 1 and cu_seqlens offsets.
+Dense 16/32-bit CPU problems may instead run torch's CPU flash attention (ROUTE_TO_TORCH_CPU_FLASH below).
 """
 
 import math
