@@ -9,16 +9,17 @@ from te_fuser.kernels import attention as attn_kernels
 from te_fuser.kernels import cpu as cpu_kernels
 
 # Collected here again, run with the route on (test_attention.py's own fixture turns it off there).
-from test_attention import (  # noqa: F401
-    cpu_isa,
-    test_batched_formats_and_masks,
-    test_edge_values_and_fully_masked_rows,
-    test_half_dtypes,
-    test_head_dims_and_lengths,
-    test_lse_matches_logsumexp,
-    test_outputs_follow_the_input_dim_order_like_the_fake_kernels,
-    test_strided_qkv_views_need_no_copy,
-)
+import test_attention as _own_kernel_tests  # noqa: E402
+
+cpu_isa = _own_kernel_tests.cpu_isa
+test_batched_formats_and_masks = _own_kernel_tests.test_batched_formats_and_masks
+test_edge_values_and_fully_masked_rows = _own_kernel_tests.test_edge_values_and_fully_masked_rows
+test_half_dtypes = _own_kernel_tests.test_half_dtypes
+test_head_dims_and_lengths = _own_kernel_tests.test_head_dims_and_lengths
+test_lse_matches_logsumexp = _own_kernel_tests.test_lse_matches_logsumexp
+test_outputs_follow_the_input_dim_order_like_the_fake_kernels = (
+    _own_kernel_tests.test_outputs_follow_the_input_dim_order_like_the_fake_kernels)
+test_strided_qkv_views_need_no_copy = _own_kernel_tests.test_strided_qkv_views_need_no_copy
 
 pytestmark = pytest.mark.skipif(cpu_kernels.detected_isa() == "amx",
                                 reason="CPUs with AMX keep te_fuser's tile kernels")
