@@ -19,6 +19,13 @@ from attention_reference import segments
 ISA_PATHS = sorted({"portable", cpu_kernels.detected_isa()}, key=cpu_kernels.TIERS.index)
 
 
+@pytest.fixture(autouse=True)
+def te_fuser_cpu_kernels(monkeypatch):
+    """These tests are of te_fuser's own kernels: no CPU problem goes to torch's flash attention here
+    (tests/test_attention_torch_route.py runs a selection of them with that route)."""
+    monkeypatch.setattr(attn_kernels, "ROUTE_TO_TORCH_CPU_FLASH", False)
+
+
 @pytest.fixture(params=ISA_PATHS)
 def cpu_isa(request):
     with cpu_kernels.isa(request.param):

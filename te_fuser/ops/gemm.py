@@ -1,6 +1,12 @@
 """The GEMMs of the linear op.
 
-High precision: torch.mm / addmm in the parameters' dtype.
+High precision: torch.mm / addmm in the parameters' dtype, except bf16 and fp16 on a CPU without a
+bf16 dot-product instruction (te_fuser.kernels.cpu tier below avx512_bf16, e.g. AVX2-only x86): torch
+has no fast 16-bit GEMM there (its bf16 GEMMs ran at 0.2 to 9 GFLOP/s on an AVX2 Zen 1, against 15
+to 35 for float32, depending on the operands' layout), so the operands are widened to float32 (exact),
+multiplied by torch's float32 GEMM and the result rounded once to the output dtype. That is the
+arithmetic of torch's own 16-bit CPU GEMM (exact products, float32 sums, one rounding); only the
+order of the float32 sums may differ.
 
 FP8: every GEMM is `a @ b.T` with both operands row-major FP8 and their
 per-tensor scale_inv, which is the layout cuBLASLt's FP8 GEMM wants (TN):
@@ -20,8 +26,10 @@ from typing import Optional
 
 import torch
 
+from ..kernels import cpu
 from ..kernels import fp8 as fp8_kernels
 from ..kernels import gemm as gemm_kernels
+from ..quantized_tensor import QuantizedTensor
 
 FP8_GEMM_ALIGNMENT = 16
 
@@ -53,6 +61,29 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_s
     return gemm_kernels.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
 
 
+_WIDENED_DTYPES = (torch.bfloat16, torch.float16)
+_TIERS_WITHOUT_BF16_DOT = frozenset(cpu.TIERS[: cpu.TIERS.index("avx512_bf16")])
+
+
+def widens_to_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether mm() computes a @ b in float32: 16-bit CPU operands (a quantized one, e.g. an FP8 weight
+    outside fp8_autocast, is widened from its exact dequantized values), on a CPU without bf16 dot products."""
+    return (a.dtype in _WIDENED_DTYPES and b.dtype == a.dtype and a.device.type == "cpu"
+            and cpu.current_isa() in _TIERS_WITHOUT_BF16_DOT)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
+       out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """a @ b (+ bias) for 2-D a and b of one dtype (either may be a transposed view), in out_dtype
+    (default: the operands' dtype). See the module docstring for when the GEMM runs in float32."""
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if widens_to_float32(a, b):
+        a, b = (t.dequantize().float() if isinstance(t, QuantizedTensor) else t.float() for t in (a, b))
+        bias = None if bias is None else bias.float()
+    out = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
 def gemm_nt(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a @ b.T (+ bias) in the operands' dtype."""
-    return torch.addmm(bias, a, b.t()) if bias is not None else torch.mm(a, b.t())
+    return mm(a, b.t(), bias)

@@ -14,7 +14,7 @@ import torch
 
 from ...float8_tensor import Float8Tensor
 from .._fp8_io import with_transpose
-from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt
+from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation
 from .linear import dgrad_weight_transpose, saved_weight, sync_weight_quantizer
 
@@ -126,9 +126,9 @@ class GroupedBasicLinear(BasicOperation):
                                      torch.float32)
             else:
                 if ctx.input_requires_grad:
-                    dx = torch.mm(dy, w_saved)
+                    dx = mm(dy, w_saved)
                 if ctx.weight_requires_grad:
-                    dw = torch.mm(dy.t(), x_saved)
+                    dw = mm(dy.t(), x_saved)
             dxs.append(dx)
             dws.append(dw)
             dbs.append(dy.sum(0) if ctx.bias_requires_grad else None)

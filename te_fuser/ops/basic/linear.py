@@ -12,7 +12,7 @@ from ...quantizer import Float8Quantizer
 from .. import _tensor_parallel as tp
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
-from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt
+from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation, OperationContext
 
 TP_MODES = (None, "column", "row")
@@ -335,9 +335,9 @@ class BasicLinear(BasicOperation):
         else:
             dy2 = high_precision(dy).reshape(-1, n)
             if ctx.input_requires_grad:
-                dx = torch.mm(dy2, w_saved)
+                dx = mm(dy2, w_saved)
             if ctx.weight_requires_grad:
-                dw = torch.mm(dy2.t(), x_saved.reshape(-1, k))
+                dw = mm(dy2.t(), x_saved.reshape(-1, k))
         if dx is not None:
             dx = dx.view(*ctx.lead_shape, k)
             if self.tensor_parallel_mode == "column":
