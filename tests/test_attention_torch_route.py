@@ -21,14 +21,14 @@ test_outputs_follow_the_input_dim_order_like_the_fake_kernels = (
     _own_kernel_tests.test_outputs_follow_the_input_dim_order_like_the_fake_kernels)
 test_strided_qkv_views_need_no_copy = _own_kernel_tests.test_strided_qkv_views_need_no_copy
 
-pytestmark = pytest.mark.skipif(cpu_kernels.detected_isa() == "amx",
-                                reason="CPUs with AMX keep te_fuser's tile kernels")
 
 
 @pytest.fixture(autouse=True)
 def te_fuser_cpu_kernels(monkeypatch):
-    """Overrides test_attention.py's fixture of that name: the route is on."""
+    """Overrides test_attention.py's fixture of that name: the route is on, for every CPU tier (in use it
+    is taken on ROUTED_ISAS only), so these tests run on any CPU."""
     monkeypatch.setattr(attn_kernels, "ROUTE_TO_TORCH_CPU_FLASH", True)
+    monkeypatch.setattr(attn_kernels, "ROUTED_ISAS", cpu_kernels.TIERS)
 
 
 class _NoKernels:
@@ -63,10 +63,11 @@ def test_routed_problems_match_te_fuser_kernels_without_calling_them(dtype, caus
         torch.testing.assert_close(actual.float(), wanted.float(), atol=atol, rtol=1e-2, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("case", ["dropout", "seqlens", "gqa", "causal_cross", "fp8", "route_off"])
+@pytest.mark.parametrize("case", ["dropout", "seqlens", "gqa", "causal_cross", "fp8", "route_off", "unrouted_isa"])
 def test_other_problems_keep_te_fuser_kernels(case, generator, monkeypatch):
     """Dropout (te_fuser's RNG), padding, grouped heads, causal cross-attention (bottom-right alignment
-    differs from torch's top-left) and FP8 keep te_fuser's kernels; so does everything with the route off."""
+    differs from torch's top-left) and FP8 keep te_fuser's kernels; so does everything with the route off
+    or on a CPU tier outside ROUTED_ISAS (AVX-512 and AMX CPUs)."""
     q, k, v = _gpt_qkv(torch.float32, generator)
     kwargs = {}
     if case == "dropout":
@@ -82,6 +83,9 @@ def test_other_problems_keep_te_fuser_kernels(case, generator, monkeypatch):
         one = torch.ones(1)
         q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
         kwargs = dict(q_descale=one, k_descale=one, v_descale=one)
+    elif case == "unrouted_isa":
+        monkeypatch.setattr(attn_kernels, "ROUTED_ISAS", tuple(t for t in cpu_kernels.TIERS
+                                                                if t != cpu_kernels.current_isa()))
     else:
         monkeypatch.setattr(attn_kernels, "ROUTE_TO_TORCH_CPU_FLASH", False)
     monkeypatch.setattr(attn_kernels, "_ops", _NoKernels())

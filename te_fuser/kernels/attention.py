@@ -20,13 +20,15 @@ from .validate import check_dtype, check_same_device, check_scalar_f32, check_te
 _ops = torch.ops.te_fuser
 
 # Dense 16/32-bit CPU problems without dropout go to torch's flash-attention kernel for the CPU
-# (aten::_scaled_dot_product_flash_attention_for_cpu, SDPA's CPU path) unless the CPU has AMX, where
-# te_fuser's tile kernels run: on an AVX2 CPU (Zen 1, [8, 256, 8, 64] causal, gpt.py's layout) te_fuser's
-# vector path took 7x (fp32) to 8x (bf16) torch's time forward, 9x (fp32) and 2.7x (bf16) backward.
+# (aten::_scaled_dot_product_flash_attention_for_cpu, SDPA's CPU path) on the tiers where that was
+# measured faster (ROUTED_ISAS): on an AVX2 CPU (Zen 1, [8, 256, 8, 64] causal, gpt.py's layout) te_fuser's
+# vector path took 7x (fp32) to 8x (bf16) torch's time forward, 9x (fp32) and 2.7x (bf16) backward, and
+# 13x at [1, 2048, 8, 64] fp32. AVX-512 and AMX CPUs keep te_fuser's kernels (AMX: its tile kernels).
 # Same math: float32 scores, softmax and sums, one rounding of the output; lse is the same natural-log
 # logsumexp.
 # The tests of te_fuser's own kernels turn this off (tests/test_attention*.py).
 ROUTE_TO_TORCH_CPU_FLASH = True
+ROUTED_ISAS = ("portable", "avx2")
 
 FP8_INPUT_DTYPES = (torch.float8_e4m3fn,)
 
@@ -148,7 +150,7 @@ def _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, 
             and cu_seqlens_q is None and seqlens_q is None and seqlens_kv is None
             and q.shape[2] == k.shape[2] and (not causal or q.shape[1] == k.shape[1])
             and q.numel() > 0 and k.numel() > 0 and not torch.compiler.is_compiling()
-            and cpu.current_isa() != "amx")
+            and cpu.current_isa() in ROUTED_ISAS)
 
 
 def _in_order_of(t, like):
