@@ -4,7 +4,8 @@
 
 The model is te_fuser.examples.gpt.GPT (h=512, ffn 2048, 8 heads, s=256, b=8, bf16 params, CPU).
 Three configurations:
-  bf16               no FP8
+  bf16               no FP8, torch's bf16 GEMMs (on a CPU without bf16 dot products te_fuser widens 16-bit
+                     GEMMs to float32 by default; that peak is printed apart)
   FP8                fp8_autocast(DelayedScaling(fp8_dpa=True, fp8_mha=True))
   FP8 + FP8 weights  the same, the model built under te_fuser.quantized_model_init(enabled=True)
                      ("not available" while that raises NotImplementedError)
@@ -28,6 +29,7 @@ import te_fuser  # noqa: E402
 from te_fuser.examples.gpt import GPT, GPTConfig  # noqa: E402
 from te_fuser.memory import MemoryTracker  # noqa: E402
 from te_fuser.memory.saved import saved_for_backward  # noqa: E402
+from te_fuser.ops import gemm  # noqa: E402
 
 MIB = 2**20
 SEQ, BATCH = 256, 8
@@ -118,7 +120,15 @@ def main():
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, got {args.layers}")
 
-    columns = {"bf16": measure(args.layers, False, False), "FP8": measure(args.layers, True, False)}
+    # The bf16 baseline runs torch's bf16 GEMMs, as on a GPU or a CPU with bf16 dot products; on a CPU
+    # without them te_fuser widens 16-bit GEMMs to float32 (te_fuser/ops/gemm.py), whose transient
+    # float32 copies are reported apart.
+    gemm.WIDEN_16BIT_ON_CPU = False
+    columns = {"bf16": measure(args.layers, False, False)}
+    gemm.WIDEN_16BIT_ON_CPU = True
+    probe = torch.ones(1, 1, dtype=torch.bfloat16)
+    widened_peak = measure(args.layers, False, False)["peak"] if gemm.widens_to_float32(probe, probe) else None
+    columns["FP8"] = measure(args.layers, True, False)
     try:
         columns["FP8 + FP8 weights"] = measure(args.layers, True, True)
     except NotImplementedError as err:
@@ -148,6 +158,8 @@ def main():
         print(f"{label:22s}" + "".join(f"{c:>26s}" for c in cells))
     if columns["FP8 + FP8 weights"] is None:
         print(f"\nFP8 + FP8 weights: not available (quantized_model_init(enabled=True): {unavailable})")
+    if widened_peak is not None:
+        print(f"bf16 training step peak with this CPU's float32-widened 16-bit GEMMs: {widened_peak / MIB:.2f} MiB")
     ratio = columns["FP8"]["saved"].total_bytes / base["saved"].total_bytes
     print(f"saved for backward, FP8 / bf16 = {ratio:.3f} (issue 15 target <= 0.6)")
 

@@ -86,14 +86,15 @@ class TransformerBlock(torch.nn.Module):
 class GPT(torch.nn.Module):
     """Byte-level GPT: embedding, blocks, final norm, output head. Input tokens are [s, b], logits
     [s, b, vocab]. The head reads the token embedding's weight (tied, as in GPT-2 and Megatron's default
-    share_embeddings_and_output_weights), so both start from GPT-2's N(0, 0.02)."""
+    share_embeddings_and_output_weights). It starts from N(0, 1/hidden_size), so that the head's first
+    logits have unit scale."""
 
     def __init__(self, cfg: GPTConfig, par: Parallel = Parallel(), device=None, dtype=torch.float32,
                  checkpoint_blocks: bool = False):
         super().__init__()
         self.cfg, self.par, self.checkpoint_blocks = cfg, par, checkpoint_blocks
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        torch.nn.init.normal_(self.embed.weight, std=0.02)
+        torch.nn.init.normal_(self.embed.weight, std=cfg.hidden_size**-0.5)
         self.pos = torch.nn.Parameter(torch.randn(cfg.seq_len, 1, cfg.hidden_size, device=device, dtype=dtype) * 0.02)
         self.blocks = torch.nn.ModuleList(TransformerBlock(cfg, par, device, dtype) for _ in range(cfg.num_layers))
         self.final_norm = te.ops.LayerNorm(cfg.hidden_size, device=device, dtype=dtype)

@@ -6,7 +6,8 @@ has no fast 16-bit GEMM there (its bf16 GEMMs ran at 0.2 to 9 GFLOP/s on an AVX2
 to 35 for float32, depending on the operands' layout), so the operands are widened to float32 (exact),
 multiplied by torch's float32 GEMM and the result rounded once to the output dtype. That is the
 arithmetic of torch's own 16-bit CPU GEMM (exact products, float32 sums, one rounding); only the
-order of the float32 sums may differ.
+order of the float32 sums may differ. The float32 copies are transient (freed when the GEMM returns)
+but raise a step's peak; WIDEN_16BIT_ON_CPU = False keeps torch's 16-bit GEMMs.
 
 FP8: every GEMM is `a @ b.T` with both operands row-major FP8 and their
 per-tensor scale_inv, which is the layout cuBLASLt's FP8 GEMM wants (TN):
@@ -61,6 +62,7 @@ def fp8_gemm_nt(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_s
     return gemm_kernels.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
 
 
+WIDEN_16BIT_ON_CPU = True
 _WIDENED_DTYPES = (torch.bfloat16, torch.float16)
 _TIERS_WITHOUT_BF16_DOT = frozenset(cpu.TIERS[: cpu.TIERS.index("avx512_bf16")])
 
@@ -68,7 +70,7 @@ _TIERS_WITHOUT_BF16_DOT = frozenset(cpu.TIERS[: cpu.TIERS.index("avx512_bf16")])
 def widens_to_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether mm() computes a @ b in float32: 16-bit CPU operands (a quantized one, e.g. an FP8 weight
     outside fp8_autocast, is widened from its exact dequantized values), on a CPU without bf16 dot products."""
-    return (a.dtype in _WIDENED_DTYPES and b.dtype == a.dtype and a.device.type == "cpu"
+    return (WIDEN_16BIT_ON_CPU and a.dtype in _WIDENED_DTYPES and b.dtype == a.dtype and a.device.type == "cpu"
             and cpu.current_isa() in _TIERS_WITHOUT_BF16_DOT)
 
 
