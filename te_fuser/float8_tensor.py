@@ -67,6 +67,12 @@ class Float8Tensor(QuantizedTensor):
             )
         return self
 
+    def rewrapped(self) -> "Float8Tensor":
+        """A new Float8Tensor over the same bytes and scale, without the transpose: what an op saves of a
+        tensor that lives on, since prepare_for_saving() empties the wrapper it is given."""
+        self._live()
+        return Float8Tensor(self._data, self._scale_inv, self._fp8_dtype, self.dtype)
+
     def _like(self, data, transpose, scale_inv=None, requires_grad=False) -> "Float8Tensor":
         return Float8Tensor(data, self._scale_inv if scale_inv is None else scale_inv, self._fp8_dtype, self.dtype,
                             transpose, quantizer=self._quantizer, requires_grad=requires_grad)

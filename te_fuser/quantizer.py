@@ -67,6 +67,12 @@ class Float8Quantizer(Quantizer):
             raise ValueError(f"x is on {x.device} but the quantizer's scale is on {self.scale.device}")
         return self._cast(x, self.scale, self.amax)
 
+    def scale_for_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The scale to cast a tensor of this amax with (e.g. reduced over shards), recording the amax as
+        a call would: the scale fixed beforehand; amax = max(amax, the tensor's)."""
+        torch.maximum(self.amax, amax, out=self.amax)
+        return self.scale
+
 
 class Float8CurrentScalingQuantizer(Quantizer):
     """Current scaling: each call computes amax of x, then scale = fp8_max / amax, then casts.
@@ -91,8 +97,13 @@ class Float8CurrentScalingQuantizer(Quantizer):
             self.amax = self.amax.to(x.device)
             self.scale = self.scale.to(x.device)
         amax = fp8_kernels.compute_amax(x.contiguous())
+        return self._cast(x, self.scale_for_amax(amax), amax.clone())
+
+    def scale_for_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """The scale to cast a tensor of this amax with (e.g. reduced over shards): fp8_max / amax; the
+        quantizer's amax and scale hold them afterwards."""
         scale, _ = fp8_kernels.current_scale(amax, fp8_kernels.fp8_max(self.fp8_dtype),
                                              self.amax_epsilon, self.force_pow_2_scales)
         self.amax.copy_(amax)
         self.scale.copy_(scale)
-        return self._cast(x, scale, amax.clone())
+        return scale

@@ -56,8 +56,7 @@ def fp8_input(t: torch.Tensor, quantizer) -> Float8Tensor:
     format (fp8_mha: a view of the QKV projection's FP8 output), its bytes and scale as they are,
     in a new wrapper (prepare_for_saving empties the wrapper, never the caller's tensor)."""
     if isinstance(t, Float8Tensor) and t._fp8_dtype == quantizer.fp8_dtype:
-        t._live()
-        return Float8Tensor(t._data, t._scale_inv, t._fp8_dtype, t.dtype)
+        return t.rewrapped()
     return quantizer(t.dequantize() if isinstance(t, Float8Tensor) else t)
 
 
@@ -99,8 +98,7 @@ class FusedAttentionFunction(torch.autograd.Function):
                 out_saved = quantize_saved_output(out)
             else:
                 out = output_quantizer(out.contiguous())
-                # A wrapper of its own over the returned bytes: prepare_for_saving empties it, not `out`.
-                out_saved = Float8Tensor(out._data, out._scale_inv, out._fp8_dtype, out.dtype)
+                out_saved = out.rewrapped()
             saved, objects = prepare_for_saving(q8, k8, v8, out_saved, lse, *lengths)
         ctx.save_for_backward(*saved)
         # FP8: the Float8Tensor shells (prepare_for_saving handed their buffers to save_for_backward).

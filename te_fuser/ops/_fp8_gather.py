@@ -74,4 +74,4 @@ def all_gather_fp8_dim0(xq: Float8Tensor, group) -> Float8Tensor:
 def shard_for_saving(xq: Float8Tensor) -> Float8Tensor:
     """What the weight gradient keeps of a gathered input: this rank's FP8 shard, gathered again
     in backward (1/tp of the gathered tensor's bytes, at the cost of a second all-gather)."""
-    return Float8Tensor(xq._data, xq._scale_inv, xq._fp8_dtype, xq.dtype)
+    return xq.rewrapped()

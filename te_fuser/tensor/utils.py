@@ -6,7 +6,6 @@ import torch
 
 from ..float8_tensor import Float8Tensor
 from ..kernels import fp8 as fp8_kernels
-from ..quantizer import Float8CurrentScalingQuantizer
 
 __all__ = ["cast_master_weights_to_fp8"]
 
@@ -81,18 +80,12 @@ def _reduced_amaxes(models: List[Float8Tensor], shards: List[Optional[torch.Tens
 
 
 def _cast_shard(model: Float8Tensor, shard: Optional[torch.Tensor], offset: int, amax: torch.Tensor) -> None:
-    """The scale for `amax` under the weight's recipe, the shard's bytes and scale_inv written into model."""
+    """The scale for `amax` under the weight's recipe (its quantizer's scale_for_amax: delayed scaling
+    records the amax for the slot's next update), the shard's bytes and scale_inv written into model."""
     quantizer = model._quantizer
     if quantizer.fp8_dtype != model._fp8_dtype:
         raise ValueError(f"the Float8Tensor holds {model._fp8_dtype} but its quantizer casts to {quantizer.fp8_dtype}")
-    if isinstance(quantizer, Float8CurrentScalingQuantizer):
-        scale, _ = fp8_kernels.current_scale(amax, fp8_kernels.fp8_max(quantizer.fp8_dtype),
-                                             quantizer.amax_epsilon, quantizer.force_pow_2_scales)
-        quantizer.amax.copy_(amax)
-        quantizer.scale.copy_(scale)
-    else:  # delayed scaling: the slot's scale; the amax is recorded for its next update
-        scale = quantizer.scale
-        torch.maximum(quantizer.amax, amax, out=quantizer.amax)
+    scale = quantizer.scale_for_amax(amax)
     if shard is not None:
         data = fp8_kernels.quantize(shard, scale, torch.zeros_like(amax), model._fp8_dtype)
         model._data.view(-1).view(torch.uint8)[offset: offset + shard.numel()].copy_(data.view(torch.uint8))

@@ -16,7 +16,7 @@ from ...float8_tensor import Float8Tensor
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation
-from .linear import dgrad_weight_transpose, saved_weight, sync_weight_quantizer
+from .linear import saved_weight, sync_weight_quantizer, transposed_data
 
 
 class GroupedBasicLinear(BasicOperation):
@@ -118,7 +118,7 @@ class GroupedBasicLinear(BasicOperation):
             if ctx.fp8:
                 dyq = ctx.grad_output_quantizers[i](dy.contiguous())
                 if ctx.input_requires_grad:
-                    dx = fp8_gemm_nt(dyq._data, dyq._scale_inv, dgrad_weight_transpose(w_saved, ctx.fp8_weights[i]),
+                    dx = fp8_gemm_nt(dyq._data, dyq._scale_inv, transposed_data(w_saved, ctx.fp8_weights[i]),
                                      w_saved._scale_inv, ctx.dtype)
                 if ctx.weight_requires_grad:
                     with_transpose(dyq)

@@ -41,10 +41,10 @@ def saved_weight(w: Float8Tensor, fp8_weight: bool) -> Float8Tensor:
     return Float8Tensor(w._data, w._scale_inv.clone(), w._fp8_dtype, w.dtype)
 
 
-def dgrad_weight_transpose(w_saved: Float8Tensor, fp8_weight: bool) -> torch.Tensor:
-    """The transposed FP8 weight for dgrad: saved as such for a cast weight (_saved_transpose), made
-    now from the bytes of an FP8 parameter."""
-    return fp8_transpose(w_saved._data) if fp8_weight else w_saved._data
+def transposed_data(saved: Float8Tensor, row_major: bool) -> torch.Tensor:
+    """The transposed FP8 data a gradient GEMM reads: saved as such (_saved_transpose), or made now from
+    saved row-major bytes (an FP8 parameter's, saved_weight; the caller's FP8 input, _saved_input)."""
+    return fp8_transpose(saved._data) if row_major else saved._data
 
 
 def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
@@ -63,7 +63,7 @@ def _saved_input(x: Float8Tensor, caller_owned: bool) -> tuple:
     as the caller keeps them anyway; a transposed copy would double them.
     """
     if caller_owned and x._transpose is None:
-        return Float8Tensor(x._data, x._scale_inv, x._fp8_dtype, x.dtype), True
+        return x.rewrapped(), True
     return _saved_transpose(with_transpose(x)), False
 
 
@@ -324,14 +324,14 @@ class BasicLinear(BasicOperation):
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
             if ctx.input_requires_grad:
                 dx = fp8_gemm_nt(dyq._data.reshape(-1, n), dyq._scale_inv,
-                                 dgrad_weight_transpose(w_saved, ctx.fp8_weight),
+                                 transposed_data(w_saved, ctx.fp8_weight),
                                  w_saved._scale_inv, ctx.dtype)
             if ctx.weight_requires_grad:
                 with_transpose(dyq)
                 if ctx.input_quantizer is not None and not ctx.regather_input:  # the saved original input
                     x_saved = _saved_transpose(with_transpose(ctx.input_quantizer(x_saved)))
-                x_t = fp8_transpose(x_saved._data) if ctx.input_rowmajor else x_saved._data
-                dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_t, x_saved._scale_inv, torch.float32)
+                dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, transposed_data(x_saved, ctx.input_rowmajor),
+                                 x_saved._scale_inv, torch.float32)
         else:
             dy2 = high_precision(dy).reshape(-1, n)
             if ctx.input_requires_grad:
