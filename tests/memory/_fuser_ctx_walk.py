@@ -9,6 +9,8 @@ that are still alive afterwards, from the profiler's memory events (each
 event's self memory, so nested ops are not counted twice).
 """
 
+import gc
+
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.profiler import ProfilerActivity, profile
@@ -111,7 +113,17 @@ def assert_nothing_reachable(output: torch.Tensor, allowed: set) -> None:
 
 
 def retained_cpu_bytes(fn):
-    """(result of fn(), CPU bytes allocated during fn and still alive once it returned)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
+    """(result of fn(), CPU bytes allocated during fn and still alive once it returned).
+
+    torch reports the free of any block it saw allocated under some earlier profiler, so garbage
+    left by an earlier measurement and collected during fn would count as negative bytes: collect
+    it first, and keep the collector off while fn runs.
+    """
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = fn()
+    finally:
+        gc.enable()
     return result, sum(e.self_cpu_memory_usage for e in prof.events())

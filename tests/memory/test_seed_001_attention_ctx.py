@@ -19,6 +19,8 @@ from te_fuser.attention.function import FusedAttentionFunction
 from te_fuser.memory import MemoryTracker, audit_autograd
 from te_fuser.saved_tensors import restore_from_saved
 
+from _fuser_ctx_walk import retained_cpu_bytes
+
 HEADS, DIM, SEQ = 2, 64, 512
 
 
@@ -53,13 +55,6 @@ def ctx_tensors(output):
     return found
 
 
-def allocator_bytes_held(fn):
-    """(bytes allocated and not freed while fn ran, fn's result), from torch's CPU allocation tracking."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    return sum(e.self_cpu_memory_usage for e in prof.events()), result
-
-
 class LeakyFunction(FusedAttentionFunction):
     """The bug of seed 001: after backward, the restored FP8 tensors stay reachable from ctx."""
 
@@ -88,7 +83,7 @@ def run(fp8: bool):
     step()  # first call: the FP8 scaling state is created (module state, not a leak)
     for t in (q, k, v):
         t.grad = None
-    held, out = allocator_bytes_held(step)
+    out, held = retained_cpu_bytes(step)
     expected = out.numel() * out.element_size() + sum(t.numel() * t.element_size() for t in (q, k, v))
     # The same step once more under te_fuser.memory's tracker, as a cross-check.
     for t in (q, k, v):
