@@ -1,12 +1,14 @@
 """Fused attention against torch scaled_dot_product_attention, in one run.
 
     python benchmarks/bench_attention.py [--batch B --heads H --seq S --dim D --dtype float32 --no-causal]
-        [--fp8-dpa] [--isa portable|avx2|avx512|avx512_bf16|amx]
+        [--fp8-dpa] [--isa portable|avx2|avx512|avx512_bf16|amx] [--no-route]
 
 --fp8-dpa runs te_fuser's DotProductAttention under an FP8 recipe with fp8_dpa
 (q/k/v quantized to E4M3, the kernels decode them; bf16 inputs by default)
 against SDPA in the input dtype. --isa caps te_fuser's CPU kernels at a tier
-(te_fuser.kernels.cpu.set_isa), to compare the paths on one machine.
+(te_fuser.kernels.cpu.set_isa), to compare the paths on one machine. --no-route
+times te_fuser's own CPU kernels where it would hand the problem to torch's CPU
+flash attention (te_fuser.kernels.attention.ROUTE_TO_TORCH_CPU_FLASH).
 
 Times forward and forward+backward (median of interleaved runs, so both sides
 see the same machine load), TFLOP/s with forward = 4 b h s^2 d (halved when
@@ -77,7 +79,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--fp8-dpa", dest="fp8_dpa", action="store_true")
     parser.add_argument("--isa", default=None)
+    parser.add_argument("--no-route", dest="route", action="store_false")
     args = parser.parse_args()
+    te_fuser.kernels.attention.ROUTE_TO_TORCH_CPU_FLASH = args.route
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" or args.fp8_dpa else "float32")]
     if args.isa is not None:
@@ -87,7 +91,7 @@ def main():
     fwd_flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
     print(f"device={device} threads={torch.get_num_threads()} b={b} h={h} s={s} d={d} dtype={dtype} "
           f"causal={args.causal} fp8_dpa={args.fp8_dpa}"
-          + (f" cpu_isa={te_fuser.kernels.cpu.current_isa()}" if device.type == "cpu" else ""))
+          + (f" cpu_isa={te_fuser.kernels.cpu.current_isa()} route={args.route}" if device.type == "cpu" else ""))
 
     # Each side in its preferred dense layout: te_fuser bshd, SDPA bhsd.
     ours_in = [torch.randn(b, s, h, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
