@@ -125,7 +125,7 @@ TF_ATTN_INLINE void block_probs(const tf_attn_problem *p, const amx_bwd_scratch 
                                 int64_t nv, int64_t nq, int64_t k0, int64_t nk, float scale2,
                                 float vscale, int with_kv) {
   const int64_t wq = qk_width(p);
-  tf_v16i lane;
+  tf_vfi lane;
   for (int i = 0; i < 16; ++i) lane[i] = i;
   for (int64_t i0 = 0; i0 < nq; i0 += 16) {
     const int64_t seen = i0 >= nv ? 0 : p->causal ? min64(nk, r0 + i0 + 16 - k0) : nk;
@@ -140,13 +140,13 @@ TF_ATTN_INLINE void block_probs(const tf_attn_problem *p, const amx_bwd_scratch 
       const float lse = t->lse[r], delta = t->delta[r];
       uint16_t *ds = t->ds + r * BK;
       for (int64_t c = 0; c < BK / 16; ++c) {
-        tf_v16 pr = tf_v16_splat(0.0f), g = tf_v16_splat(0.0f);
+        tf_vf pr = tf_vf_splat(0.0f), g = tf_vf_splat(0.0f);
         if (c < blocks) {
-          const tf_v16 x = tf_v16_select(lane < (int32_t)(limit - 16 * c),
-                                         tf_v16_load(t->s + i * BK + 16 * c) * scale2,
-                                         tf_v16_splat(-__builtin_inff()));
-          pr = tf_v16_exp2(x - lse);
-          g = pr * (tf_v16_load(t->dp + i * BK + 16 * c) * vscale - delta);
+          const tf_vf x = tf_vf_select(lane < (int32_t)(limit - 16 * c),
+                                         tf_vf_load(t->s + i * BK + 16 * c) * scale2,
+                                         tf_vf_splat(-__builtin_inff()));
+          pr = tf_vf_exp2(x - lse);
+          g = pr * (tf_vf_load(t->dp + i * BK + 16 * c) * vscale - delta);
         }
         const tf_v16h gh = tf_amx_to_bf16(g);
         memcpy(ds + 16 * c, &gh, sizeof gh);

@@ -61,13 +61,13 @@ int64_t tf_attn_amx_fwd_scratch_floats(const tf_attn_problem *p) {
   return BQ * wv + 16 * BK + 2 * BQ + (BQ * wq + wq * BK + BK * wv + 16 * BK) / 2;
 }
 
-TF_ATTN_INLINE float hmax(tf_v16 x) {
+TF_ATTN_INLINE float hmax(tf_vf x) {
   float r = x[0];
   for (int i = 1; i < 16; ++i) r = x[i] > r ? x[i] : r;
   return r;
 }
 
-TF_ATTN_INLINE float hsum(tf_v16 x) {
+TF_ATTN_INLINE float hsum(tf_vf x) {
   float r = 0.0f;
   for (int i = 0; i < 16; ++i) r += x[i];
   return r;
@@ -81,31 +81,31 @@ TF_ATTN_INLINE float hsum(tf_v16 x) {
  */
 TF_ATTN_INLINE void softmax_row(float *s, int64_t limit, int64_t blocks, int64_t steps, float scale,
                                 float *m, float *l, uint16_t *pb, float *o, int64_t wv) {
-  tf_v16i lane;
+  tf_vfi lane;
   for (int i = 0; i < 16; ++i) lane[i] = i;
-  tf_v16 mx = tf_v16_splat(-__builtin_inff());
+  tf_vf mx = tf_vf_splat(-__builtin_inff());
   for (int64_t c = 0; c < blocks; ++c) {
-    const tf_v16 x = tf_v16_select(lane < (int32_t)(limit - 16 * c), tf_v16_load(s + 16 * c) * scale,
-                                   tf_v16_splat(-__builtin_inff()));
-    tf_v16_store(s + 16 * c, x);
-    mx = tf_v16_max(mx, x);
+    const tf_vf x = tf_vf_select(lane < (int32_t)(limit - 16 * c), tf_vf_load(s + 16 * c) * scale,
+                                   tf_vf_splat(-__builtin_inff()));
+    tf_vf_store(s + 16 * c, x);
+    mx = tf_vf_max(mx, x);
   }
   const float m_old = *m, m_new = fmaxf(m_old, hmax(mx));
   /* A row that sees no key yet keeps m = -inf; subtracting 0 instead gives it p = 0. */
   const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-  tf_v16 sum = tf_v16_splat(0.0f);
+  tf_vf sum = tf_vf_splat(0.0f);
   for (int64_t c = 0; c < blocks; ++c) {
-    const tf_v16 e = tf_v16_exp2(tf_v16_load(s + 16 * c) - m_use);
+    const tf_vf e = tf_vf_exp2(tf_vf_load(s + 16 * c) - m_use);
     sum += e;
     const tf_v16h h = tf_amx_to_bf16(e);
     memcpy(pb + 16 * c, &h, sizeof h);
   }
   for (int64_t j = 16 * blocks; j < steps * TF_ATTN_AMX_K; ++j) pb[j] = 0;
-  const float alpha = tf_v16_exp2(tf_v16_splat(m_old - m_use))[0];
+  const float alpha = tf_vf_exp2(tf_vf_splat(m_old - m_use))[0];
   *l = *l * alpha + hsum(sum);
   *m = m_new;
   if (alpha != 1.0f)
-    for (int64_t n = 0; n < wv; n += 16) tf_v16_store(o + n, tf_v16_load(o + n) * alpha);
+    for (int64_t n = 0; n < wv; n += 16) tf_vf_store(o + n, tf_vf_load(o + n) * alpha);
 }
 
 TF_ATTN_AMX_TARGET

@@ -14,12 +14,12 @@
 typedef uint16_t tf_v16h __attribute__((vector_size(32)));
 
 /* 16 floats rounded to bf16 bits as tf_f32_to_bf16 does (nearest even, NaN kept quiet), in vector lanes. */
-TF_ATTN_INLINE tf_v16h tf_amx_to_bf16(tf_v16 x) {
-  tf_v16u u;
+TF_ATTN_INLINE tf_v16h tf_amx_to_bf16(tf_vf x) {
+  tf_vfu u;
   memcpy(&u, &x, sizeof u);
-  const tf_v16u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const tf_v16u nan = (tf_v16u)((u & 0x7FFFFFFFu) > 0x7F800000u);
-  const tf_v16u bits = (((u >> 16) | 0x40u) & nan) | (rounded & ~nan);
+  const tf_vfu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const tf_vfu nan = (tf_vfu)((u & 0x7FFFFFFFu) > 0x7F800000u);
+  const tf_vfu bits = (((u >> 16) | 0x40u) & nan) | (rounded & ~nan);
   return __builtin_convertvector(bits, tf_v16h);
 }
 

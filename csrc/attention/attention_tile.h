@@ -1,8 +1,15 @@
 /*
  * Register-blocked tile kernels of the CPU attention: a small GEMM and the
- * row operations of the softmax, on 16-float vectors (GCC vector extensions,
- * which the compiler maps to whatever vector ISA the calling function is
- * built for -- see TF_ATTN_VECTOR_CLONES).
+ * row operations of the softmax, on vectors of TF_ATTN_VW floats (GCC vector
+ * extensions, which the compiler maps to whatever vector ISA the calling
+ * function is built for -- see TF_ATTN_VECTOR_CLONES).
+ *
+ * The width is a parameter of the including file, set before the first
+ * include: 16 floats (64-byte vectors, the default) for the x86-64-v4 and
+ * baseline builds, 8 (32-byte) for the AVX2 build. x86-64-v3 has no register
+ * for a 64-byte vector, so under it GCC keeps every 16-float value in memory;
+ * with 8-float vectors and a register block of at most 12 accumulators (16
+ * ymm registers) the block stays in registers.
  *
  * Everything is always_inline so it is compiled inside the unit functions
  * built per ISA (TF_ATTN_VECTOR_CLONES).
@@ -15,22 +22,30 @@
 
 #include "../common/cpu_features.h"
 
+#ifndef TF_ATTN_VW
+#define TF_ATTN_VW 16
+#endif
+#if TF_ATTN_VW != 16 && TF_ATTN_VW != 8
+#error "TF_ATTN_VW must be 16 or 8"
+#endif
+
 #define TF_ATTN_INLINE static inline __attribute__((always_inline))
 
 /*
  * One build of a unit function per x86-64 level, chosen at each call by the
  * CPU's tier capped by the user's override (cpu_features.h: tf_cpu_isa), so
  * te_fuser.kernels.cpu.set_isa selects the vector path too. NAME##_body is
- * the always_inline body; TF_ATTN_VECTOR_CLONES(NAME, (params), (args))
- * defines NAME, which calls the x86-64-v4 build for the AVX512 tiers and
- * above, the x86-64-v3 build for AVX2, and the baseline one otherwise.
+ * the always_inline body. In a file with 16-float vectors,
+ * TF_ATTN_VECTOR_CLONES(NAME, (params), (args)) defines NAME, which calls the
+ * x86-64-v4 build for the AVX512 tiers and above, tf_attn_NAME_avx2 for AVX2,
+ * and the baseline build otherwise; TF_ATTN_AVX2_BUILD defines
+ * tf_attn_NAME_avx2, the x86-64-v3 build, in the same body's file with
+ * 8-float vectors (attention_*_avx2.c).
  */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TF_ATTN_VECTOR_CLONES(NAME, PARAMS, ARGS)                              \
+  void tf_attn_##NAME##_avx2 PARAMS;                                           \
   __attribute__((target("arch=x86-64-v4"))) static void NAME##_v4 PARAMS {     \
-    NAME##_body ARGS;                                                          \
-  }                                                                            \
-  __attribute__((target("arch=x86-64-v3"))) static void NAME##_v3 PARAMS {     \
     NAME##_body ARGS;                                                          \
   }                                                                            \
   static void NAME##_base PARAMS { NAME##_body ARGS; }                         \
@@ -39,9 +54,14 @@
     if (isa_ >= TF_ISA_AVX512)                                                 \
       NAME##_v4 ARGS;                                                          \
     else if (isa_ >= TF_ISA_AVX2)                                              \
-      NAME##_v3 ARGS;                                                          \
+      tf_attn_##NAME##_avx2 ARGS;                                              \
     else                                                                       \
       NAME##_base ARGS;                                                        \
+  }
+#define TF_ATTN_AVX2_BUILD(NAME, PARAMS, ARGS)                                 \
+  void tf_attn_##NAME##_avx2 PARAMS;                                           \
+  __attribute__((target("arch=x86-64-v3"))) void tf_attn_##NAME##_avx2 PARAMS { \
+    NAME##_body ARGS;                                                          \
   }
 #else
 #define TF_ATTN_VECTOR_CLONES(NAME, PARAMS, ARGS) \
@@ -55,30 +75,30 @@
  */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-typedef float tf_v16 __attribute__((vector_size(64)));
-typedef uint32_t tf_v16u __attribute__((vector_size(64)));
-typedef int32_t tf_v16i __attribute__((vector_size(64)));
+typedef float tf_vf __attribute__((vector_size(4 * TF_ATTN_VW)));
+typedef uint32_t tf_vfu __attribute__((vector_size(4 * TF_ATTN_VW)));
+typedef int32_t tf_vfi __attribute__((vector_size(4 * TF_ATTN_VW)));
 
-TF_ATTN_INLINE tf_v16 tf_v16_load(const float *p) {
-  tf_v16 v;
+TF_ATTN_INLINE tf_vf tf_vf_load(const float *p) {
+  tf_vf v;
   memcpy(&v, p, sizeof v);
   return v;
 }
 
-TF_ATTN_INLINE void tf_v16_store(float *p, tf_v16 v) { memcpy(p, &v, sizeof v); }
+TF_ATTN_INLINE void tf_vf_store(float *p, tf_vf v) { memcpy(p, &v, sizeof v); }
 
-TF_ATTN_INLINE tf_v16 tf_v16_splat(float x) {
-  const tf_v16 zero = {0};
+TF_ATTN_INLINE tf_vf tf_vf_splat(float x) {
+  const tf_vf zero = {0};
   return zero + x;
 }
 
 /* Lanes of a where mask is all-ones, of b elsewhere. */
-TF_ATTN_INLINE tf_v16 tf_v16_select(tf_v16i mask, tf_v16 a, tf_v16 b) {
-  const tf_v16u m = (tf_v16u)mask;
-  return (tf_v16)(((tf_v16u)a & m) | ((tf_v16u)b & ~m));
+TF_ATTN_INLINE tf_vf tf_vf_select(tf_vfi mask, tf_vf a, tf_vf b) {
+  const tf_vfu m = (tf_vfu)mask;
+  return (tf_vf)(((tf_vfu)a & m) | ((tf_vfu)b & ~m));
 }
 
-TF_ATTN_INLINE tf_v16 tf_v16_max(tf_v16 a, tf_v16 b) { return tf_v16_select(a > b, a, b); }
+TF_ATTN_INLINE tf_vf tf_vf_max(tf_vf a, tf_vf b) { return tf_vf_select(a > b, a, b); }
 
 /*
  * 2^x for x <= 0 (small positive x is fine too), relative error about 1e-7;
@@ -88,12 +108,12 @@ TF_ATTN_INLINE tf_v16 tf_v16_max(tf_v16 a, tf_v16 b) { return tf_v16_select(a > 
  * 1.5 * 2^23 rounds x and leaves r + 2^22 in the low mantissa bits of the sum,
  * which the exponent is built from directly (no float-to-int conversion).
  */
-TF_ATTN_INLINE tf_v16 tf_v16_exp2(tf_v16 x) {
-  const tf_v16 xc = tf_v16_max(x, tf_v16_splat(-127.0f));
-  const tf_v16 shifted = xc + 12582912.0f;
-  const tf_v16 r = shifted - 12582912.0f;
-  const tf_v16 f = xc - r;
-  tf_v16 poly = f * 1.525273380405984e-05f + 1.5403530393381606e-04f;
+TF_ATTN_INLINE tf_vf tf_vf_exp2(tf_vf x) {
+  const tf_vf xc = tf_vf_max(x, tf_vf_splat(-127.0f));
+  const tf_vf shifted = xc + 12582912.0f;
+  const tf_vf r = shifted - 12582912.0f;
+  const tf_vf f = xc - r;
+  tf_vf poly = f * 1.525273380405984e-05f + 1.5403530393381606e-04f;
   poly = poly * f + 1.3333558146428443e-03f;
   poly = poly * f + 9.618129107628477e-03f;
   poly = poly * f + 5.550410866482158e-02f;
@@ -101,35 +121,45 @@ TF_ATTN_INLINE tf_v16 tf_v16_exp2(tf_v16 x) {
   poly = poly * f + 6.931471805599453e-01f;
   poly = poly * f + 1.0f;
   /* The shift keeps the low 9 bits of (r + 2^22) + 127, which are r + 127 (2^22 is a multiple of 2^9). */
-  const tf_v16u bits = ((tf_v16u)shifted + 127u) << 23;
-  return poly * (tf_v16)bits;
+  const tf_vfu bits = ((tf_vfu)shifted + 127u) << 23;
+  return poly * (tf_vf)bits;
 }
+
+/*
+ * The register block of the tile products: TF_ATTN_GEMM_ROWS rows by two
+ * vectors, 8 x 32 floats with 16-float vectors (16 zmm accumulators) and
+ * 4 x 16 with 8-float ones (8 ymm accumulators, leaving registers for the
+ * two B vectors and the broadcast A value). The loops over the block are
+ * unrolled whole, so the accumulators are registers and not an array.
+ */
+#define TF_ATTN_GEMM_ROWS (TF_ATTN_VW == 16 ? 8 : 4)
+#define TF_ATTN_UNROLL _Pragma("GCC unroll 8")
 
 /*
  * C[M x N] (row stride ldc) = (accumulate ? C : 0) + A B, where A[r][k] is
  * A[r * a_rs + k * a_cs] and B is K x N with row stride ldb. M must be a
- * multiple of TF_ATTN_GEMM_ROWS and N of 16; the K loop keeps a
- * TF_ATTN_GEMM_ROWS x 32 block of C in registers (x 16 for a last odd 16 columns).
+ * multiple of TF_ATTN_GEMM_ROWS and N of TF_ATTN_VW; the K loop keeps a
+ * TF_ATTN_GEMM_ROWS x 2 vector block of C in registers (x 1 for a last odd vector).
  */
-#define TF_ATTN_GEMM_ROWS 8
-
-#define TF_ATTN_GEMM_BLOCK(COLS)                                                     \
-  do {                                                                               \
-    tf_v16 x[TF_ATTN_GEMM_ROWS][COLS];                                               \
-    for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)                                      \
-      for (int c = 0; c < COLS; ++c)                                                 \
-        x[i][c] = accumulate ? tf_v16_load(C + (r + i) * ldc + n + 16 * c)           \
-                             : tf_v16_splat(0.0f);                                   \
-    for (int64_t kk = 0; kk < K; ++kk) {                                             \
-      tf_v16 b[COLS];                                                                \
-      for (int c = 0; c < COLS; ++c) b[c] = tf_v16_load(B + kk * ldb + n + 16 * c);  \
-      for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {                                  \
-        const float a = A[(r + i) * a_rs + kk * a_cs];                               \
-        for (int c = 0; c < COLS; ++c) x[i][c] += a * b[c];                          \
-      }                                                                              \
-    }                                                                                \
-    for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)                                      \
-      for (int c = 0; c < COLS; ++c) tf_v16_store(C + (r + i) * ldc + n + 16 * c, x[i][c]); \
+#define TF_ATTN_GEMM_BLOCK(COLS)                                                          \
+  do {                                                                                    \
+    tf_vf x[TF_ATTN_GEMM_ROWS][COLS];                                                     \
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)                            \
+      TF_ATTN_UNROLL for (int c = 0; c < COLS; ++c)                                       \
+        x[i][c] = accumulate ? tf_vf_load(C + (r + i) * ldc + n + TF_ATTN_VW * c)         \
+                             : tf_vf_splat(0.0f);                                         \
+    for (int64_t kk = 0; kk < K; ++kk) {                                                  \
+      tf_vf b[COLS];                                                                      \
+      TF_ATTN_UNROLL for (int c = 0; c < COLS; ++c)                                       \
+        b[c] = tf_vf_load(B + kk * ldb + n + TF_ATTN_VW * c);                             \
+      TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {                        \
+        const float a = A[(r + i) * a_rs + kk * a_cs];                                    \
+        TF_ATTN_UNROLL for (int c = 0; c < COLS; ++c) x[i][c] += a * b[c];                \
+      }                                                                                   \
+    }                                                                                     \
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)                            \
+      TF_ATTN_UNROLL for (int c = 0; c < COLS; ++c)                                       \
+        tf_vf_store(C + (r + i) * ldc + n + TF_ATTN_VW * c, x[i][c]);                     \
   } while (0)
 
 TF_ATTN_INLINE void tf_attn_gemm(float *restrict C, int64_t ldc, const float *restrict A,
@@ -137,7 +167,7 @@ TF_ATTN_INLINE void tf_attn_gemm(float *restrict C, int64_t ldc, const float *re
                                  int64_t M, int64_t N, int64_t K, int accumulate) {
   for (int64_t r = 0; r < M; r += TF_ATTN_GEMM_ROWS) {
     int64_t n = 0;
-    for (; n + 32 <= N; n += 32) TF_ATTN_GEMM_BLOCK(2);
+    for (; n + 2 * TF_ATTN_VW <= N; n += 2 * TF_ATTN_VW) TF_ATTN_GEMM_BLOCK(2);
     if (n < N) TF_ATTN_GEMM_BLOCK(1);
   }
 }

@@ -1,0 +1,359 @@
+/*
+ * Attention backward. A unit owns one (sequence, kv head): for each key tile
+ * it walks the query tiles of every query head sharing that kv head,
+ * recomputes the probabilities from lse, and accumulates dK and dV of the
+ * tile locally and dQ in the unit's own rows of dq_accum -- so units never
+ * write the same memory.
+ *
+ *   P = exp(s - lse), dV += P_drop^T dO, dP = dO V^T (through the dropout
+ *   mask), dS = P * (dP - delta), dQ += scale dS K, dK += scale dS^T Q,
+ * with delta = rowsum(dO * O) from tf_attn_bwd_rowdot.
+ *
+ * The vector path's unit bodies are one source, built once per vector width
+ * (attention_tile.h): included by attention_bwd.c with 16-float vectors (the
+ * x86-64-v4 and baseline builds) and by attention_bwd_avx2.c with 8-float
+ * vectors (the AVX2 build).
+ */
+#ifndef TF_ATTENTION_BWD_BODY_H
+#define TF_ATTENTION_BWD_BODY_H
+
+/*
+ * ISO C mode turns off a*b+c contraction; the tile kernels rely on FMA. Tile
+ * row copies stay inline loops instead of becoming memcpy calls.
+ */
+#pragma GCC optimize("fp-contract=fast", "no-tree-loop-distribute-patterns")
+
+#include <math.h>
+
+#include "../common/tf_checks.h"
+#include "attention_amx.h"
+#include "attention_dropout.h"
+#include "attention_internal.h"
+#include "attention_tile.h"
+
+#define BQ TF_ATTN_BLOCK_Q
+#define BK TF_ATTN_BLOCK_K
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+typedef struct bwd_scratch {
+  float *k, *kt, *vt, *dk, *dv, *q, *dout, *dq, *p, *dp, *lse, *delta, *row;
+} bwd_scratch;
+
+static bwd_scratch split_scratch(float *base, int64_t dp) {
+  bwd_scratch t;
+  t.k = base;
+  t.kt = t.k + BK * dp;
+  t.vt = t.kt + BK * dp;
+  t.dk = t.vt + BK * dp;
+  t.dv = t.dk + BK * dp;
+  t.q = t.dv + BK * dp;
+  t.dout = t.q + BQ * dp;
+  t.dq = t.dout + BQ * dp;
+  t.p = t.dq + BQ * dp;
+  t.dp = t.p + BQ * BK;
+  t.lse = t.dp + BQ * BK;
+  t.delta = t.lse + BQ;
+  t.row = t.delta + BQ;
+  return t;
+}
+
+/* Keys [k0, k0 + nk): k (nk x dp), k^T and v^T (D x BK, zero past nk). */
+TF_ATTN_INLINE void load_kv_tile(const tf_attn_operand *k, const tf_attn_operand *v,
+                                 tf_attn_segment ks, int64_t hk, int64_t k0, int64_t nk,
+                                 int64_t D, int64_t dp, const bwd_scratch *t) {
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t row = ks.start + k0 + j;
+    float *kj = t->k + j * dp;
+    tf_attn_load_row(k, tf_attn_row_offset(k, ks.batch, row, hk), D, 1.0f, kj);
+    tf_attn_load_row(v, tf_attn_row_offset(v, ks.batch, row, hk), D, 1.0f, t->row);
+    for (int64_t d = 0; d < D; ++d) {
+      t->kt[d * BK + j] = kj[d];
+      t->vt[d * BK + j] = t->row[d];
+    }
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t j = nk; j < BK; ++j) t->kt[d * BK + j] = t->vt[d * BK + j] = 0.0f;
+}
+
+/*
+ * One (query tile, key tile) block: p <- probabilities (with dropout applied),
+ * dp <- dS. Rows [nv, mp) are padding and get p = dS = 0.
+ */
+TF_ATTN_INLINE void block_grads(const tf_attn_problem *p, const bwd_scratch *t, int64_t nv,
+                                int64_t mp, int64_t nk, int64_t seg, int64_t h, int64_t r0,
+                                int64_t k0, int64_t D, int64_t dp) {
+  tf_attn_gemm(t->p, BK, t->q, dp, 1, t->kt, BK, mp, BK, D, 0);
+  tf_attn_gemm(t->dp, BK, t->dout, dp, 1, t->vt, BK, mp, BK, D, 0);
+  const int dropout = p->dropout_p > 0.0f;
+  const tf_attn_dropout_key_t key = tf_attn_dropout_key(p->seed, p->offset);
+  const uint32_t threshold = tf_attn_dropout_threshold(p->dropout_p);
+  const float keep_scale = 1.0f / (1.0f - p->dropout_p);
+  for (int64_t i = 0; i < mp; ++i) {
+    float *s = t->p + i * BK, *ds = t->dp + i * BK;
+    const int64_t limit = i >= nv ? 0 : p->causal ? min64(nk, r0 + i - k0 + 1) : nk;
+    if (limit < BK) tf_attn_mask_tail(s, limit, BK);
+    const float lse = t->lse[i], delta = t->delta[i];
+    for (int c = 0; c < BK / TF_ATTN_VW; ++c) {
+      const tf_vf pr = tf_vf_exp2(tf_vf_load(s + TF_ATTN_VW * c) - lse);
+      tf_vf_store(s + TF_ATTN_VW * c, pr);
+      if (!dropout) tf_vf_store(ds + TF_ATTN_VW * c, pr * (tf_vf_load(ds + TF_ATTN_VW * c) - delta));
+    }
+    if (!dropout) continue;
+    /* dS = P * (mask * dP / (1 - p) - delta); dV takes mask * P / (1 - p). */
+    for (int64_t j = 0; j < BK; ++j) {
+      const int kept = i < nv && j < nk &&
+                       tf_attn_dropout_bits(key, (uint32_t)seg, (uint32_t)h, (uint32_t)(r0 + i),
+                                            (uint32_t)(k0 + j)) >= threshold;
+      const float keep = kept ? keep_scale : 0.0f;
+      ds[j] = s[j] * (ds[j] * keep - delta);
+      s[j] *= keep;
+    }
+  }
+}
+
+/* Query rows [r0, r0 + nv) of head h: q (scaled), dout, lse (log2 units) and delta; rows up to mp are padding. */
+TF_ATTN_INLINE void load_q_tile(const tf_attn_problem *p, const tf_attn_operand *q,
+                                const tf_attn_operand *dout, const float *lse, const float *delta,
+                                tf_attn_segment qs, int64_t h, int64_t r0, int64_t nv, int64_t mp,
+                                int64_t D, int64_t dp, const bwd_scratch *t) {
+  const float qscale = p->softmax_scale * LOG2E;
+  for (int64_t i = 0; i < nv; ++i) {
+    const int64_t row = qs.start + r0 + i;
+    tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, row, h), D, qscale, t->q + i * dp);
+    tf_attn_load_row(dout, tf_attn_row_offset(dout, qs.batch, row, h), D, 1.0f, t->dout + i * dp);
+    const float l = lse[tf_attn_stat_index(p, qs.batch, h, row)];
+    t->lse[i] = l == -INFINITY ? INFINITY : l * LOG2E; /* a row without keys has P = 0 */
+    t->delta[i] = delta[tf_attn_stat_index(p, qs.batch, h, row)];
+  }
+  for (int64_t i = nv; i < mp; ++i) {
+    memset(t->q + i * dp, 0, (size_t)dp * sizeof(float));
+    memset(t->dout + i * dp, 0, (size_t)dp * sizeof(float));
+    t->lse[i] = INFINITY;
+    t->delta[i] = 0.0f;
+  }
+}
+
+/* Padding columns of the k, q and dout tiles stay zero for a whole unit. */
+static void clear_padding(const bwd_scratch *t, int64_t dp) {
+  memset(t->k, 0, (size_t)(BK * dp) * sizeof(float));
+  memset(t->q, 0, (size_t)(BQ * dp) * sizeof(float));
+  memset(t->dout, 0, (size_t)(BQ * dp) * sizeof(float));
+}
+
+/*
+ * dK and dV of keys [k0, k0 + nk) of kv head hk, summed over the query heads
+ * sharing it and the query tiles that see the keys; stores them. When acc is
+ * not NULL, also adds dS k of every block into acc's rows (unscaled dQ).
+ */
+TF_ATTN_INLINE void key_tile_grads(const tf_attn_problem *p, const tf_attn_operand *dout,
+                                   const tf_attn_operand *q, const tf_attn_operand *k,
+                                   const tf_attn_operand *v, const float *lse, const float *delta,
+                                   const tf_attn_operand *acc, const tf_attn_operand *dk,
+                                   const tf_attn_operand *dv, int64_t seg, int64_t hk, int64_t k0,
+                                   int64_t nk, const bwd_scratch *t) {
+  const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t group = p->heads_q / p->heads_kv;
+  const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
+  load_kv_tile(k, v, ks, hk, k0, nk, D, dp, t);
+  memset(t->dk, 0, (size_t)(BK * dp) * sizeof(float));
+  memset(t->dv, 0, (size_t)(BK * dp) * sizeof(float));
+  const int64_t first = p->causal ? k0 / BQ * BQ : 0;
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+    for (int64_t r0 = first; r0 < qs.valid; r0 += BQ) {
+      const int64_t nv = min64(BQ, qs.valid - r0);
+      const int64_t mp = (nv + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
+      load_q_tile(p, q, dout, lse, delta, qs, h, r0, nv, mp, D, dp, t);
+      block_grads(p, t, nv, mp, nk, seg, h, r0, k0, D, dp);
+      tf_attn_gemm(t->dv, dp, t->p, 1, BK, t->dout, dp, BK, dp, nv, 1);
+      tf_attn_gemm(t->dk, dp, t->dp, 1, BK, t->q, dp, BK, dp, nv, 1);
+      if (!acc) continue;
+      tf_attn_gemm(t->dq, dp, t->dp, BK, 1, t->k, dp, mp, dp, nk, 0);
+      for (int64_t i = 0; i < nv; ++i) {
+        float *restrict a =
+            (float *)acc->data + tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i, h);
+        const float *restrict g = t->dq + i * dp;
+        for (int64_t d = 0; d < D; ++d) a[d] += g[d];
+      }
+    }
+  }
+  /* q was scaled by softmax_scale * log2(e): dK = scale dS^T q = ln(2) dS^T (scaled q). */
+  for (int64_t j = 0; j < nk; ++j) {
+    const int64_t row = ks.start + k0 + j;
+    tf_attn_store_row(dk, tf_attn_row_offset(dk, ks.batch, row, hk), D, LN2, t->dk + j * dp);
+    tf_attn_store_row(dv, tf_attn_row_offset(dv, ks.batch, row, hk), D, 1.0f, t->dv + j * dp);
+  }
+}
+
+/* Zeroes dk and dv rows [j0, j1) of a kv segment (keys past its valid length). */
+static void zero_key_rows(const tf_attn_operand *dk, const tf_attn_operand *dv, tf_attn_segment ks,
+                          int64_t hk, int64_t j0, int64_t j1, int64_t D) {
+  for (int64_t j = j0; j < j1; ++j) {
+    tf_attn_zero_row(dk, tf_attn_row_offset(dk, ks.batch, ks.start + j, hk), D);
+    tf_attn_zero_row(dv, tf_attn_row_offset(dv, ks.batch, ks.start + j, hk), D);
+  }
+}
+
+/*
+ * The AMX path (attention_amx_bwd.c) for bf16 and E4M3 q/k/v with a bf16 dout
+ * on a CPU with AMX; these wrappers keep the unit functions free of #if.
+ */
+static int amx_backward(const tf_attn_problem *p, const tf_attn_operand *q,
+                        const tf_attn_operand *dout) {
+#if TF_ATTN_AMX_BUILT
+  return tf_attn_amx_bwd_applies(p, q, dout);
+#else
+  (void)p, (void)q, (void)dout;
+  return 0;
+#endif
+}
+
+static void amx_key_tile_grads(const tf_attn_problem *p, const tf_attn_operand *dout,
+                               const tf_attn_operand *q, const tf_attn_operand *k,
+                               const tf_attn_operand *v, const float *lse, const float *delta,
+                               const tf_attn_operand *acc, const tf_attn_operand *dk,
+                               const tf_attn_operand *dv, int64_t seg, int64_t hk, int64_t k0,
+                               int64_t nk, float *scratch) {
+#if TF_ATTN_AMX_BUILT
+  tf_attn_amx_key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, scratch);
+#else
+  (void)p, (void)dout, (void)q, (void)k, (void)v, (void)lse, (void)delta, (void)acc, (void)dk;
+  (void)dv, (void)seg, (void)hk, (void)k0, (void)nk, (void)scratch;
+#endif
+}
+
+static void amx_dq_rows(const tf_attn_problem *p, const tf_attn_operand *dout,
+                        const tf_attn_operand *q, const tf_attn_operand *k,
+                        const tf_attn_operand *v, const float *lse, const float *delta,
+                        const tf_attn_operand *dq, int64_t seg, int64_t h, int64_t r0,
+                        int64_t rows, int64_t kv_end, float *scratch) {
+#if TF_ATTN_AMX_BUILT
+  tf_attn_amx_dq_rows(p, dout, q, k, v, lse, delta, dq, seg, h, r0, rows, kv_end, scratch);
+#else
+  (void)p, (void)dout, (void)q, (void)k, (void)v, (void)lse, (void)delta, (void)dq, (void)seg;
+  (void)h, (void)r0, (void)rows, (void)kv_end, (void)scratch;
+#endif
+}
+
+/* Fused backward of one (sequence, kv head): dK, dV, and dQ of the query heads sharing it. */
+TF_ATTN_INLINE void bwd_unit_body(const tf_attn_problem *p, const tf_attn_operand *dout,
+                     const tf_attn_operand *q, const tf_attn_operand *k,
+                     const tf_attn_operand *v, const float *lse, const float *delta,
+                     const tf_attn_operand *acc, const tf_attn_operand *dq,
+                     const tf_attn_operand *dk, const tf_attn_operand *dv, int64_t unit,
+                     float *scratch) {
+  const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t group = p->heads_q / p->heads_kv;
+  const int64_t seg = unit / p->heads_kv, hk = unit % p->heads_kv;
+  const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
+  const bwd_scratch t = split_scratch(scratch, dp);
+
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+    for (int64_t i = 0; i < qs.span; ++i)
+      memset((float *)acc->data + tf_attn_row_offset(acc, qs.batch, qs.start + i, h), 0,
+             (size_t)D * sizeof(float));
+  zero_key_rows(dk, dv, ks, hk, ks.valid, ks.span, D);
+  clear_padding(&t, dp);
+  const int amx = amx_backward(p, q, dout);
+  for (int64_t k0 = 0; k0 < ks.valid; k0 += BK) {
+    const int64_t nk = min64(BK, ks.valid - k0);
+    if (amx)
+      amx_key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, scratch);
+    else
+      key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, &t);
+  }
+
+  for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+    for (int64_t i = 0; i < qs.span; ++i) {
+      const int64_t row = qs.start + i;
+      float *a = (float *)acc->data + tf_attn_row_offset(acc, qs.batch, row, h);
+      if (acc->data == dq->data) {
+        for (int64_t d = 0; d < D; ++d) a[d] *= p->softmax_scale;
+      } else {
+        tf_attn_store_row(dq, tf_attn_row_offset(dq, qs.batch, row, h), D, p->softmax_scale, a);
+      }
+    }
+}
+
+/* Split backward, first pass: dK and dV of one (sequence, kv head, key tile). */
+TF_ATTN_INLINE void dkdv_unit_body(const tf_attn_problem *p, const tf_attn_operand *dout,
+                      const tf_attn_operand *q, const tf_attn_operand *k,
+                      const tf_attn_operand *v, const float *lse, const float *delta,
+                      const tf_attn_operand *dk, const tf_attn_operand *dv, int64_t unit,
+                      int64_t tiles, float *scratch) {
+  const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t seg = unit / (p->heads_kv * tiles), hk = unit / tiles % p->heads_kv;
+  const int64_t k0 = unit % tiles * BK;
+  const tf_attn_segment ks = tf_attn_kv_segment(p, seg);
+  if (k0 >= ks.span) return;
+  const int64_t end = min64(k0 + BK, ks.span), nk = min64(end, ks.valid) - k0;
+  zero_key_rows(dk, dv, ks, hk, nk > 0 ? k0 + nk : k0, end, D);
+  if (nk <= 0) return;
+  if (amx_backward(p, q, dout)) {
+    amx_key_tile_grads(p, dout, q, k, v, lse, delta, NULL, dk, dv, seg, hk, k0, nk, scratch);
+    return;
+  }
+  const bwd_scratch t = split_scratch(scratch, dp);
+  clear_padding(&t, dp);
+  key_tile_grads(p, dout, q, k, v, lse, delta, NULL, dk, dv, seg, hk, k0, nk, &t);
+}
+
+/* Split backward, second pass: dQ of one (sequence, query head, query tile), summed over its key tiles. */
+TF_ATTN_INLINE void dq_unit_body(const tf_attn_problem *p, const tf_attn_operand *dout,
+                    const tf_attn_operand *q, const tf_attn_operand *k, const tf_attn_operand *v,
+                    const float *lse, const float *delta, const tf_attn_operand *dq,
+                    int64_t unit, int64_t tiles, float *scratch) {
+  const int64_t H = p->heads_q, D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t seg = unit / (H * tiles), h = unit / tiles % H, r0 = unit % tiles * BQ;
+  const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
+  if (r0 >= qs.span) return;
+  const int64_t nr = min64(BQ, qs.span - r0);
+  const int64_t nv = qs.valid - r0 < 0 ? 0 : min64(nr, qs.valid - r0);
+  const int64_t kv_end = nv == 0 ? 0 : p->causal ? min64(ks.valid, r0 + nv) : ks.valid;
+  const int64_t rows = kv_end > 0 ? nv : 0;
+  for (int64_t i = rows; i < nr; ++i)
+    tf_attn_zero_row(dq, tf_attn_row_offset(dq, qs.batch, qs.start + r0 + i, h), D);
+  if (rows == 0) return;
+  if (amx_backward(p, q, dout)) {
+    amx_dq_rows(p, dout, q, k, v, lse, delta, dq, seg, h, r0, rows, kv_end, scratch);
+    return;
+  }
+  const bwd_scratch t = split_scratch(scratch, dp);
+  const int64_t mp = (rows + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
+  const int64_t hk = h / (H / p->heads_kv);
+  clear_padding(&t, dp);
+  load_q_tile(p, q, dout, lse, delta, qs, h, r0, rows, mp, D, dp, &t);
+  memset(t.dq, 0, (size_t)(mp * dp) * sizeof(float));
+  for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
+    const int64_t nk = min64(BK, kv_end - k0);
+    load_kv_tile(k, v, ks, hk, k0, nk, D, dp, &t);
+    block_grads(p, &t, rows, mp, nk, seg, h, r0, k0, D, dp);
+    tf_attn_gemm(t.dq, dp, t.dp, BK, 1, t.k, dp, mp, dp, nk, 1);
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    tf_attn_store_row(dq, tf_attn_row_offset(dq, qs.batch, qs.start + r0 + i, h), D,
+                      p->softmax_scale, t.dq + i * dp);
+}
+
+/* Parameters and arguments of the unit functions, for their builds (TF_ATTN_VECTOR_CLONES, TF_ATTN_AVX2_BUILD). */
+#define TF_ATTN_BWD_UNIT_PARAMS                                                               \
+  (const tf_attn_problem *p, const tf_attn_operand *dout, const tf_attn_operand *q,           \
+   const tf_attn_operand *k, const tf_attn_operand *v, const float *lse, const float *delta,  \
+   const tf_attn_operand *acc, const tf_attn_operand *dq, const tf_attn_operand *dk,          \
+   const tf_attn_operand *dv, int64_t unit, float *scratch)
+#define TF_ATTN_BWD_UNIT_ARGS (p, dout, q, k, v, lse, delta, acc, dq, dk, dv, unit, scratch)
+#define TF_ATTN_DKDV_UNIT_PARAMS                                                              \
+  (const tf_attn_problem *p, const tf_attn_operand *dout, const tf_attn_operand *q,           \
+   const tf_attn_operand *k, const tf_attn_operand *v, const float *lse, const float *delta,  \
+   const tf_attn_operand *dk, const tf_attn_operand *dv, int64_t unit, int64_t tiles,         \
+   float *scratch)
+#define TF_ATTN_DKDV_UNIT_ARGS (p, dout, q, k, v, lse, delta, dk, dv, unit, tiles, scratch)
+#define TF_ATTN_DQ_UNIT_PARAMS                                                                \
+  (const tf_attn_problem *p, const tf_attn_operand *dout, const tf_attn_operand *q,           \
+   const tf_attn_operand *k, const tf_attn_operand *v, const float *lse, const float *delta,  \
+   const tf_attn_operand *dq, int64_t unit, int64_t tiles, float *scratch)
+#define TF_ATTN_DQ_UNIT_ARGS (p, dout, q, k, v, lse, delta, dq, unit, tiles, scratch)
+
+#endif /* TF_ATTENTION_BWD_BODY_H */

@@ -1,0 +1,361 @@
+/*
+ * Attention forward, the vector path: one query tile against all visible key
+ * tiles with an online softmax, in the log2 domain (q is pre-scaled by
+ * softmax_scale * log2(e) so probabilities are 2^(s - m)).
+ *
+ * One source, built once per vector width (attention_tile.h): included by
+ * attention_fwd.c with 16-float vectors (the x86-64-v4 and baseline builds)
+ * and by attention_fwd_avx2.c with 8-float vectors (the AVX2 build).
+ */
+#ifndef TF_ATTENTION_FWD_BODY_H
+#define TF_ATTENTION_FWD_BODY_H
+
+/*
+ * ISO C mode turns off a*b+c contraction; the tile kernels rely on FMA. Tile
+ * row copies stay inline loops instead of becoming memcpy calls.
+ */
+#pragma GCC optimize("fp-contract=fast", "no-tree-loop-distribute-patterns")
+
+#include <math.h>
+
+#include "../common/tf_checks.h"
+#include "attention_amx.h"
+#include "attention_dropout.h"
+#include "attention_internal.h"
+#include "attention_tile.h"
+
+#define BQ TF_ATTN_BLOCK_Q
+#define QB TF_ATTN_FWD_ROWS
+#define LD TF_ATTN_FWD_LD
+#define BK TF_ATTN_BLOCK_K
+#define VW TF_ATTN_VW
+/* Queries per strip: the width of one register block. */
+#define SW (2 * TF_ATTN_VW)
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+typedef struct fwd_scratch {
+  float *qt, *o, *k, *v, *st, *m, *l, *alpha;
+} fwd_scratch;
+
+static fwd_scratch split_scratch(float *base, int64_t dp) {
+  fwd_scratch t;
+  t.qt = base;
+  t.o = t.qt + dp * LD;
+  t.k = t.o + QB * dp;
+  t.v = t.k + BK * dp;
+  t.st = t.v + BK * dp;
+  t.m = t.st + BK * LD;
+  t.l = t.m + QB;
+  t.alpha = t.l + QB;
+  return t;
+}
+
+/*
+ * Keys or values [k0, k0 + nk) of kv head hk, converted to a row-major nk x dp
+ * float tile. Copying even float32 rows gives the tile kernels contiguous rows:
+ * rows read in place sit one sequence stride apart, which maps them onto a few
+ * L1 cache sets, so they evict each other.
+ */
+TF_ATTN_INLINE void pack_rows(const tf_attn_operand *x, tf_attn_segment ks, int64_t hk, int64_t k0,
+                              int64_t nk, int64_t D, int64_t dp, float *restrict buf) {
+  const int64_t first = tf_attn_row_offset(x, ks.batch, ks.start + k0, hk);
+  for (int64_t j = 0; j < nk; ++j) tf_attn_load_row(x, first + j * x->stride_s, D, 1.0f, buf + j * dp);
+}
+
+/*
+ * Rows [j0, j1) of head h of a sequence towards L2. The forward asks for
+ * them a share at a time, one share per strip, so that no burst of misses
+ * stalls the loads the tile kernels are waiting for.
+ */
+static void prefetch_rows(const tf_attn_operand *x, tf_attn_segment s, int64_t h, int64_t j0,
+                          int64_t j1, int64_t D, int write) {
+  for (int64_t j = j0; j < j1; ++j)
+    tf_attn_prefetch_row(x, tf_attn_row_offset(x, s.batch, s.start + j, h), D, write);
+}
+
+/* Share `part` of `parts` of the rows [j0, j1). */
+static void prefetch_share(const tf_attn_operand *x, tf_attn_segment s, int64_t h, int64_t j0,
+                           int64_t j1, int64_t part, int64_t parts, int64_t D, int write) {
+  const int64_t n = j1 - j0;
+  prefetch_rows(x, s, h, j0 + n * part / parts, j0 + n * (part + 1) / parts, D, write);
+}
+
+/*
+ * The part of one key tile that a strip of queries sees. Queries are tile
+ * rows [i0, i0 + width), width SW or VW (two vectors or one); the
+ * tile holds keys [k0, k0 + nk) of the sequence and the query tile starts at
+ * sequence row r0. Scores are only computed for keys [0, rows) of the tile
+ * (rows rounded up to whole GEMM row blocks); keys [0, seen) are the ones
+ * some query of the strip may see; `masked` says whether any computed score
+ * of the strip is hidden (by causality or past nk).
+ */
+typedef struct strip {
+  int64_t i0, cols, seen, rows;
+  int masked;
+} strip;
+
+static strip make_strip(const tf_attn_problem *p, int64_t i0, int64_t width, int64_t r0, int64_t k0,
+                        int64_t nk) {
+  strip s;
+  s.i0 = i0;
+  s.cols = width / VW;
+  s.seen = p->causal ? min64(nk, r0 + i0 + width - k0) : nk;
+  s.rows = (s.seen + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
+  s.masked = s.rows > nk || (p->causal && k0 + s.rows - 1 > r0 + i0);
+  return s;
+}
+
+/*
+ * Scores of a strip, transposed: st[j][i0 + i] = k_j . q_{i0 + i} (qt holds q^T,
+ * pre-scaled) for keys j < s.rows, with hidden scores set to -inf in the same
+ * pass (key k0 + j is hidden from query r0 + i when it is later, or when
+ * j >= nk). Returns the max over the keys of each query column in mx.
+ */
+TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, int64_t ldk,
+                                 const float *restrict qt, int64_t D, strip s,
+                                 int causal, int64_t r0, int64_t k0, int64_t nk,
+                                 const int masked, const int cols, tf_vf mx[2]) {
+  tf_vfi lane;
+  for (int i = 0; i < VW; ++i) lane[i] = i;
+  TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) mx[c] = tf_vf_splat(-__builtin_inff());
+  for (int64_t r = 0; r < s.rows; r += TF_ATTN_GEMM_ROWS) {
+    tf_vf x[TF_ATTN_GEMM_ROWS][2];
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] = tf_vf_splat(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      tf_vf b[2];
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_vf_load(qt + d * LD + s.i0 + VW * c);
+      TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
+        const float a = kp[(r + i) * ldk + d];
+        TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
+      }
+    }
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) {
+        if (masked) {
+          /* Lanes below `hidden` are queries that do not see this key; VW hides them all. */
+          int64_t hidden = r + i >= nk ? VW : causal ? k0 + r + i - (r0 + s.i0 + VW * c) : 0;
+          hidden = clamp64(hidden, 0, VW);
+          x[i][c] = tf_vf_select(lane < (int32_t)hidden, tf_vf_splat(-__builtin_inff()), x[i][c]);
+        }
+        mx[c] = tf_vf_max(mx[c], x[i][c]);
+        tf_vf_store(st + (r + i) * LD + s.i0 + VW * c, x[i][c]);
+      }
+  }
+}
+
+/*
+ * Online softmax of a strip whose column maxima are mx: updates the running
+ * max m and sum l of its queries, leaves 2^(s - m) in st for keys [0, s.seen)
+ * and the factor the output rows must be rescaled by in alpha.
+ */
+TF_ATTN_INLINE void strip_softmax(float *restrict st, strip s, const tf_vf mx[2], float *m,
+                                  float *l, float *alpha) {
+  for (int64_t c = 0; c < s.cols; ++c) {
+    const int64_t col = s.i0 + VW * c;
+    const tf_vf m_old = tf_vf_load(m + col);
+    const tf_vf m_new = tf_vf_max(m_old, mx[c]);
+    /* A query that sees no key yet keeps m = -inf; subtracting 0 instead gives it p = 0. */
+    const tf_vf m_use = tf_vf_select(m_new == -__builtin_inff(), tf_vf_splat(0.0f), m_new);
+    tf_vf sum = {0};
+    for (int64_t j = 0; j < s.seen; ++j) {
+      const tf_vf e = tf_vf_exp2(tf_vf_load(st + j * LD + col) - m_use);
+      tf_vf_store(st + j * LD + col, e);
+      sum += e;
+    }
+    const tf_vf a = tf_vf_exp2(m_old - m_use);
+    tf_vf_store(l + col, tf_vf_load(l + col) * a + sum);
+    tf_vf_store(m + col, m_new);
+    tf_vf_store(alpha + col, a);
+  }
+}
+
+/* Columns [n, n + VW cols) of the o rows [r, r + TF_ATTN_GEMM_ROWS) below; `cols` is a constant where it is inlined. */
+TF_ATTN_INLINE void pv_block(float *restrict o, const float *restrict st, const float *restrict vp,
+                             const float *alpha, int64_t dp, int64_t r, int64_t n, int64_t keys,
+                             int first, const int cols) {
+  tf_vf x[TF_ATTN_GEMM_ROWS][2];
+  TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c)
+      x[i][c] = first ? tf_vf_splat(0.0f) : tf_vf_load(o + (r + i) * dp + n + VW * c) * alpha[r + i];
+  for (int64_t kk = 0; kk < keys; ++kk) {
+    tf_vf b[2];
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_vf_load(vp + kk * dp + n + VW * c);
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
+      const float a = st[kk * LD + r + i];
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
+    }
+  }
+  TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) tf_vf_store(o + (r + i) * dp + n + VW * c, x[i][c]);
+}
+
+/*
+ * o[i] = (first ? 0 : alpha[i] o[i]) + sum_j p[j][i] v_j for the strip's
+ * queries, 8 rows at a time, each over only the keys its rows may see.
+ * Every query sees a key of the first tile (key 0 with causality), so `first`
+ * sets every row; a later row block that sees none of the tile's keys has
+ * alpha 1 and is left as is.
+ */
+TF_ATTN_INLINE void strip_pv(float *restrict o, const float *restrict st, const float *restrict vp,
+                             const float *alpha, int64_t dp, strip s, int causal, int64_t r0,
+                             int64_t k0, int64_t nk, int first) {
+  for (int64_t r = s.i0; r < s.i0 + VW * s.cols; r += TF_ATTN_GEMM_ROWS) {
+    const int64_t keys = causal ? min64(nk, r0 + r + TF_ATTN_GEMM_ROWS - k0) : nk;
+    if (keys <= 0) continue;
+    int64_t n = 0;
+    for (; n + SW <= dp; n += SW) pv_block(o, st, vp, alpha, dp, r, n, keys, first, 2);
+    if (n < dp) pv_block(o, st, vp, alpha, dp, r, n, keys, first, 1);
+  }
+}
+
+/* Drops probabilities of queries [i_begin, i_end) x keys [0, nk) of the tile (transposed) and scales the kept ones. */
+static void dropout_strip(const tf_attn_problem *p, float *st, int64_t i_begin, int64_t i_end,
+                          int64_t nk, int64_t seg, int64_t h, int64_t r0, int64_t k0) {
+  const tf_attn_dropout_key_t key = tf_attn_dropout_key(p->seed, p->offset);
+  const uint32_t threshold = tf_attn_dropout_threshold(p->dropout_p);
+  const float keep_scale = 1.0f / (1.0f - p->dropout_p);
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      const uint32_t bits = tf_attn_dropout_bits(key, (uint32_t)seg, (uint32_t)h,
+                                                 (uint32_t)(r0 + i), (uint32_t)(k0 + j));
+      st[j * LD + i] = bits >= threshold ? st[j * LD + i] * keep_scale : 0.0f;
+    }
+}
+
+/* Scores, softmax, dropout and o update of one strip; `masked` and `cols` are constants where it is inlined. */
+TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, const float *kp,
+                               int64_t ldk, strip s, int64_t D,
+                               int64_t dp, int64_t rows, int64_t seg, int64_t h, int64_t r0,
+                               int64_t k0, int64_t nk, int first, const int masked,
+                               const int cols) {
+  tf_vf mx[2];
+  strip_scores(t->st, kp, ldk, t->qt, D, s, p->causal, r0, k0, nk, masked, cols, mx);
+  strip_softmax(t->st, s, mx, t->m, t->l, t->alpha);
+  if (p->dropout_p > 0.0f)
+    dropout_strip(p, t->st, s.i0, min64(s.i0 + VW * s.cols, rows), s.seen, seg, h, r0, k0);
+  strip_pv(t->o, t->st, t->v, t->alpha, dp, s, p->causal, r0, k0, nk, first);
+}
+
+/*
+ * Units [unit, unit + count) (count 1 or 2: consecutive query tiles of one
+ * head) as one block of query rows. Scores are computed transposed,
+ * s^T = k q^T (keys x queries), so the softmax reduces down columns, VW
+ * queries per vector; the block is walked in strips of SW queries, each
+ * carried from its scores to its o update while it is in L1, and skipping the
+ * keys a strip cannot see under causality.
+ */
+TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
+                      const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
+                      int64_t unit, int64_t count, int64_t tiles, float *scratch) {
+  const int64_t H = p->heads_q, D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t seg = unit / (H * tiles), h = unit / tiles % H, r0 = unit % tiles * BQ;
+  const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
+  if (r0 >= qs.span) return;
+  const int64_t nr = min64(count * BQ, qs.span - r0);
+  const int64_t nv = clamp64(qs.valid - r0, 0, nr);
+  const int64_t kv_end = nv == 0 ? 0 : p->causal ? min64(ks.valid, r0 + nv) : ks.valid;
+  const int64_t rows = kv_end > 0 ? nv : 0;
+  for (int64_t i = rows; i < nr; ++i) { /* padding rows and rows that see no key */
+    const int64_t row = qs.start + r0 + i;
+    tf_attn_zero_row(out, tf_attn_row_offset(out, qs.batch, row, h), D);
+    lse[tf_attn_stat_index(p, qs.batch, h, row)] = -INFINITY;
+  }
+  if (rows == 0) return;
+
+  const fwd_scratch t = split_scratch(scratch, dp);
+  const int64_t nq = (rows + VW - 1) / VW * VW; /* query columns of the score tile */
+  const int64_t hk = h / (H / p->heads_kv);
+  /*
+   * q^T, pre-scaled, zero past `rows`: the rows are first copied into o
+   * (free until the first key tile sets it), so the strided loads are all
+   * independent, then transposed VW rows at a time.
+   */
+  for (int64_t i = 0; i < rows; ++i)
+    tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, qs.start + r0 + i, h), D,
+                     p->softmax_scale * LOG2E, t.o + i * dp);
+  for (int64_t i = rows; i < nq; ++i) memset(t.o + i * dp, 0, (size_t)D * sizeof(float));
+  for (int64_t i0 = 0; i0 < nq; i0 += VW)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < VW; ++i) t.qt[d * LD + i0 + i] = t.o[(i0 + i) * dp + d];
+  for (int64_t i = 0; i < nq; ++i) {
+    t.m[i] = -INFINITY;
+    t.l[i] = 0.0f;
+  }
+  /* The query rows of the next unit, which is usually this thread's next one. */
+  const int64_t next = unit + count;
+  tf_attn_segment next_qs = qs;
+  int64_t next_h = 0, next_r0 = 0, next_rows = 0;
+  if (next < tf_attn_num_segments(p) * H * tiles) {
+    next_qs = tf_attn_q_segment(p, next / (H * tiles));
+    next_h = next / tiles % H;
+    next_r0 = next % tiles * BQ;
+    next_rows = clamp64(next_qs.valid - next_r0, 0, BQ);
+  }
+  /* v's padding columns stay zero (o's padding columns are never stored, but stay finite). */
+  if (D < dp)
+    for (int64_t j = 0; j < BK; ++j) memset(t.v + j * dp + D, 0, (size_t)(dp - D) * sizeof(float));
+
+  for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
+    const int64_t nk = min64(BK, kv_end - k0);
+    pack_rows(v, ks, hk, k0, nk, D, dp, t.v);
+    /*
+     * float32 keys are read in place when the score GEMM's whole row blocks
+     * stay inside the tile (only TF_ATTN_GEMM_ROWS rows are read at a time, so the L1 set
+     * aliasing pack_rows avoids does not matter here); otherwise they are
+     * packed, and keys past nk in the last row block (masked) are zeros.
+     */
+    const float *kp = t.k;
+    int64_t ldk = dp;
+    if (k->elem == TF_ATTN_F32 && nk % TF_ATTN_GEMM_ROWS == 0) {
+      kp = (const float *)k->data + tf_attn_row_offset(k, ks.batch, ks.start + k0, hk);
+      ldk = k->stride_s;
+    } else {
+      pack_rows(k, ks, hk, k0, nk, D, dp, t.k);
+      for (int64_t j = nk; j < (nk + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS; ++j)
+        memset(t.k + j * dp, 0, (size_t)D * sizeof(float));
+    }
+    const int first = k0 == 0;
+    const int64_t strips = (nq + SW - 1) / SW;
+    for (int64_t i0 = 0; i0 < nq; i0 += SW) {
+      /* Each strip asks for a share of what comes next: the next key tile, or after the last one, this unit's output rows and the next unit's query rows. */
+      const int64_t part = i0 / SW;
+      if (k0 + BK < kv_end) {
+        const int64_t end = min64(k0 + 2 * BK, kv_end);
+        prefetch_share(k, ks, hk, k0 + BK, end, part, strips, D, 0);
+        prefetch_share(v, ks, hk, k0 + BK, end, part, strips, D, 0);
+      } else {
+        prefetch_share(out, qs, h, r0, r0 + rows, part, strips, D, 1);
+        prefetch_share(q, next_qs, next_h, next_r0, next_r0 + next_rows, part, strips, D, 0);
+      }
+      const int64_t width = min64(SW, nq - i0);
+      const strip s = make_strip(p, i0, width, r0, k0, nk);
+      if (s.seen <= 0) continue; /* no query of the strip sees these keys */
+      if (width == SW) {
+        if (s.masked) strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 1, 2);
+        else strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 0, 2);
+      } else {
+        strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 1, 1);
+      }
+    }
+  }
+
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t row = qs.start + r0 + i;
+    tf_attn_store_row(out, tf_attn_row_offset(out, qs.batch, row, h), D, 1.0f / t.l[i],
+                      t.o + i * dp);
+    lse[tf_attn_stat_index(p, qs.batch, h, row)] = (t.m[i] + log2f(t.l[i])) * LN2;
+  }
+}
+
+#define TF_ATTN_FWD_BLOCK_PARAMS                                                        \
+  (const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,        \
+   const tf_attn_operand *v, const tf_attn_operand *out, float *lse, int64_t unit,      \
+   int64_t count, int64_t tiles, float *scratch)
+#define TF_ATTN_FWD_BLOCK_ARGS (p, q, k, v, out, lse, unit, count, tiles, scratch)
+
+#endif /* TF_ATTENTION_FWD_BODY_H */
