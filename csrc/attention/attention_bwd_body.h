@@ -35,6 +35,13 @@
 #define BK TF_ATTN_BLOCK_K
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+/*
+ * Rows of q, dout and the dQ accumulator are read a few rows after they are
+ * asked for: they lie a sequence stride apart, which the hardware prefetchers
+ * do not follow, and a prefetch long before the read is evicted first (the
+ * three operands' rows map onto the same L2 sets).
+ */
+#define AHEAD 8
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -122,6 +129,10 @@ TF_ATTN_INLINE void load_q_tile(const tf_attn_problem *p, const tf_attn_operand 
   const float qscale = p->softmax_scale * LOG2E;
   for (int64_t i = 0; i < nv; ++i) {
     const int64_t row = qs.start + r0 + i;
+    if (i + AHEAD < nv) {
+      tf_attn_prefetch_row(q, tf_attn_row_offset(q, qs.batch, row + AHEAD, h), D, 0);
+      tf_attn_prefetch_row(dout, tf_attn_row_offset(dout, qs.batch, row + AHEAD, h), D, 0);
+    }
     tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, row, h), D, qscale, t->q + i * dp);
     tf_attn_load_row(dout, tf_attn_row_offset(dout, qs.batch, row, h), D, 1.0f, t->dout + i * dp);
     const float l = lse[tf_attn_stat_index(p, qs.batch, h, row)];
@@ -172,6 +183,8 @@ TF_ATTN_INLINE void key_tile_grads(const tf_attn_problem *p, const tf_attn_opera
       if (!acc) continue;
       tf_attn_gemm(t->dq, dp, t->dp, BK, 1, t->k, dp, mp, dp, nk, 0);
       for (int64_t i = 0; i < nv; ++i) {
+        if (i + AHEAD < nv)
+          tf_attn_prefetch_row(acc, tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i + AHEAD, h), D, 1);
         float *restrict a =
             (float *)acc->data + tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i, h);
         const float *restrict g = t->dq + i * dp;
