@@ -171,7 +171,8 @@ TF_ATTN_INLINE void key_tile_grads(const tf_attn_problem *p, const tf_attn_opera
   load_kv_tile(k, v, ks, hk, k0, nk, D, dp, t);
   memset(t->dk, 0, (size_t)(BK * dp) * sizeof(float));
   memset(t->dv, 0, (size_t)(BK * dp) * sizeof(float));
-  const int64_t first = p->causal ? k0 / BQ * BQ : 0;
+  /* With causality the walk starts at query k0, the first that sees a key of the tile (tiles of BQ queries from there). */
+  const int64_t first = p->causal ? k0 : 0;
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     for (int64_t r0 = first; r0 < qs.valid; r0 += BQ) {
       const int64_t nv = min64(BQ, qs.valid - r0);
