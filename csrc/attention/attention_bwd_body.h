@@ -33,6 +33,8 @@
 
 #define BQ TF_ATTN_BLOCK_Q
 #define BK TF_ATTN_BLOCK_K
+/* Key tiles one walk over the query tiles serves (see key_tile_grads). */
+#define KT TF_ATTN_BWD_KEY_TILES
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 /*
@@ -45,6 +47,7 @@
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* k, kt, vt, dk and dv hold KT key tiles, BK * dp floats apart (key_tile(): one of them). */
 typedef struct bwd_scratch {
   float *k, *kt, *vt, *dk, *dv, *q, *dout, *dq, *p, *dp, *lse, *delta, *row;
 } bwd_scratch;
@@ -52,11 +55,11 @@ typedef struct bwd_scratch {
 static bwd_scratch split_scratch(float *base, int64_t dp) {
   bwd_scratch t;
   t.k = base;
-  t.kt = t.k + BK * dp;
-  t.vt = t.kt + BK * dp;
-  t.dk = t.vt + BK * dp;
-  t.dv = t.dk + BK * dp;
-  t.q = t.dv + BK * dp;
+  t.kt = t.k + KT * BK * dp;
+  t.vt = t.kt + KT * BK * dp;
+  t.dk = t.vt + KT * BK * dp;
+  t.dv = t.dk + KT * BK * dp;
+  t.q = t.dv + KT * BK * dp;
   t.dout = t.q + BQ * dp;
   t.dq = t.dout + BQ * dp;
   t.p = t.dq + BQ * dp;
@@ -65,6 +68,17 @@ static bwd_scratch split_scratch(float *base, int64_t dp) {
   t.delta = t.lse + BQ;
   t.row = t.delta + BQ;
   return t;
+}
+
+/* The scratch with key tile `tile`'s k, kt, vt, dk and dv (the query side is shared). */
+static bwd_scratch key_tile(const bwd_scratch *t, int64_t tile, int64_t dp) {
+  bwd_scratch s = *t;
+  s.k += tile * BK * dp;
+  s.kt += tile * BK * dp;
+  s.vt += tile * BK * dp;
+  s.dk += tile * BK * dp;
+  s.dv += tile * BK * dp;
+  return s;
 }
 
 /* Keys [k0, k0 + nk): k (nk x dp), k^T and v^T (D x BK, zero past nk). */
@@ -86,19 +100,20 @@ TF_ATTN_INLINE void load_kv_tile(const tf_attn_operand *k, const tf_attn_operand
 }
 
 /*
- * One (query tile, key tile) block: p <- probabilities (with dropout applied),
+ * One (query tile, key tile) block, rows [i0, mp) of the query tile (i0 a
+ * multiple of TF_ATTN_GEMM_ROWS): p <- probabilities (with dropout applied),
  * dp <- dS. Rows [nv, mp) are padding and get p = dS = 0.
  */
-TF_ATTN_INLINE void block_grads(const tf_attn_problem *p, const bwd_scratch *t, int64_t nv,
-                                int64_t mp, int64_t nk, int64_t seg, int64_t h, int64_t r0,
-                                int64_t k0, int64_t D, int64_t dp) {
-  tf_attn_gemm(t->p, BK, t->q, dp, 1, t->kt, BK, mp, BK, D, 0);
-  tf_attn_gemm(t->dp, BK, t->dout, dp, 1, t->vt, BK, mp, BK, D, 0);
+TF_ATTN_INLINE void block_grads(const tf_attn_problem *p, const bwd_scratch *t, int64_t i0,
+                                int64_t nv, int64_t mp, int64_t nk, int64_t seg, int64_t h,
+                                int64_t r0, int64_t k0, int64_t D, int64_t dp) {
+  tf_attn_gemm(t->p + i0 * BK, BK, t->q + i0 * dp, dp, 1, t->kt, BK, mp - i0, BK, D, 0);
+  tf_attn_gemm(t->dp + i0 * BK, BK, t->dout + i0 * dp, dp, 1, t->vt, BK, mp - i0, BK, D, 0);
   const int dropout = p->dropout_p > 0.0f;
   const tf_attn_dropout_key_t key = tf_attn_dropout_key(p->seed, p->offset);
   const uint32_t threshold = tf_attn_dropout_threshold(p->dropout_p);
   const float keep_scale = 1.0f / (1.0f - p->dropout_p);
-  for (int64_t i = 0; i < mp; ++i) {
+  for (int64_t i = i0; i < mp; ++i) {
     float *s = t->p + i * BK, *ds = t->dp + i * BK;
     const int64_t limit = i >= nv ? 0 : p->causal ? min64(nk, r0 + i - k0 + 1) : nk;
     if (limit < BK) tf_attn_mask_tail(s, limit, BK);
@@ -149,15 +164,18 @@ TF_ATTN_INLINE void load_q_tile(const tf_attn_problem *p, const tf_attn_operand 
 
 /* Padding columns of the k, q and dout tiles stay zero for a whole unit. */
 static void clear_padding(const bwd_scratch *t, int64_t dp) {
-  memset(t->k, 0, (size_t)(BK * dp) * sizeof(float));
+  memset(t->k, 0, (size_t)(KT * BK * dp) * sizeof(float));
   memset(t->q, 0, (size_t)(BQ * dp) * sizeof(float));
   memset(t->dout, 0, (size_t)(BQ * dp) * sizeof(float));
 }
 
 /*
- * dK and dV of keys [k0, k0 + nk) of kv head hk, summed over the query heads
- * sharing it and the query tiles that see the keys; stores them. When acc is
- * not NULL, also adds dS k of every block into acc's rows (unscaled dQ).
+ * dK and dV of keys [k0, k0 + nk) of kv head hk, nk <= KT * BK, summed over
+ * the query heads sharing it and the query tiles that see the keys; stores
+ * them. When acc is not NULL, also adds dS k of every block into acc's rows
+ * (unscaled dQ). The keys are taken as up to KT key tiles in one walk over the
+ * query tiles, so that each query tile's q and dout rows are loaded, and its
+ * acc rows updated, once for all of them.
  */
 TF_ATTN_INLINE void key_tile_grads(const tf_attn_problem *p, const tf_attn_operand *dout,
                                    const tf_attn_operand *q, const tf_attn_operand *k,
@@ -167,22 +185,40 @@ TF_ATTN_INLINE void key_tile_grads(const tf_attn_problem *p, const tf_attn_opera
                                    int64_t nk, const bwd_scratch *t) {
   const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
   const int64_t group = p->heads_q / p->heads_kv;
+  const int64_t tiles = (nk + BK - 1) / BK;
   const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
-  load_kv_tile(k, v, ks, hk, k0, nk, D, dp, t);
-  memset(t->dk, 0, (size_t)(BK * dp) * sizeof(float));
-  memset(t->dv, 0, (size_t)(BK * dp) * sizeof(float));
-  /* With causality the walk starts at query k0, the first that sees a key of the tile (tiles of BQ queries from there). */
+  for (int64_t j = 0; j < tiles; ++j) {
+    const bwd_scratch tj = key_tile(t, j, dp);
+    load_kv_tile(k, v, ks, hk, k0 + j * BK, min64(BK, nk - j * BK), D, dp, &tj);
+  }
+  memset(t->dk, 0, (size_t)(tiles * BK * dp) * sizeof(float));
+  memset(t->dv, 0, (size_t)(tiles * BK * dp) * sizeof(float));
+  /* With causality the walk starts at query k0, the first that sees a key (tiles of BQ queries from there). */
   const int64_t first = p->causal ? k0 : 0;
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
     for (int64_t r0 = first; r0 < qs.valid; r0 += BQ) {
       const int64_t nv = min64(BQ, qs.valid - r0);
       const int64_t mp = (nv + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
       load_q_tile(p, q, dout, lse, delta, qs, h, r0, nv, mp, D, dp, t);
-      block_grads(p, t, nv, mp, nk, seg, h, r0, k0, D, dp);
-      tf_attn_gemm(t->dv, dp, t->p, 1, BK, t->dout, dp, BK, dp, nv, 1);
-      tf_attn_gemm(t->dk, dp, t->dp, 1, BK, t->q, dp, BK, dp, nv, 1);
+      for (int64_t j = 0; j < tiles; ++j) {
+        const bwd_scratch tj = key_tile(t, j, dp);
+        const int64_t kj = k0 + j * BK, nkj = min64(BK, nk - j * BK);
+        /*
+         * With causality, rows of the query tile before query kj see none of
+         * these keys: the block starts at the row block of query kj. That is
+         * row 0 for the first key tile (the walk starts at query k0).
+         */
+        int64_t i0 = 0;
+        if (p->causal && kj > r0) i0 = (kj - r0) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS;
+        if (i0 >= nv) continue;
+        block_grads(p, &tj, i0, nv, mp, nkj, seg, h, r0, kj, D, dp);
+        tf_attn_gemm(tj.dv, dp, t->p + i0 * BK, 1, BK, t->dout + i0 * dp, dp, BK, dp, nv - i0, 1);
+        tf_attn_gemm(tj.dk, dp, t->dp + i0 * BK, 1, BK, t->q + i0 * dp, dp, BK, dp, nv - i0, 1);
+        if (acc)
+          tf_attn_gemm(t->dq + i0 * dp, dp, t->dp + i0 * BK, BK, 1, tj.k, dp, mp - i0, dp, nkj,
+                       j > 0);
+      }
       if (!acc) continue;
-      tf_attn_gemm(t->dq, dp, t->dp, BK, 1, t->k, dp, mp, dp, nk, 0);
       for (int64_t i = 0; i < nv; ++i) {
         if (i + AHEAD < nv)
           tf_attn_prefetch_row(acc, tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i + AHEAD, h), D, 1);
@@ -271,12 +307,15 @@ TF_ATTN_INLINE void bwd_unit_body(const tf_attn_problem *p, const tf_attn_operan
   zero_key_rows(dk, dv, ks, hk, ks.valid, ks.span, D);
   clear_padding(&t, dp);
   const int amx = amx_backward(p, q, dout);
-  for (int64_t k0 = 0; k0 < ks.valid; k0 += BK) {
-    const int64_t nk = min64(BK, ks.valid - k0);
-    if (amx)
-      amx_key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, scratch);
-    else
+  for (int64_t k0 = 0; k0 < ks.valid; k0 += KT * BK) {
+    const int64_t nk = min64(KT * BK, ks.valid - k0);
+    if (!amx) {
       key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, &t);
+      continue;
+    }
+    for (int64_t j0 = k0; j0 < k0 + nk; j0 += BK)
+      amx_key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, j0,
+                         min64(BK, k0 + nk - j0), scratch);
   }
 
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
@@ -343,7 +382,7 @@ TF_ATTN_INLINE void dq_unit_body(const tf_attn_problem *p, const tf_attn_operand
   for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
     const int64_t nk = min64(BK, kv_end - k0);
     load_kv_tile(k, v, ks, hk, k0, nk, D, dp, &t);
-    block_grads(p, &t, rows, mp, nk, seg, h, r0, k0, D, dp);
+    block_grads(p, &t, 0, rows, mp, nk, seg, h, r0, k0, D, dp);
     tf_attn_gemm(t.dq, dp, t.dp, BK, 1, t.k, dp, mp, dp, nk, 1);
   }
   for (int64_t i = 0; i < rows; ++i)

@@ -22,6 +22,13 @@
 #define TF_ATTN_FWD_LD (TF_ATTN_FWD_ROWS + 16)
 
 /*
+ * Key tiles the backward's vector path takes in one walk over the query
+ * tiles: each query tile's rows are then loaded, and its dQ rows updated, once
+ * for that many key tiles.
+ */
+#define TF_ATTN_BWD_KEY_TILES 2
+
+/*
  * One sequence's rows: rows [start, start + span) of dim 1 of batch entry
  * `batch` belong to it, the first `valid` of them are real tokens. Packed
  * layouts have one extra segment for the tokens past cu_seqlens[N] (valid 0).

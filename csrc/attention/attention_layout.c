@@ -159,8 +159,8 @@ int64_t tf_attn_fwd_scratch_floats(const tf_attn_problem *p) {
 
 int64_t tf_attn_bwd_scratch_floats(const tf_attn_problem *p) {
   const int64_t dp = tf_attn_padded_dim(p);
-  /* k, k^T, v^T, dk, dv tiles; q, dout, dq tiles; p, dp tiles; lse and delta; one staging row. */
-  const int64_t vector = TF_ATTN_BLOCK_K * dp * 5 + TF_ATTN_BLOCK_Q * dp * 3 +
+  /* k, k^T, v^T, dk, dv of TF_ATTN_BWD_KEY_TILES key tiles; q, dout, dq tiles; p, dp tiles; lse and delta; one staging row. */
+  const int64_t vector = TF_ATTN_BWD_KEY_TILES * TF_ATTN_BLOCK_K * dp * 5 + TF_ATTN_BLOCK_Q * dp * 3 +
                          2 * TF_ATTN_BLOCK_Q * TF_ATTN_BLOCK_K + 2 * TF_ATTN_BLOCK_Q + dp;
 #if TF_ATTN_AMX_BUILT
   /* The AMX path's need (attention_amx_bwd.c), for head dims it takes. */
