@@ -29,7 +29,22 @@
 #error "TF_ATTN_VW must be 16 or 8"
 #endif
 
+/* GCC on x86-64 builds the vector path once per x86-64 level (TF_ATTN_VECTOR_CLONES). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TF_ATTN_X86_CLONES 1
+#else
+#define TF_ATTN_X86_CLONES 0
+#endif
+
+/*
+ * The AVX2 build's helpers are compiled for its target, x86-64-v3, so that
+ * they may name its instructions (tf_vf_max); they are inlined only there.
+ */
+#if TF_ATTN_VW == 8 && TF_ATTN_X86_CLONES
+#define TF_ATTN_INLINE static inline __attribute__((always_inline, target("arch=x86-64-v3")))
+#else
 #define TF_ATTN_INLINE static inline __attribute__((always_inline))
+#endif
 
 /*
  * One build of a unit function per x86-64 level, chosen at each call by the
@@ -42,7 +57,7 @@
  * tf_attn_NAME_avx2, the x86-64-v3 build, in the same body's file with
  * 8-float vectors (attention_*_avx2.c).
  */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if TF_ATTN_X86_CLONES
 #define TF_ATTN_VECTOR_CLONES(NAME, PARAMS, ARGS)                              \
   void tf_attn_##NAME##_avx2 PARAMS;                                           \
   __attribute__((target("arch=x86-64-v4"))) static void NAME##_v4 PARAMS {     \
@@ -98,7 +113,19 @@ TF_ATTN_INLINE tf_vf tf_vf_select(tf_vfi mask, tf_vf a, tf_vf b) {
   return (tf_vf)(((tf_vfu)a & m) | ((tf_vfu)b & ~m));
 }
 
+/*
+ * a > b ? a : b per lane. With 8-float vectors on x86 (the AVX2 build) that
+ * is exactly what vmaxps computes (b where either is NaN, and for two zeros),
+ * which is asked for by name: GCC builds the select from a compare and three
+ * logic operations there.
+ */
+#if TF_ATTN_VW == 8 && TF_ATTN_X86_CLONES
+TF_ATTN_INLINE tf_vf tf_vf_max(tf_vf a, tf_vf b) {
+  return __builtin_ia32_maxps256(a, b);
+}
+#else
 TF_ATTN_INLINE tf_vf tf_vf_max(tf_vf a, tf_vf b) { return tf_vf_select(a > b, a, b); }
+#endif
 
 /*
  * 2^x for x <= 0 (small positive x is fine too), relative error about 1e-7;
