@@ -28,7 +28,7 @@ _ops = torch.ops.te_fuser
 # logsumexp.
 # The tests of te_fuser's own kernels turn this off (tests/test_attention*.py).
 ROUTE_TO_TORCH_CPU_FLASH = True
-ROUTED_ISAS = ("portable", "avx2")
+ROUTED_ISAS = ("portable",)
 
 FP8_INPUT_DTYPES = (torch.float8_e4m3fn,)
 
