@@ -33,8 +33,13 @@
 
 #define BQ TF_ATTN_BLOCK_Q
 #define BK TF_ATTN_BLOCK_K
-/* Key tiles one walk over the query tiles serves (see key_tile_grads). */
-#define KT TF_ATTN_BWD_KEY_TILES
+/*
+ * Key tiles one walk over the query tiles serves (see key_tile_grads): two in
+ * the AVX2 build, where it was measured; one in the x86-64-v4 and baseline
+ * builds, which keep the order of their dQ sums (they could not be measured
+ * on the AVX2-only machine this was written on).
+ */
+#define KT (TF_ATTN_VW == 8 ? TF_ATTN_BWD_KEY_TILES : 1)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 /*

@@ -22,9 +22,9 @@
 #define TF_ATTN_FWD_LD (TF_ATTN_FWD_ROWS + 16)
 
 /*
- * Key tiles the backward's vector path takes in one walk over the query
- * tiles: each query tile's rows are then loaded, and its dQ rows updated, once
- * for that many key tiles.
+ * Most key tiles the backward's vector path takes in one walk over the query
+ * tiles (its AVX2 build; attention_bwd_body.h): each query tile's rows are
+ * then loaded, and its dQ rows updated, once for that many key tiles.
  */
 #define TF_ATTN_BWD_KEY_TILES 2
 
