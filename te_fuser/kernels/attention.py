@@ -21,9 +21,14 @@ _ops = torch.ops.te_fuser
 
 # Dense 16/32-bit CPU problems without dropout go to torch's flash-attention kernel for the CPU
 # (aten::_scaled_dot_product_flash_attention_for_cpu, SDPA's CPU path) on the tiers where that was
-# measured faster (ROUTED_ISAS): on an AVX2 CPU (Zen 1, [8, 256, 8, 64] causal, gpt.py's layout) te_fuser's
-# vector path took 7x (fp32) to 8x (bf16) torch's time forward, 9x (fp32) and 2.7x (bf16) backward, and
-# 13x at [1, 2048, 8, 64] fp32. AVX-512 and AMX CPUs keep te_fuser's kernels (AMX: its tile kernels).
+# measured faster (ROUTED_ISAS): the portable tier, where te_fuser's baseline x86-64 build took 9x torch's time
+# forward and 7x forward+backward (Zen 1, [8, 256, 8, 64] causal fp32). The avx2 tier keeps te_fuser's kernels
+# (their AVX2 build, csrc/attention/attention_*_avx2.c). Measured on Zen 1, 2 threads, with
+# benchmarks/bench_attention.py --no-route --isa avx2 (medians; torch's time / te_fuser's in the same run, the
+# range over 3 runs): [1, 2048, 8, 64] causal 1.23-1.26x forward and 1.26-1.47x forward+backward in fp32,
+# 1.17-1.34x and 4.6x in bf16; [8, 256, 8, 64] causal (gpt.py's layout) 1.66-1.77x and 1.55-1.66x in fp32,
+# 1.73-1.79x and 4.1x in bf16. Without the causal mask, [1, 2048, 8, 64] fp32 is even (1.00-1.02x forward,
+# 1.08x forward+backward). AVX-512 and AMX CPUs keep te_fuser's kernels too (AMX: its tile kernels).
 # Same math: float32 scores, softmax and sums, one rounding of the output; lse is the same natural-log
 # logsumexp.
 # The tests of te_fuser's own kernels turn this off (tests/test_attention*.py).
