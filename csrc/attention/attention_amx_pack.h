@@ -11,6 +11,11 @@
 #include "attention_internal.h"
 #include "attention_tile.h"
 
+/* The AMX kernels' tiles are 16 floats wide: they take the tile helpers with 16-float vectors. */
+#if TF_ATTN_VW != 16
+#error "the AMX attention kernels need TF_ATTN_VW == 16"
+#endif
+
 typedef uint16_t tf_v16h __attribute__((vector_size(32)));
 
 /* 16 floats rounded to bf16 bits as tf_f32_to_bf16 does (nearest even, NaN kept quiet), in vector lanes. */
