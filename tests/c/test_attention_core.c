@@ -13,6 +13,7 @@
 
 #include "attention/attention.h"
 #include "attention/attention_dropout.h"
+#include "common/cpu_features.h"
 #include "fp8/fp8_format.h"
 
 #include "check.h"
@@ -508,8 +509,17 @@ static void test_checks(void) {
 }
 
 int main(void) {
-  test_numerics();
-  test_fp8_and_bf16();
+  /*
+   * The vector path at the portable tier (its 16-float baseline build) and
+   * at the CPU's best (on an AVX2 CPU its 8-float AVX2 build).
+   */
+  const int caps[2] = {TF_ISA_PORTABLE, -1};
+  for (int i = 0; i < 2; ++i) {
+    CHECK(tf_set_cpu_isa_cap(caps[i]) == TF_OK, "tf_set_cpu_isa_cap(%d)", caps[i]);
+    printf("vector path at the %s tier\n", tf_isa_name(tf_cpu_isa()));
+    test_numerics();
+    test_fp8_and_bf16();
+  }
 #if defined(TF_ATTN_AMX_EMULATE)
   test_amx_path();
 #endif
