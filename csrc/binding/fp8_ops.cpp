@@ -41,6 +41,17 @@ uint32_t parallel_elements(int64_t n, const char* what, const F& fn) {
                          });
 }
 
+// The FP8 codes of every bit pattern of a 16-bit dtype at this scale (see
+// tf_fp8_table_build), built in parts over the same thread pool.
+std::vector<uint8_t> build_table(tf_dtype dtype, float scale, tf_fp8_format format, const char* what) {
+  constexpr int64_t kPart = 4096;
+  std::vector<uint8_t> table(TF_FP8_TABLE_ENTRIES);
+  parallel_chunks(TF_FP8_TABLE_ENTRIES / kPart, what, [&](int64_t c, uint32_t*) {
+    return tf_fp8_table_build(dtype, scale, format, c * kPart, (c + 1) * kPart, table.data());
+  });
+  return table;
+}
+
 // amax <- max(amax, new), on the bit patterns of non-negative floats (NaN wins).
 void accumulate_amax(const Tensor& amax, uint32_t bits) {
   float* p = amax.mutable_data_ptr<float>();
@@ -56,10 +67,17 @@ Tensor fp8_quantize_cpu(Tensor input, Tensor scale, Tensor amax, ScalarType fp8_
   const void* x = input.const_data_ptr();
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
   const float s = *scale.const_data_ptr<float>();
-  const uint32_t bits = parallel_elements(input.numel(), "fp8_quantize",
-                                     [&](int64_t b, int64_t e, uint32_t* a) {
-                                       return tf_fp8_quantize(x, dtype, b, e, s, format, y, a);
-                                     });
+  uint32_t bits;
+  if (tf_fp8_table_pays(dtype, input.numel())) {
+    const std::vector<uint8_t> table = build_table(dtype, s, format, "fp8_quantize");
+    bits = parallel_elements(input.numel(), "fp8_quantize", [&](int64_t b, int64_t e, uint32_t* a) {
+      return tf_fp8_quantize_table(x, dtype, b, e, table.data(), y, a);
+    });
+  } else {
+    bits = parallel_elements(input.numel(), "fp8_quantize", [&](int64_t b, int64_t e, uint32_t* a) {
+      return tf_fp8_quantize(x, dtype, b, e, s, format, y, a);
+    });
+  }
   accumulate_amax(amax, bits);
   return out;
 }
@@ -111,11 +129,16 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cpu(Tensor input, Tensor scale, Te
   const float s = *scale.const_data_ptr<float>();
   // Bands of whole tiles of about kGrainElements elements each.
   const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / TF_FP8_CT_TILE + 1) * TF_FP8_CT_TILE;
+  const bool use_table = tf_fp8_table_pays(dtype, input.numel());
+  const std::vector<uint8_t> table =
+      use_table ? build_table(dtype, s, format, "fp8_cast_transpose") : std::vector<uint8_t>();
   const uint32_t bits = parallel_chunks(
       (rows + band - 1) / band, "fp8_cast_transpose", [&](int64_t c, uint32_t* a) {
         const int64_t r0 = c * band;
         const int64_t r1 = rows - r0 < band ? rows : r0 + band;
-        return tf_fp8_cast_transpose(x, dtype, rows, cols, cols, r0, r1, s, format, y, y_t, a);
+        return use_table ? tf_fp8_cast_transpose_table(x, dtype, rows, cols, cols, r0, r1, table.data(), y,
+                                                       y_t, a)
+                         : tf_fp8_cast_transpose(x, dtype, rows, cols, cols, r0, r1, s, format, y, y_t, a);
       });
   accumulate_amax(amax, bits);
   return std::make_tuple(out, out_t);

@@ -4,6 +4,8 @@
 #include "../common/tf_checks.h"
 #include "fp8_kernels.h"
 
+#include <string.h>
+
 /* Element loads as float32, one per input dtype. */
 #define TF_LOAD_F32(p, i) (((const float *)(p))[i])
 #define TF_LOAD_BF16(p, i) tf_bf16_to_f32(((const uint16_t *)(p))[i])
@@ -79,6 +81,83 @@ typedef void (*dequantize_fn)(const uint8_t *, int64_t, int64_t, float, void *);
     return amax;                                                                               \
   }
 
+/*
+ * The table kernels of 16-bit input, a block at a time: the largest |x| bit pattern in one loop
+ * (which the compiler vectorizes), the lookups in another.
+ */
+enum { TABLE_BLOCK = 1024 };
+
+static uint32_t quantize_table_16(const void *restrict x, int64_t begin, int64_t end,
+                                  const uint8_t *restrict table, uint8_t *restrict y, tf_dtype d) {
+  const uint16_t *restrict h = (const uint16_t *)x;
+  uint16_t m = 0;
+  for (int64_t b = begin; b < end; b += TABLE_BLOCK) {
+    const int64_t e = end - b < TABLE_BLOCK ? end : b + TABLE_BLOCK;
+    for (int64_t i = b; i < e; ++i) {
+      const uint16_t a = h[i] & 0x7FFFu;
+      m = a > m ? a : m;
+    }
+    for (int64_t i = b; i < e; ++i) y[i] = table[h[i]];
+  }
+  const uint32_t amax = tf_fp8_amax_of_16bit_max(m, d);
+  return amax == UINT32_MAX ? tf_fp8_kernels_portable.amax[d](x, begin, end) : amax;
+}
+
+/* DEFINE_CAST_TRANSPOSE's tiles, with lookups, and the amax on the bit patterns. */
+static uint32_t cast_transpose_table_16(const void *restrict x, int64_t ld_x, int64_t rows,
+                                        int64_t cols, const uint8_t *restrict table,
+                                        uint8_t *restrict y, int64_t ld_y, uint8_t *restrict y_t,
+                                        int64_t ld_t, tf_dtype d) {
+  const uint16_t *restrict h = (const uint16_t *)x;
+  uint16_t m = 0;
+  uint8_t tile[TF_FP8_CT_TILE][TF_FP8_CT_TILE];
+  for (int64_t r0 = 0; r0 < rows; r0 += TF_FP8_CT_TILE) {
+    const int64_t nr = rows - r0 < TF_FP8_CT_TILE ? rows - r0 : TF_FP8_CT_TILE;
+    for (int64_t c0 = 0; c0 < cols; c0 += TF_FP8_CT_TILE) {
+      const int64_t nc = cols - c0 < TF_FP8_CT_TILE ? cols - c0 : TF_FP8_CT_TILE;
+      for (int64_t r = 0; r < nr; ++r) {
+        const uint16_t *row = h + (r0 + r) * ld_x + c0;
+        for (int64_t c = 0; c < nc; ++c) {
+          const uint16_t a = row[c] & 0x7FFFu;
+          m = a > m ? a : m;
+          tile[r][c] = table[row[c]];
+        }
+        memcpy(y + (r0 + r) * ld_y + c0, tile[r], (size_t)nc);
+      }
+      for (int64_t c = 0; c < nc; ++c)
+        for (int64_t r = 0; r < nr; ++r) y_t[(c0 + c) * ld_t + r0 + r] = tile[r][c];
+    }
+  }
+  uint32_t amax = tf_fp8_amax_of_16bit_max(m, d);
+  if (amax == UINT32_MAX) { /* a float16 NaN: recount in float32 bits */
+    amax = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint32_t a = tf_fp8_kernels_portable.amax[d](x, r * ld_x, r * ld_x + cols);
+      amax = a > amax ? a : amax;
+    }
+  }
+  return amax;
+}
+
+static uint32_t quantize_table_bf16(const void *x, int64_t begin, int64_t end, const uint8_t *table,
+                                    uint8_t *y) {
+  return quantize_table_16(x, begin, end, table, y, TF_BFLOAT16);
+}
+static uint32_t quantize_table_f16(const void *x, int64_t begin, int64_t end, const uint8_t *table,
+                                   uint8_t *y) {
+  return quantize_table_16(x, begin, end, table, y, TF_FLOAT16);
+}
+static uint32_t cast_transpose_table_bf16(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
+                                          const uint8_t *table, uint8_t *y, int64_t ld_y,
+                                          uint8_t *y_t, int64_t ld_t) {
+  return cast_transpose_table_16(x, ld_x, rows, cols, table, y, ld_y, y_t, ld_t, TF_BFLOAT16);
+}
+static uint32_t cast_transpose_table_f16(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
+                                         const uint8_t *table, uint8_t *y, int64_t ld_y,
+                                         uint8_t *y_t, int64_t ld_t) {
+  return cast_transpose_table_16(x, ld_x, rows, cols, table, y, ld_y, y_t, ld_t, TF_FLOAT16);
+}
+
 DEFINE_QUANTIZE(quantize_f32_e4m3, TF_LOAD_F32, tf_fp8_e4m3_encode)
 DEFINE_QUANTIZE(quantize_f32_e5m2, TF_LOAD_F32, tf_fp8_e5m2_encode)
 DEFINE_QUANTIZE(quantize_bf16_e4m3, TF_LOAD_BF16, tf_fp8_e4m3_encode)
@@ -111,7 +190,9 @@ const tf_fp8_kernel_set tf_fp8_kernels_portable = {
     .amax = {amax_f32, amax_bf16, amax_f16},
     .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
                        {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
-                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}}};
+                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
+    .quantize_table = {quantize_table_bf16, quantize_table_f16},
+    .cast_transpose_table = {cast_transpose_table_bf16, cast_transpose_table_f16}};
 
 /* Indexed [dtype][format]; dtype and format are checked before indexing. */
 static const dequantize_fn dequantize_table[3][2] = {
@@ -161,26 +242,89 @@ tf_status tf_fp8_dequantize(const uint8_t *y, tf_fp8_format format, int64_t begi
   return TF_OK;
 }
 
-tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
-                                int64_t x_row_stride, int64_t row_begin, int64_t row_end,
-                                float scale, tf_fp8_format format, uint8_t *y, uint8_t *y_t,
-                                uint32_t *amax_bits) {
-  if (!amax_bits) return TF_ERR_NULL_POINTER;
-  if (!dtype_ok(dtype) || !format_ok(format)) return TF_ERR_BAD_DTYPE;
+/*
+ * The checks of a cast-transpose call past its amax pointer and types: TF_OK with *empty set
+ * (and the amax 0) when the band has nothing to do.
+ */
+static tf_status check_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
+                                      int64_t x_row_stride, int64_t row_begin, int64_t row_end,
+                                      uint8_t *y, uint8_t *y_t, uint32_t *amax_bits, int *empty) {
   if (rows < 0 || cols < 0 || x_row_stride < cols) return TF_ERR_BAD_SIZE;
   if (!tf_range_ok(row_begin, row_end, rows)) return TF_ERR_BAD_SIZE;
   /* The largest index read is (rows - 1) * x_row_stride + cols - 1; written, rows * cols - 1. */
   if (!tf_mul_fits(rows, x_row_stride) || !tf_mul_fits(rows, cols)) return TF_ERR_OVERFLOW;
   if (!tf_mul_fits(rows * x_row_stride, tf_dtype_size(dtype))) return TF_ERR_OVERFLOW;
   if (row_end > row_begin && cols > 0 && (!x || !y || !y_t)) return TF_ERR_NULL_POINTER;
-  if (row_end == row_begin || cols == 0) {
-    *amax_bits = 0;
-    return TF_OK;
-  }
+  *empty = row_end == row_begin || cols == 0;
+  if (*empty) *amax_bits = 0;
+  return TF_OK;
+}
+
+tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
+                                int64_t x_row_stride, int64_t row_begin, int64_t row_end,
+                                float scale, tf_fp8_format format, uint8_t *y, uint8_t *y_t,
+                                uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  if (!dtype_ok(dtype) || !format_ok(format)) return TF_ERR_BAD_DTYPE;
+  int empty = 0;
+  const tf_status st = check_cast_transpose(x, dtype, rows, cols, x_row_stride, row_begin, row_end,
+                                            y, y_t, amax_bits, &empty);
+  if (st != TF_OK || empty) return st;
   /* The band as a block of its own: its first row, its rows of y and its columns of y_t. */
   const char *band = (const char *)x + row_begin * x_row_stride * tf_dtype_size(dtype);
   *amax_bits = tf_fp8_kernels_active()->cast_transpose[dtype][format](
       band, x_row_stride, row_end - row_begin, cols, scale, y + row_begin * cols, cols,
+      y_t + row_begin, rows);
+  return TF_OK;
+}
+
+static int table_dtype_ok(tf_dtype dtype) { return dtype == TF_BFLOAT16 || dtype == TF_FLOAT16; }
+
+int tf_fp8_table_pays(tf_dtype dtype, int64_t elements) {
+  return table_dtype_ok(dtype) && elements >= TF_FP8_TABLE_MIN_ELEMENTS;
+}
+
+tf_status tf_fp8_table_build(tf_dtype dtype, float scale, tf_fp8_format format, int64_t begin,
+                             int64_t end, uint8_t *table) {
+  if (!table_dtype_ok(dtype) || !format_ok(format)) return TF_ERR_BAD_DTYPE;
+  if (!tf_range_ok(begin, end, TF_FP8_TABLE_ENTRIES)) return TF_ERR_BAD_SIZE;
+  if (end > begin && !table) return TF_ERR_NULL_POINTER;
+  /* The bit patterns themselves, a block at a time, through the quantize kernel in force. */
+  enum { BLOCK = 512 };
+  uint16_t bits[BLOCK];
+  const tf_fp8_quantize_fn encode = tf_fp8_kernels_active()->quantize[dtype][format];
+  for (int64_t b = begin; b < end; b += BLOCK) {
+    const int64_t n = end - b < BLOCK ? end - b : BLOCK;
+    for (int64_t k = 0; k < n; ++k) bits[k] = (uint16_t)(b + k);
+    encode(bits, 0, n, scale, table + b);
+  }
+  return TF_OK;
+}
+
+tf_status tf_fp8_quantize_table(const void *x, tf_dtype dtype, int64_t begin, int64_t end,
+                                const uint8_t *table, uint8_t *y, uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  if (!table_dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
+  if (begin < 0 || begin > end) return TF_ERR_BAD_SIZE;
+  if (end > begin && (!x || !y || !table)) return TF_ERR_NULL_POINTER;
+  *amax_bits = tf_fp8_kernels_active()->quantize_table[dtype - TF_BFLOAT16](x, begin, end, table, y);
+  return TF_OK;
+}
+
+tf_status tf_fp8_cast_transpose_table(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
+                                      int64_t x_row_stride, int64_t row_begin, int64_t row_end,
+                                      const uint8_t *table, uint8_t *y, uint8_t *y_t,
+                                      uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  if (!table_dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
+  int empty = 0;
+  const tf_status st = check_cast_transpose(x, dtype, rows, cols, x_row_stride, row_begin, row_end,
+                                            y, y_t, amax_bits, &empty);
+  if (st != TF_OK || empty) return st;
+  if (!table) return TF_ERR_NULL_POINTER;
+  const char *band = (const char *)x + row_begin * x_row_stride * tf_dtype_size(dtype);
+  *amax_bits = tf_fp8_kernels_active()->cast_transpose_table[dtype - TF_BFLOAT16](
+      band, x_row_stride, row_end - row_begin, cols, table, y + row_begin * cols, cols,
       y_t + row_begin, rows);
   return TF_OK;
 }

@@ -28,6 +28,9 @@
  * with scales that take either encoder. float16 is widened by F16C's vcvtph2ps, which is exact
  * and quiets a signalling NaN like the portable conversion.
  *
+ * The table kernels (tf_fp8_table_build) run the same loops and tiles with a third mode in place
+ * of an encoder: one scalar lookup an element, the amax on the 16-bit patterns as above.
+ *
  * Only whole steps and whole cast-transpose tiles are done here; the few elements
  * past them are handed to the portable kernels, which give the same bytes.
  */
@@ -129,7 +132,7 @@ TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
 /* ---- The fast encoder (positive finite scale). ---- */
 
 /* The kernels pass this as a constant, so each kernel is compiled once per encoder. */
-enum { GENERIC = 0, FAST = 1 };
+enum { GENERIC = 0, FAST = 1, TABLE = 2 };
 
 /*
  * Whether the fast encoder applies: scale > 0 and finite, so that |x * scale| = |x| * scale and
@@ -232,27 +235,44 @@ TF_AVX2_INLINE uint32_t hmax_u16(__m256i m) {
   return (uint32_t)_mm_cvtsi128_si32(r) & 0xFFFFu;
 }
 
-/*
- * The float32 amax bits of 16-bit lanes of |x| bit patterns, which order like the values. A
- * float16 NaN is the exception: the widening quiets a signalling one, which reorders NaN
- * payloads, so then UINT32_MAX asks the caller to recount in float32 bits.
- */
+/* The float32 amax bits of 16-bit lanes of |x| bit patterns, or UINT32_MAX: recount. */
 TF_AVX2_INLINE uint32_t amax16_bits(__m256i amax, tf_dtype d) {
-  const uint32_t m = hmax_u16(amax);
-  if (d == TF_BFLOAT16) return m << 16;
-  return m > 0x7C00u ? UINT32_MAX : tf_f32_bits(tf_f16_to_f32((uint16_t)m));
+  return tf_fp8_amax_of_16bit_max(hmax_u16(amax), d);
 }
 
-/* ---- Either encoder. ---- */
+/* ---- The table "encoder" (16-bit input, any scale; see tf_fp8_table_build). ---- */
+
+/*
+ * The 32 codes of the elements at x + i, one scalar lookup each, gathered 8 to a 64-bit word
+ * (vpgatherdd is slower than scalar loads on the CPUs this tier serves), and their |x| bit
+ * patterns folded into *amax.
+ */
+TF_AVX2_INLINE __m256i table_encode32(const void *x, int64_t i, const uint8_t *table, __m256i *amax) {
+  const uint16_t *h = (const uint16_t *)x + i;
+  const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
+  const __m256i a0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)h), abs_mask);
+  const __m256i a1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + 16)), abs_mask);
+  *amax = _mm256_max_epu16(*amax, _mm256_max_epu16(a0, a1));
+  uint64_t w[4];
+  for (int k = 0; k < 4; ++k) {
+    uint64_t v = 0;
+    for (int j = 0; j < 8; ++j) v |= (uint64_t)table[h[8 * k + j]] << (8 * j);
+    w[k] = v;
+  }
+  return _mm256_setr_epi64x((long long)w[0], (long long)w[1], (long long)w[2], (long long)w[3]);
+}
+
+/* ---- Any of the three. ---- */
 
 /*
  * Encodes the 32 elements at x + i and folds their |x| into *amax (in 16-bit lanes for 16-bit
- * input under the fast encoder, as the amax bits otherwise). s is the scale, or the fast
- * multiplier under the fast encoder.
+ * input under the fast encoder and the table, as the amax bits otherwise). s is the scale, or
+ * the fast multiplier under the fast encoder; the table is used by the table mode only.
  */
-TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 s, __m256i *amax, tf_dtype d,
-                                tf_fp8_format f, int fast) {
-  if (fast) return fast_encode32(x, i, s, amax, d, f);
+TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 s, const uint8_t *table, __m256i *amax,
+                                tf_dtype d, tf_fp8_format f, int mode) {
+  if (mode == TABLE) return table_encode32(x, i, table, amax);
+  if (mode == FAST) return fast_encode32(x, i, s, amax, d, f);
   __m256 v[4];
   for (int k = 0; k < 4; ++k) {
     const __m256 xk = load8(x, i + 8 * k, d);
@@ -263,15 +283,16 @@ TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 s, __m256i *ama
 }
 
 /* The amax bits of an encode32 accumulator, or UINT32_MAX where the caller must recount. */
-TF_AVX2_INLINE uint32_t amax_of(__m256i amax, tf_dtype d, int fast) {
-  return fast && d != TF_FLOAT32 ? amax16_bits(amax, d) : hmax_u32(amax);
+TF_AVX2_INLINE uint32_t amax_of(__m256i amax, tf_dtype d, int mode) {
+  return mode != GENERIC && d != TF_FLOAT32 ? amax16_bits(amax, d) : hmax_u32(amax);
 }
 
 enum { PREFETCH_BYTES = 4096 };
 
 TF_AVX2_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end, float scale,
-                                       uint8_t *y, tf_dtype d, tf_fp8_format f, int fast) {
-  const __m256 s = _mm256_set1_ps(fast ? fast_multiplier(scale, f) : scale);
+                                       const uint8_t *table, uint8_t *y, tf_dtype d, tf_fp8_format f,
+                                       int mode) {
+  const __m256 s = _mm256_set1_ps(mode == FAST ? fast_multiplier(scale, f) : scale);
   __m256i amax = _mm256_setzero_si256();
   const int64_t size = tf_dtype_size(d);
   int64_t i = begin;
@@ -285,19 +306,29 @@ TF_AVX2_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end
     const uintptr_t ahead = (uintptr_t)x + (uintptr_t)(i * size + PREFETCH_BYTES);
     for (int64_t line = 0; line < 32 * size; line += 64)
       _mm_prefetch((const char *)(ahead + (uintptr_t)line), _MM_HINT_T0);
-    _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, &amax, d, f, fast));
+    _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, table, &amax, d, f, mode));
   }
-  uint32_t head = amax_of(amax, d, fast);
+  uint32_t head = amax_of(amax, d, mode);
   if (head == UINT32_MAX) head = tf_fp8_kernels_portable.amax[d](x, begin, i);
-  const uint32_t tail = tf_fp8_kernels_portable.quantize[d][f](x, i, end, scale, y);
+  const uint32_t tail = mode == TABLE
+                            ? tf_fp8_kernels_portable.quantize_table[d - TF_BFLOAT16](x, i, end, table, y)
+                            : tf_fp8_kernels_portable.quantize[d][f](x, i, end, scale, y);
   return head > tail ? head : tail;
 }
 
 #define DEFINE_QUANTIZE(NAME, DTYPE, FORMAT)                                                    \
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale,    \
                                       uint8_t *y) {                                             \
-    return fast_scale(scale, FORMAT) ? quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, FAST) \
-                                     : quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, GENERIC); \
+    return fast_scale(scale, FORMAT)                                                            \
+               ? quantize_range(x, begin, end, scale, NULL, y, DTYPE, FORMAT, FAST)             \
+               : quantize_range(x, begin, end, scale, NULL, y, DTYPE, FORMAT, GENERIC);         \
+  }
+
+/* The format is the table's business: TF_FP8_E4M3 below only fills the parameter. */
+#define DEFINE_QUANTIZE_TABLE(NAME, DTYPE)                                                      \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end,                 \
+                                      const uint8_t *table, uint8_t *y) {                       \
+    return quantize_range(x, begin, end, 0.0f, table, y, DTYPE, TF_FP8_E4M3, TABLE);             \
   }
 
 DEFINE_QUANTIZE(quantize_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
@@ -306,6 +337,8 @@ DEFINE_QUANTIZE(quantize_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
 DEFINE_QUANTIZE(quantize_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
 DEFINE_QUANTIZE(quantize_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
 DEFINE_QUANTIZE(quantize_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+DEFINE_QUANTIZE_TABLE(quantize_table_bf16, TF_BFLOAT16)
+DEFINE_QUANTIZE_TABLE(quantize_table_f16, TF_FLOAT16)
 
 /* float32: two accumulators of float32 bits; bfloat16 and float16: 16-bit lanes, 32 a step. */
 TF_AVX2_INLINE uint32_t amax_range(const void *x, int64_t begin, int64_t end, tf_dtype d) {
@@ -390,8 +423,9 @@ TF_AVX2_INLINE void store32(__m256i *p, __m256i v, int stream) {
 
 TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_x, int64_t r0,
                                         int64_t c0, int width, int stream, tf_dtype d,
-                                        tf_fp8_format f, int fast, __m256 s, __m256i *amax, uint8_t *y,
-                                        int64_t ld_y, uint8_t *y_t, int64_t ld_t) {
+                                        tf_fp8_format f, int mode, __m256 s, const uint8_t *table,
+                                        __m256i *amax, uint8_t *y, int64_t ld_y, uint8_t *y_t,
+                                        int64_t ld_t) {
   __m256i tile[2][TILE_ROWS];        /* tile[k][r]: row r, columns 32k..32k+31 */
   __m256i tile_t[64][TILE_ROWS / 32]; /* tile_t[c]: column c, TILE_ROWS codes */
   for (int r = 0; r < TILE_ROWS; ++r) {
@@ -399,7 +433,7 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     const char *next = (const char *)x + ((r0 + r) * ld_x + c0 + 32 * width) * size;
     for (int64_t line = 0; line < 32 * width * size; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     for (int k = 0; k < width; ++k) {
-      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, amax, d, f, fast);
+      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, table, amax, d, f, mode);
       store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
     }
   }
@@ -422,30 +456,40 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
  * are left; the ragged right and bottom edges go to the portable kernel as
  * blocks of their own.
  */
+/* The portable kernel on a block at the ragged edge, with the scale or the table of the mode. */
+TF_AVX2_INLINE uint32_t edge_block(const void *x, int64_t ld_x, int64_t rows, int64_t cols, float scale,
+                                   const uint8_t *table, uint8_t *y, int64_t ld_y, uint8_t *y_t,
+                                   int64_t ld_t, tf_dtype d, tf_fp8_format f, int mode) {
+  if (mode == TABLE)
+    return tf_fp8_kernels_portable.cast_transpose_table[d - TF_BFLOAT16](x, ld_x, rows, cols, table, y,
+                                                                        ld_y, y_t, ld_t);
+  return tf_fp8_kernels_portable.cast_transpose[d][f](x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t);
+}
+
 TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
-                                             float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,
-                                             int64_t ld_t, tf_dtype d, tf_fp8_format f, int fast) {
+                                             float scale, const uint8_t *table, uint8_t *y, int64_t ld_y,
+                                             uint8_t *y_t, int64_t ld_t, tf_dtype d, tf_fp8_format f,
+                                             int mode) {
   const int64_t size = tf_dtype_size(d);
   const int64_t full_rows = rows - rows % TILE_ROWS, wide_cols = cols - cols % 64;
   const int64_t full_cols = cols - cols % 32;
-  const __m256 s = _mm256_set1_ps(fast ? fast_multiplier(scale, f) : scale);
+  const __m256 s = _mm256_set1_ps(mode == FAST ? fast_multiplier(scale, f) : scale);
   __m256i amax_v = _mm256_setzero_si256();
   const int stream =
       (uintptr_t)y % 32 == 0 && ld_y % 32 == 0 && (uintptr_t)y_t % 32 == 0 && ld_t % 32 == 0;
   for (int64_t r0 = 0; r0 < full_rows; r0 += TILE_ROWS) {
     for (int64_t c0 = 0; c0 < wide_cols; c0 += 64) {
       if (stream)
-        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, d, f, fast, s, &amax_v, y, ld_y, y_t, ld_t);
+        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, d, f, mode, s, table, &amax_v, y, ld_y, y_t, ld_t);
       else
-        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, d, f, fast, s, &amax_v, y, ld_y, y_t, ld_t);
+        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, d, f, mode, s, table, &amax_v, y, ld_y, y_t, ld_t);
     }
     if (wide_cols < full_cols)
-      cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, d, f, fast, s, &amax_v, y, ld_y, y_t,
-                          ld_t);
+      cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, d, f, mode, s, table, &amax_v, y, ld_y,
+                          y_t, ld_t);
   }
   if (stream) _mm_sfence(); /* the streamed stores are visible before the caller's next step */
-  const tf_fp8_cast_transpose_fn edge = tf_fp8_kernels_portable.cast_transpose[d][f];
-  uint32_t amax = amax_of(amax_v, d, fast), a;
+  uint32_t amax = amax_of(amax_v, d, mode), a;
   if (amax == UINT32_MAX) { /* a float16 NaN: recount the whole tiles in float32 bits */
     amax = 0;
     for (int64_t r = 0; r < full_rows; ++r) {
@@ -454,13 +498,13 @@ TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_
     }
   }
   if (full_cols < cols) { /* right edge of the whole-tile rows */
-    a = edge((const char *)x + full_cols * size, ld_x, full_rows, cols - full_cols, scale, y + full_cols,
-             ld_y, y_t + full_cols * ld_t, ld_t);
+    a = edge_block((const char *)x + full_cols * size, ld_x, full_rows, cols - full_cols, scale, table,
+                   y + full_cols, ld_y, y_t + full_cols * ld_t, ld_t, d, f, mode);
     amax = a > amax ? a : amax;
   }
   if (full_rows < rows) { /* bottom rows, every column */
-    a = edge((const char *)x + full_rows * ld_x * size, ld_x, rows - full_rows, cols, scale,
-             y + full_rows * ld_y, ld_y, y_t + full_rows, ld_t);
+    a = edge_block((const char *)x + full_rows * ld_x * size, ld_x, rows - full_rows, cols, scale, table,
+                   y + full_rows * ld_y, ld_y, y_t + full_rows, ld_t, d, f, mode);
     amax = a > amax ? a : amax;
   }
   return amax;
@@ -471,9 +515,19 @@ TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_
                                       float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,          \
                                       int64_t ld_t) {                                               \
     return fast_scale(scale, FORMAT)                                                                \
-               ? cast_transpose_block(x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t, DTYPE, FORMAT, FAST) \
-               : cast_transpose_block(x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t, DTYPE, FORMAT,    \
-                                      GENERIC);                                                     \
+               ? cast_transpose_block(x, ld_x, rows, cols, scale, NULL, y, ld_y, y_t, ld_t, DTYPE,  \
+                                      FORMAT, FAST)                                                 \
+               : cast_transpose_block(x, ld_x, rows, cols, scale, NULL, y, ld_y, y_t, ld_t, DTYPE,  \
+                                      FORMAT, GENERIC);                                             \
+  }
+
+/* As DEFINE_QUANTIZE_TABLE: the format only fills the parameter. */
+#define DEFINE_CAST_TRANSPOSE_TABLE(NAME, DTYPE)                                                    \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols,      \
+                                      const uint8_t *table, uint8_t *y, int64_t ld_y, uint8_t *y_t, \
+                                      int64_t ld_t) {                                               \
+    return cast_transpose_block(x, ld_x, rows, cols, 0.0f, table, y, ld_y, y_t, ld_t, DTYPE,        \
+                                TF_FP8_E4M3, TABLE);                                                \
   }
 
 DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
@@ -482,6 +536,8 @@ DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
 DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
 DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
 DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+DEFINE_CAST_TRANSPOSE_TABLE(cast_transpose_table_bf16, TF_BFLOAT16)
+DEFINE_CAST_TRANSPOSE_TABLE(cast_transpose_table_f16, TF_FLOAT16)
 
 static const tf_fp8_kernel_set avx2_kernels = {
     .quantize = {{quantize_f32_e4m3, quantize_f32_e5m2},
@@ -490,7 +546,9 @@ static const tf_fp8_kernel_set avx2_kernels = {
     .amax = {amax_f32, amax_bf16, amax_f16},
     .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
                        {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
-                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}}};
+                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
+    .quantize_table = {quantize_table_bf16, quantize_table_f16},
+    .cast_transpose_table = {cast_transpose_table_bf16, cast_transpose_table_f16}};
 
 const tf_fp8_kernel_set *const tf_fp8_kernels_avx2 = &avx2_kernels;
 
