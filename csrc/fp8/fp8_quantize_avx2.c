@@ -35,6 +35,7 @@
  * past them are handed to the portable kernels, which give the same bytes.
  */
 #include <float.h>
+#include <string.h>
 
 #include "fp8_kernels.h"
 #include "fp8_quantize.h"
@@ -131,7 +132,7 @@ TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
 
 /* ---- The fast encoder (positive finite scale). ---- */
 
-/* The kernels pass this as a constant, so each kernel is compiled once per encoder. */
+/* The kernels pass this as a constant, so each kernel is compiled once per encoder (or table). */
 enum { GENERIC = 0, FAST = 1, TABLE = 2 };
 
 /*
@@ -243,35 +244,55 @@ TF_AVX2_INLINE uint32_t amax16_bits(__m256i amax, tf_dtype d) {
 /* ---- The table "encoder" (16-bit input, any scale; see tf_fp8_table_build). ---- */
 
 /*
- * The 32 codes of the elements at x + i, one scalar lookup each, gathered 8 to a 64-bit word
- * (vpgatherdd is slower than scalar loads on the CPUs this tier serves), and their |x| bit
- * patterns folded into *amax.
+ * table[h[0..7]] as the 8 bytes of one little-endian word. Scalar loads, as vpgatherdd is slower
+ * on the CPUs of this tier; written out because compilers assemble the word with a shift and an
+ * or per byte, which leaves the loop bound by instruction count: here the indices come from two
+ * 64-bit loads and each looked-up byte is loaded straight into AL or AH, 16 bits of the word at
+ * a time (AH is only encodable without a REX prefix, hence the table pointer in RSI and the
+ * indices in RCX and RDX). The "m" operand tells the compiler that the whole table is read.
  */
-TF_AVX2_INLINE __m256i table_encode32(const void *x, int64_t i, const uint8_t *table, __m256i *amax) {
-  const uint16_t *h = (const uint16_t *)x + i;
+TF_AVX2_INLINE uint64_t lookup8(const uint16_t *h, const uint8_t *table) {
+  uint64_t q0, q1, word;
+  memcpy(&q0, h, 8);
+  memcpy(&q1, h + 4, 8);
+  __asm__(
+      "movq %[q1], %%rcx\n\t" "shrq $48, %%rcx\n\t" "movzbl (%[t],%%rcx), %%eax\n\t"       /* h[7] */
+      "shlq $8, %%rax\n\t"
+      "movq %[q1], %%rdx\n\t" "shrq $32, %%rdx\n\t" "movzwl %%dx, %%edx\n\t"
+      "movb (%[t],%%rdx), %%al\n\t"                                                        /* h[6] */
+      "shlq $16, %%rax\n\t"
+      "movl %k[q1], %%ecx\n\t" "shrl $16, %%ecx\n\t" "movb (%[t],%%rcx), %%ah\n\t"          /* h[5] */
+      "movzwl %w[q1], %%edx\n\t" "movb (%[t],%%rdx), %%al\n\t"                             /* h[4] */
+      "shlq $16, %%rax\n\t"
+      "movq %[q0], %%rcx\n\t" "shrq $48, %%rcx\n\t" "movb (%[t],%%rcx), %%ah\n\t"          /* h[3] */
+      "movq %[q0], %%rdx\n\t" "shrq $32, %%rdx\n\t" "movzwl %%dx, %%edx\n\t"
+      "movb (%[t],%%rdx), %%al\n\t"                                                        /* h[2] */
+      "shlq $16, %%rax\n\t"
+      "movl %k[q0], %%ecx\n\t" "shrl $16, %%ecx\n\t" "movb (%[t],%%rcx), %%ah\n\t"          /* h[1] */
+      "movzwl %w[q0], %%edx\n\t" "movb (%[t],%%rdx), %%al"                                 /* h[0] */
+      : "=&a"(word)
+      : [q0] "r"(q0), [q1] "r"(q1), [t] "S"(table), "m"(*(const uint8_t(*)[TF_FP8_TABLE_ENTRIES])table)
+      : "rcx", "rdx");
+  return word;
+}
+
+/* The |x| bit patterns of the 32 16-bit elements at h folded into *amax. */
+TF_AVX2_INLINE void amax16_fold32(const uint16_t *h, __m256i *amax) {
   const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
   const __m256i a0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)h), abs_mask);
   const __m256i a1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + 16)), abs_mask);
   *amax = _mm256_max_epu16(*amax, _mm256_max_epu16(a0, a1));
-  uint64_t w[4];
-  for (int k = 0; k < 4; ++k) {
-    uint64_t v = 0;
-    for (int j = 0; j < 8; ++j) v |= (uint64_t)table[h[8 * k + j]] << (8 * j);
-    w[k] = v;
-  }
-  return _mm256_setr_epi64x((long long)w[0], (long long)w[1], (long long)w[2], (long long)w[3]);
 }
 
-/* ---- Any of the three. ---- */
+/* ---- Either encoder. ---- */
 
 /*
  * Encodes the 32 elements at x + i and folds their |x| into *amax (in 16-bit lanes for 16-bit
- * input under the fast encoder and the table, as the amax bits otherwise). s is the scale, or
- * the fast multiplier under the fast encoder; the table is used by the table mode only.
+ * input under the fast encoder, as the amax bits otherwise). s is the scale, or the fast
+ * multiplier under the fast encoder. (The table mode has loops of its own.)
  */
-TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 s, const uint8_t *table, __m256i *amax,
-                                tf_dtype d, tf_fp8_format f, int mode) {
-  if (mode == TABLE) return table_encode32(x, i, table, amax);
+TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 s, __m256i *amax, tf_dtype d,
+                                tf_fp8_format f, int mode) {
   if (mode == FAST) return fast_encode32(x, i, s, amax, d, f);
   __m256 v[4];
   for (int k = 0; k < 4; ++k) {
@@ -306,7 +327,15 @@ TF_AVX2_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end
     const uintptr_t ahead = (uintptr_t)x + (uintptr_t)(i * size + PREFETCH_BYTES);
     for (int64_t line = 0; line < 32 * size; line += 64)
       _mm_prefetch((const char *)(ahead + (uintptr_t)line), _MM_HINT_T0);
-    _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, table, &amax, d, f, mode));
+    if (mode == TABLE) { /* the words go straight to y, not through a vector register */
+      amax16_fold32((const uint16_t *)x + i, &amax);
+      for (int k = 0; k < 4; ++k) {
+        const uint64_t word = lookup8((const uint16_t *)x + i + 8 * k, table);
+        memcpy(y + i + 8 * k, &word, 8);
+      }
+    } else {
+      _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, &amax, d, f, mode));
+    }
   }
   uint32_t head = amax_of(amax, d, mode);
   if (head == UINT32_MAX) head = tf_fp8_kernels_portable.amax[d](x, begin, i);
@@ -433,8 +462,24 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     const char *next = (const char *)x + ((r0 + r) * ld_x + c0 + 32 * width) * size;
     for (int64_t line = 0; line < 32 * width * size; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     for (int k = 0; k < width; ++k) {
-      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, table, amax, d, f, mode);
-      store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
+      const int64_t at = (r0 + r) * ld_x + c0 + 32 * k;
+      uint8_t *y_row = y + (r0 + r) * ld_y + c0 + 32 * k;
+      if (mode == TABLE) {
+        /* Words from general registers to y and to the tile in memory, which the transpose
+           reads back long after, when these stores have left the store buffer. */
+        amax16_fold32((const uint16_t *)x + at, amax);
+        for (int j = 0; j < 4; ++j) {
+          const uint64_t word = lookup8((const uint16_t *)x + at + 8 * j, table);
+          memcpy((uint8_t *)&tile[k][r] + 8 * j, &word, 8);
+          if (stream && width == 2)
+            _mm_stream_si64((long long *)(y_row + 8 * j), (long long)word);
+          else
+            memcpy(y_row + 8 * j, &word, 8);
+        }
+      } else {
+        tile[k][r] = encode32(x, at, s, amax, d, f, mode);
+        store32((__m256i *)y_row, tile[k][r], stream && width == 2);
+      }
     }
   }
   for (int k = 0; k < width; ++k)
