@@ -42,13 +42,11 @@ uint32_t parallel_elements(int64_t n, const char* what, const F& fn) {
 }
 
 // The FP8 codes of every bit pattern of a 16-bit dtype at this scale (see
-// tf_fp8_table_build), built in parts over the same thread pool.
+// tf_fp8_table_build), built on the calling thread: a second parallel region
+// costs more than the build when other processes share the cores.
 std::vector<uint8_t> build_table(tf_dtype dtype, float scale, tf_fp8_format format, const char* what) {
-  constexpr int64_t kPart = 4096;
   std::vector<uint8_t> table(TF_FP8_TABLE_ENTRIES);
-  parallel_chunks(TF_FP8_TABLE_ENTRIES / kPart, what, [&](int64_t c, uint32_t*) {
-    return tf_fp8_table_build(dtype, scale, format, c * kPart, (c + 1) * kPart, table.data());
-  });
+  check_status(tf_fp8_table_build(dtype, scale, format, 0, TF_FP8_TABLE_ENTRIES, table.data()), what);
   return table;
 }
 

@@ -290,7 +290,7 @@ tf_status tf_fp8_table_build(tf_dtype dtype, float scale, tf_fp8_format format, 
   if (!tf_range_ok(begin, end, TF_FP8_TABLE_ENTRIES)) return TF_ERR_BAD_SIZE;
   if (end > begin && !table) return TF_ERR_NULL_POINTER;
   /* The bit patterns themselves, a block at a time, through the quantize kernel in force. */
-  enum { BLOCK = 512 };
+  enum { BLOCK = 1024 };
   uint16_t bits[BLOCK];
   const tf_fp8_quantize_fn encode = tf_fp8_kernels_active()->quantize[dtype][format];
   for (int64_t b = begin; b < end; b += BLOCK) {

@@ -465,16 +465,11 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
       const int64_t at = (r0 + r) * ld_x + c0 + 32 * k;
       uint8_t *y_row = y + (r0 + r) * ld_y + c0 + 32 * k;
       if (mode == TABLE) {
-        /* Words from general registers to y and to the tile in memory, which the transpose
-           reads back long after, when these stores have left the store buffer. */
+        /* Words from general registers into the tile in memory; y's rows go out from it below. */
         amax16_fold32((const uint16_t *)x + at, amax);
         for (int j = 0; j < 4; ++j) {
           const uint64_t word = lookup8((const uint16_t *)x + at + 8 * j, table);
           memcpy((uint8_t *)&tile[k][r] + 8 * j, &word, 8);
-          if (stream && width == 2)
-            _mm_stream_si64((long long *)(y_row + 8 * j), (long long)word);
-          else
-            memcpy(y_row + 8 * j, &word, 8);
         }
       } else {
         tile[k][r] = encode32(x, at, s, amax, d, f, mode);
@@ -482,6 +477,10 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
       }
     }
   }
+  if (mode == TABLE) /* read back a tile's length after the first rows were written */
+    for (int r = 0; r < TILE_ROWS; ++r)
+      for (int k = 0; k < width; ++k)
+        store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
   for (int k = 0; k < width; ++k)
     for (int h = 0; h < TILE_ROWS / 16; ++h) {
       __m256i col[16];
