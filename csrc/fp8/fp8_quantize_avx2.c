@@ -463,7 +463,6 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     for (int64_t line = 0; line < 32 * width * size; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     for (int k = 0; k < width; ++k) {
       const int64_t at = (r0 + r) * ld_x + c0 + 32 * k;
-      uint8_t *y_row = y + (r0 + r) * ld_y + c0 + 32 * k;
       if (mode == TABLE) {
         /* Words from general registers into the tile in memory; y's rows go out from it below. */
         amax16_fold32((const uint16_t *)x + at, amax);
@@ -473,7 +472,7 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
         }
       } else {
         tile[k][r] = encode32(x, at, s, amax, d, f, mode);
-        store32((__m256i *)y_row, tile[k][r], stream && width == 2);
+        store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
       }
     }
   }
@@ -495,11 +494,6 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
       store32((__m256i *)(y_t + (c0 + c) * ld_t + r0) + k, tile_t[c][k], stream);
 }
 
-/*
- * Whole tiles, 64 columns wide and then one 32 wide where 32 to 63 columns
- * are left; the ragged right and bottom edges go to the portable kernel as
- * blocks of their own.
- */
 /* The portable kernel on a block at the ragged edge, with the scale or the table of the mode. */
 TF_AVX2_INLINE uint32_t edge_block(const void *x, int64_t ld_x, int64_t rows, int64_t cols, float scale,
                                    const uint8_t *table, uint8_t *y, int64_t ld_y, uint8_t *y_t,
@@ -510,6 +504,11 @@ TF_AVX2_INLINE uint32_t edge_block(const void *x, int64_t ld_x, int64_t rows, in
   return tf_fp8_kernels_portable.cast_transpose[d][f](x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t);
 }
 
+/*
+ * Whole tiles, 64 columns wide and then one 32 wide where 32 to 63 columns
+ * are left; the ragged right and bottom edges go to the portable kernel as
+ * blocks of their own.
+ */
 TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
                                              float scale, const uint8_t *table, uint8_t *y, int64_t ld_y,
                                              uint8_t *y_t, int64_t ld_t, tf_dtype d, tf_fp8_format f,
