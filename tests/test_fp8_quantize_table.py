@@ -1,4 +1,4 @@
-"""The table path of the CPU quantizer: bfloat16/float16 tensors of at least 2^20 elements
+"""The table path of the CPU quantizer: bfloat16/float16 tensors of at least 2^21 elements
 (TF_FP8_TABLE_MIN_ELEMENTS in csrc/fp8/fp8_quantize.h) are quantized through a per-call table of
 the FP8 code of every 16-bit pattern. Checked against torch's float8 casts on every pattern
 (NaN, Inf, subnormals and -0 included), shuffled, with random scales and saturating ones, in
@@ -13,7 +13,7 @@ from te_fuser.kernels import fp8 as k
 from fp8_reference import FP8_DTYPES, all_16bit_patterns, reference_amax, reference_quantize
 
 ISA_PATHS = [tier for tier in ("portable", "avx2") if tier in cpu.available_isa()]
-TABLE_MIN_ELEMENTS = 1 << 20
+TABLE_MIN_ELEMENTS = 1 << 21
 DTYPES_16 = [torch.bfloat16, torch.float16]
 
 
@@ -59,7 +59,7 @@ def assert_same_amax(amax, x):
 def test_inputs_take_the_table_path(generator):
     """Every test input holds every bit pattern and is as large as the threshold."""
     for dtype in DTYPES_16:
-        for numel in (TABLE_MIN_ELEMENTS, 1024 * 1024, 1031 * 1100):
+        for numel in (TABLE_MIN_ELEMENTS, 1024 * 2048, 1031 * 2100):
             x = every_pattern_shuffled(dtype, numel, generator)
             assert x.numel() >= TABLE_MIN_ELEMENTS and x.view(torch.int16).unique().numel() == 2**16
 
@@ -80,7 +80,7 @@ def test_quantize_every_pattern(generator, dtype, fp8_dtype):
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", DTYPES_16)
-@pytest.mark.parametrize("shape", [(1024, 1024), (1031, 1100)])
+@pytest.mark.parametrize("shape", [(1024, 2048), (1031, 2100)])
 def test_cast_transpose_every_pattern(generator, dtype, fp8_dtype, shape):
     rows, cols = shape
     x = every_pattern_shuffled(dtype, rows * cols, generator).reshape(rows, cols)
@@ -118,10 +118,10 @@ def test_float16_nan_payload_amax(generator):
     x = torch.randn(TABLE_MIN_ELEMENTS, generator=generator).to(torch.float16)
     bits = x.view(torch.int16)
     bits[1000] = 0x7E00  # quiet NaN, the larger 16-bit pattern
-    bits[800_000] = 0x7C01  # signalling NaN, widened to 0x7FC02000
+    bits[1_600_000] = 0x7C01  # signalling NaN, widened to 0x7FC02000
     amax = torch.zeros(1)
     k.quantize(x, torch.tensor([2.0]), amax, torch.float8_e4m3fn)
     assert amax.view(torch.int32).item() == k.compute_amax(x).view(torch.int32).item() == 0x7FC02000
     amax.zero_()
-    k.cast_transpose(x.reshape(1024, 1024), torch.tensor([2.0]), amax, torch.float8_e5m2)
+    k.cast_transpose(x.reshape(1024, 2048), torch.tensor([2.0]), amax, torch.float8_e5m2)
     assert amax.view(torch.int32).item() == 0x7FC02000
