@@ -1,8 +1,8 @@
 """The table path of the CPU quantizer: bfloat16/float16 tensors of at least 2^21 elements
 (TF_FP8_TABLE_MIN_ELEMENTS in csrc/fp8/fp8_quantize.h) are quantized through a per-call table of
 the FP8 code of every 16-bit pattern. Checked against torch's float8 casts on every pattern
-(NaN, Inf, subnormals and -0 included), shuffled, with random scales and saturating ones, in
-quantize and cast-transpose, under each instruction-set path.
+(NaN, Inf, subnormals and -0 included), shuffled, with random scales and saturating ones, under
+each instruction-set path. Cast-transpose has no table path (it measured no gain there).
 """
 
 import pytest
@@ -59,7 +59,7 @@ def assert_same_amax(amax, x):
 def test_inputs_take_the_table_path(generator):
     """Every test input holds every bit pattern and is as large as the threshold."""
     for dtype in DTYPES_16:
-        for numel in (TABLE_MIN_ELEMENTS, 1024 * 2048, 1031 * 2100):
+        for numel in (TABLE_MIN_ELEMENTS, TABLE_MIN_ELEMENTS + 37):
             x = every_pattern_shuffled(dtype, numel, generator)
             assert x.numel() >= TABLE_MIN_ELEMENTS and x.view(torch.int16).unique().numel() == 2**16
 
@@ -75,24 +75,6 @@ def test_quantize_every_pattern(generator, dtype, fp8_dtype):
             data = k.quantize(data_x, scale, amax, fp8_dtype)
             torch.testing.assert_close(as_bytes(data), as_bytes(reference_quantize(data_x, scale, fp8_dtype)),
                                        rtol=0, atol=0, msg=lambda m: f"scale {s!r}: {m}")
-            assert_same_amax(amax, data_x)
-
-
-@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
-@pytest.mark.parametrize("dtype", DTYPES_16)
-@pytest.mark.parametrize("shape", [(1024, 2048), (1031, 2100)])
-def test_cast_transpose_every_pattern(generator, dtype, fp8_dtype, shape):
-    rows, cols = shape
-    x = every_pattern_shuffled(dtype, rows * cols, generator).reshape(rows, cols)
-    for data_x in (x, without_nan(x, generator)):
-        for s in random_scales(generator)[:6]:
-            scale = torch.tensor([s])
-            amax = torch.zeros(1)
-            data, data_t = k.cast_transpose(data_x, scale, amax, fp8_dtype)
-            ref = as_bytes(reference_quantize(data_x, scale, fp8_dtype))
-            torch.testing.assert_close(as_bytes(data), ref, rtol=0, atol=0, msg=lambda m: f"scale {s!r}: {m}")
-            torch.testing.assert_close(as_bytes(data_t), ref.t().contiguous(), rtol=0, atol=0,
-                                       msg=lambda m: f"scale {s!r}, transpose: {m}")
             assert_same_amax(amax, data_x)
 
 
@@ -122,6 +104,3 @@ def test_float16_nan_payload_amax(generator):
     amax = torch.zeros(1)
     k.quantize(x, torch.tensor([2.0]), amax, torch.float8_e4m3fn)
     assert amax.view(torch.int32).item() == k.compute_amax(x).view(torch.int32).item() == 0x7FC02000
-    amax.zero_()
-    k.cast_transpose(x.reshape(1024, 2048), torch.tensor([2.0]), amax, torch.float8_e5m2)
-    assert amax.view(torch.int32).item() == 0x7FC02000

@@ -127,16 +127,11 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cpu(Tensor input, Tensor scale, Te
   const float s = *scale.const_data_ptr<float>();
   // Bands of whole tiles of about kGrainElements elements each.
   const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / TF_FP8_CT_TILE + 1) * TF_FP8_CT_TILE;
-  const bool use_table = tf_fp8_table_pays(dtype, input.numel());
-  const std::vector<uint8_t> table =
-      use_table ? build_table(dtype, s, format, "fp8_cast_transpose") : std::vector<uint8_t>();
   const uint32_t bits = parallel_chunks(
       (rows + band - 1) / band, "fp8_cast_transpose", [&](int64_t c, uint32_t* a) {
         const int64_t r0 = c * band;
         const int64_t r1 = rows - r0 < band ? rows : r0 + band;
-        return use_table ? tf_fp8_cast_transpose_table(x, dtype, rows, cols, cols, r0, r1, table.data(), y,
-                                                       y_t, a)
-                         : tf_fp8_cast_transpose(x, dtype, rows, cols, cols, r0, r1, s, format, y, y_t, a);
+        return tf_fp8_cast_transpose(x, dtype, rows, cols, cols, r0, r1, s, format, y, y_t, a);
       });
   accumulate_amax(amax, bits);
   return std::make_tuple(out, out_t);

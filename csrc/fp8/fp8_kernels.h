@@ -28,17 +28,14 @@ typedef uint32_t (*tf_fp8_cast_transpose_fn)(const void *x, int64_t ld_x, int64_
                                              uint8_t *y_t, int64_t ld_t);
 
 /*
- * The lookup-table kernels of 16-bit input (see tf_fp8_table_build): the same as the two above
+ * The lookup-table quantize kernel of 16-bit input (see tf_fp8_table_build): tf_fp8_quantize_fn
  * with fp8(x * scale) replaced by table[bit pattern of x], for bfloat16 and float16 alike.
  */
 typedef uint32_t (*tf_fp8_quantize_table_fn)(const void *x, int64_t begin, int64_t end,
                                              const uint8_t *table, uint8_t *y);
-typedef uint32_t (*tf_fp8_cast_transpose_table_fn)(const void *x, int64_t ld_x, int64_t rows,
-                                                   int64_t cols, const uint8_t *table, uint8_t *y,
-                                                   int64_t ld_y, uint8_t *y_t, int64_t ld_t);
 
 /*
- * Tables indexed [tf_dtype][tf_fp8_format] (amax: [tf_dtype]); the table kernels
+ * Tables indexed [tf_dtype][tf_fp8_format] (amax: [tf_dtype]); the quantize table kernels
  * [tf_dtype - TF_BFLOAT16], bfloat16 then float16.
  */
 typedef struct tf_fp8_kernel_set {
@@ -46,7 +43,6 @@ typedef struct tf_fp8_kernel_set {
   tf_fp8_amax_fn amax[3];
   tf_fp8_cast_transpose_fn cast_transpose[3][2];
   tf_fp8_quantize_table_fn quantize_table[2];
-  tf_fp8_cast_transpose_table_fn cast_transpose_table[2];
 } tf_fp8_kernel_set;
 
 /*

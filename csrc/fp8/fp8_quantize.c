@@ -4,8 +4,6 @@
 #include "../common/tf_checks.h"
 #include "fp8_kernels.h"
 
-#include <string.h>
-
 /* Element loads as float32, one per input dtype. */
 #define TF_LOAD_F32(p, i) (((const float *)(p))[i])
 #define TF_LOAD_BF16(p, i) tf_bf16_to_f32(((const uint16_t *)(p))[i])
@@ -82,7 +80,7 @@ typedef void (*dequantize_fn)(const uint8_t *, int64_t, int64_t, float, void *);
   }
 
 /*
- * The table kernels of 16-bit input, a block at a time: the largest |x| bit pattern in one loop
+ * The quantize table kernels of 16-bit input, a block at a time: the largest |x| bit pattern in one loop
  * (which the compiler vectorizes), the lookups in another.
  */
 enum { TABLE_BLOCK = 1024 };
@@ -103,42 +101,6 @@ static uint32_t quantize_table_16(const void *restrict x, int64_t begin, int64_t
   return amax == UINT32_MAX ? tf_fp8_kernels_portable.amax[d](x, begin, end) : amax;
 }
 
-/* DEFINE_CAST_TRANSPOSE's tiles, with lookups, and the amax on the bit patterns. */
-static uint32_t cast_transpose_table_16(const void *restrict x, int64_t ld_x, int64_t rows,
-                                        int64_t cols, const uint8_t *restrict table,
-                                        uint8_t *restrict y, int64_t ld_y, uint8_t *restrict y_t,
-                                        int64_t ld_t, tf_dtype d) {
-  const uint16_t *restrict h = (const uint16_t *)x;
-  uint16_t m = 0;
-  uint8_t tile[TF_FP8_CT_TILE][TF_FP8_CT_TILE];
-  for (int64_t r0 = 0; r0 < rows; r0 += TF_FP8_CT_TILE) {
-    const int64_t nr = rows - r0 < TF_FP8_CT_TILE ? rows - r0 : TF_FP8_CT_TILE;
-    for (int64_t c0 = 0; c0 < cols; c0 += TF_FP8_CT_TILE) {
-      const int64_t nc = cols - c0 < TF_FP8_CT_TILE ? cols - c0 : TF_FP8_CT_TILE;
-      for (int64_t r = 0; r < nr; ++r) {
-        const uint16_t *row = h + (r0 + r) * ld_x + c0;
-        for (int64_t c = 0; c < nc; ++c) {
-          const uint16_t a = row[c] & 0x7FFFu;
-          m = a > m ? a : m;
-          tile[r][c] = table[row[c]];
-        }
-        memcpy(y + (r0 + r) * ld_y + c0, tile[r], (size_t)nc);
-      }
-      for (int64_t c = 0; c < nc; ++c)
-        for (int64_t r = 0; r < nr; ++r) y_t[(c0 + c) * ld_t + r0 + r] = tile[r][c];
-    }
-  }
-  uint32_t amax = tf_fp8_amax_of_16bit_max(m, d);
-  if (amax == UINT32_MAX) { /* a float16 NaN: recount in float32 bits */
-    amax = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint32_t a = tf_fp8_kernels_portable.amax[d](x, r * ld_x, r * ld_x + cols);
-      amax = a > amax ? a : amax;
-    }
-  }
-  return amax;
-}
-
 static uint32_t quantize_table_bf16(const void *x, int64_t begin, int64_t end, const uint8_t *table,
                                     uint8_t *y) {
   return quantize_table_16(x, begin, end, table, y, TF_BFLOAT16);
@@ -146,16 +108,6 @@ static uint32_t quantize_table_bf16(const void *x, int64_t begin, int64_t end, c
 static uint32_t quantize_table_f16(const void *x, int64_t begin, int64_t end, const uint8_t *table,
                                    uint8_t *y) {
   return quantize_table_16(x, begin, end, table, y, TF_FLOAT16);
-}
-static uint32_t cast_transpose_table_bf16(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
-                                          const uint8_t *table, uint8_t *y, int64_t ld_y,
-                                          uint8_t *y_t, int64_t ld_t) {
-  return cast_transpose_table_16(x, ld_x, rows, cols, table, y, ld_y, y_t, ld_t, TF_BFLOAT16);
-}
-static uint32_t cast_transpose_table_f16(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
-                                         const uint8_t *table, uint8_t *y, int64_t ld_y,
-                                         uint8_t *y_t, int64_t ld_t) {
-  return cast_transpose_table_16(x, ld_x, rows, cols, table, y, ld_y, y_t, ld_t, TF_FLOAT16);
 }
 
 DEFINE_QUANTIZE(quantize_f32_e4m3, TF_LOAD_F32, tf_fp8_e4m3_encode)
@@ -191,8 +143,7 @@ const tf_fp8_kernel_set tf_fp8_kernels_portable = {
     .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
                        {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
                        {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
-    .quantize_table = {quantize_table_bf16, quantize_table_f16},
-    .cast_transpose_table = {cast_transpose_table_bf16, cast_transpose_table_f16}};
+    .quantize_table = {quantize_table_bf16, quantize_table_f16}};
 
 /* Indexed [dtype][format]; dtype and format are checked before indexing. */
 static const dequantize_fn dequantize_table[3][2] = {
@@ -242,34 +193,22 @@ tf_status tf_fp8_dequantize(const uint8_t *y, tf_fp8_format format, int64_t begi
   return TF_OK;
 }
 
-/*
- * The checks of a cast-transpose call past its amax pointer and types: TF_OK with *empty set
- * (and the amax 0) when the band has nothing to do.
- */
-static tf_status check_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
-                                      int64_t x_row_stride, int64_t row_begin, int64_t row_end,
-                                      uint8_t *y, uint8_t *y_t, uint32_t *amax_bits, int *empty) {
-  if (rows < 0 || cols < 0 || x_row_stride < cols) return TF_ERR_BAD_SIZE;
-  if (!tf_range_ok(row_begin, row_end, rows)) return TF_ERR_BAD_SIZE;
-  /* The largest index read is (rows - 1) * x_row_stride + cols - 1; written, rows * cols - 1. */
-  if (!tf_mul_fits(rows, x_row_stride) || !tf_mul_fits(rows, cols)) return TF_ERR_OVERFLOW;
-  if (!tf_mul_fits(rows * x_row_stride, tf_dtype_size(dtype))) return TF_ERR_OVERFLOW;
-  if (row_end > row_begin && cols > 0 && (!x || !y || !y_t)) return TF_ERR_NULL_POINTER;
-  *empty = row_end == row_begin || cols == 0;
-  if (*empty) *amax_bits = 0;
-  return TF_OK;
-}
-
 tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
                                 int64_t x_row_stride, int64_t row_begin, int64_t row_end,
                                 float scale, tf_fp8_format format, uint8_t *y, uint8_t *y_t,
                                 uint32_t *amax_bits) {
   if (!amax_bits) return TF_ERR_NULL_POINTER;
   if (!dtype_ok(dtype) || !format_ok(format)) return TF_ERR_BAD_DTYPE;
-  int empty = 0;
-  const tf_status st = check_cast_transpose(x, dtype, rows, cols, x_row_stride, row_begin, row_end,
-                                            y, y_t, amax_bits, &empty);
-  if (st != TF_OK || empty) return st;
+  if (rows < 0 || cols < 0 || x_row_stride < cols) return TF_ERR_BAD_SIZE;
+  if (!tf_range_ok(row_begin, row_end, rows)) return TF_ERR_BAD_SIZE;
+  /* The largest index read is (rows - 1) * x_row_stride + cols - 1; written, rows * cols - 1. */
+  if (!tf_mul_fits(rows, x_row_stride) || !tf_mul_fits(rows, cols)) return TF_ERR_OVERFLOW;
+  if (!tf_mul_fits(rows * x_row_stride, tf_dtype_size(dtype))) return TF_ERR_OVERFLOW;
+  if (row_end > row_begin && cols > 0 && (!x || !y || !y_t)) return TF_ERR_NULL_POINTER;
+  if (row_end == row_begin || cols == 0) {
+    *amax_bits = 0;
+    return TF_OK;
+  }
   /* The band as a block of its own: its first row, its rows of y and its columns of y_t. */
   const char *band = (const char *)x + row_begin * x_row_stride * tf_dtype_size(dtype);
   *amax_bits = tf_fp8_kernels_active()->cast_transpose[dtype][format](
@@ -308,23 +247,5 @@ tf_status tf_fp8_quantize_table(const void *x, tf_dtype dtype, int64_t begin, in
   if (begin < 0 || begin > end) return TF_ERR_BAD_SIZE;
   if (end > begin && (!x || !y || !table)) return TF_ERR_NULL_POINTER;
   *amax_bits = tf_fp8_kernels_active()->quantize_table[dtype - TF_BFLOAT16](x, begin, end, table, y);
-  return TF_OK;
-}
-
-tf_status tf_fp8_cast_transpose_table(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
-                                      int64_t x_row_stride, int64_t row_begin, int64_t row_end,
-                                      const uint8_t *table, uint8_t *y, uint8_t *y_t,
-                                      uint32_t *amax_bits) {
-  if (!amax_bits) return TF_ERR_NULL_POINTER;
-  if (!table_dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
-  int empty = 0;
-  const tf_status st = check_cast_transpose(x, dtype, rows, cols, x_row_stride, row_begin, row_end,
-                                            y, y_t, amax_bits, &empty);
-  if (st != TF_OK || empty) return st;
-  if (!table) return TF_ERR_NULL_POINTER;
-  const char *band = (const char *)x + row_begin * x_row_stride * tf_dtype_size(dtype);
-  *amax_bits = tf_fp8_kernels_active()->cast_transpose_table[dtype - TF_BFLOAT16](
-      band, x_row_stride, row_end - row_begin, cols, table, y + row_begin * cols, cols,
-      y_t + row_begin, rows);
   return TF_OK;
 }

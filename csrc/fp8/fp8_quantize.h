@@ -69,10 +69,4 @@ tf_status tf_fp8_table_build(tf_dtype dtype, float scale, tf_fp8_format format, 
 tf_status tf_fp8_quantize_table(const void *x, tf_dtype dtype, int64_t begin, int64_t end,
                                 const uint8_t *table, uint8_t *y, uint32_t *amax_bits);
 
-/* tf_fp8_cast_transpose of 16-bit x with a whole table in place of the scale. */
-tf_status tf_fp8_cast_transpose_table(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
-                                      int64_t x_row_stride, int64_t row_begin, int64_t row_end,
-                                      const uint8_t *table, uint8_t *y, uint8_t *y_t,
-                                      uint32_t *amax_bits);
-
 #endif /* TF_FP8_QUANTIZE_H */

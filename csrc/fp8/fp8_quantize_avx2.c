@@ -28,8 +28,9 @@
  * with scales that take either encoder. float16 is widened by F16C's vcvtph2ps, which is exact
  * and quiets a signalling NaN like the portable conversion.
  *
- * The table kernels (tf_fp8_table_build) run the same loops and tiles with a third mode in place
+ * The quantize table kernels (tf_fp8_table_build) run the same loop with a third mode in place
  * of an encoder: one scalar lookup an element, the amax on the 16-bit patterns as above.
+ * Cast-transpose has no table kernels: its time goes to the tiles, not to the encoder.
  *
  * Only whole steps and whole cast-transpose tiles are done here; the few elements
  * past them are handed to the portable kernels, which give the same bytes.
@@ -452,9 +453,8 @@ TF_AVX2_INLINE void store32(__m256i *p, __m256i v, int stream) {
 
 TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_x, int64_t r0,
                                         int64_t c0, int width, int stream, tf_dtype d,
-                                        tf_fp8_format f, int mode, __m256 s, const uint8_t *table,
-                                        __m256i *amax, uint8_t *y, int64_t ld_y, uint8_t *y_t,
-                                        int64_t ld_t) {
+                                        tf_fp8_format f, int fast, __m256 s, __m256i *amax, uint8_t *y,
+                                        int64_t ld_y, uint8_t *y_t, int64_t ld_t) {
   __m256i tile[2][TILE_ROWS];        /* tile[k][r]: row r, columns 32k..32k+31 */
   __m256i tile_t[64][TILE_ROWS / 32]; /* tile_t[c]: column c, TILE_ROWS codes */
   for (int r = 0; r < TILE_ROWS; ++r) {
@@ -462,24 +462,10 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     const char *next = (const char *)x + ((r0 + r) * ld_x + c0 + 32 * width) * size;
     for (int64_t line = 0; line < 32 * width * size; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     for (int k = 0; k < width; ++k) {
-      const int64_t at = (r0 + r) * ld_x + c0 + 32 * k;
-      if (mode == TABLE) {
-        /* Words from general registers into the tile in memory; y's rows go out from it below. */
-        amax16_fold32((const uint16_t *)x + at, amax);
-        for (int j = 0; j < 4; ++j) {
-          const uint64_t word = lookup8((const uint16_t *)x + at + 8 * j, table);
-          memcpy((uint8_t *)&tile[k][r] + 8 * j, &word, 8);
-        }
-      } else {
-        tile[k][r] = encode32(x, at, s, amax, d, f, mode);
-        store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
-      }
+      tile[k][r] = encode32(x, (r0 + r) * ld_x + c0 + 32 * k, s, amax, d, f, fast);
+      store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
     }
   }
-  if (mode == TABLE) /* read back a tile's length after the first rows were written */
-    for (int r = 0; r < TILE_ROWS; ++r)
-      for (int k = 0; k < width; ++k)
-        store32((__m256i *)(y + (r0 + r) * ld_y + c0) + k, tile[k][r], stream && width == 2);
   for (int k = 0; k < width; ++k)
     for (int h = 0; h < TILE_ROWS / 16; ++h) {
       __m256i col[16];
@@ -494,45 +480,35 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
       store32((__m256i *)(y_t + (c0 + c) * ld_t + r0) + k, tile_t[c][k], stream);
 }
 
-/* The portable kernel on a block at the ragged edge, with the scale or the table of the mode. */
-TF_AVX2_INLINE uint32_t edge_block(const void *x, int64_t ld_x, int64_t rows, int64_t cols, float scale,
-                                   const uint8_t *table, uint8_t *y, int64_t ld_y, uint8_t *y_t,
-                                   int64_t ld_t, tf_dtype d, tf_fp8_format f, int mode) {
-  if (mode == TABLE)
-    return tf_fp8_kernels_portable.cast_transpose_table[d - TF_BFLOAT16](x, ld_x, rows, cols, table, y,
-                                                                        ld_y, y_t, ld_t);
-  return tf_fp8_kernels_portable.cast_transpose[d][f](x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t);
-}
-
 /*
  * Whole tiles, 64 columns wide and then one 32 wide where 32 to 63 columns
  * are left; the ragged right and bottom edges go to the portable kernel as
  * blocks of their own.
  */
 TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
-                                             float scale, const uint8_t *table, uint8_t *y, int64_t ld_y,
-                                             uint8_t *y_t, int64_t ld_t, tf_dtype d, tf_fp8_format f,
-                                             int mode) {
+                                             float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,
+                                             int64_t ld_t, tf_dtype d, tf_fp8_format f, int fast) {
   const int64_t size = tf_dtype_size(d);
   const int64_t full_rows = rows - rows % TILE_ROWS, wide_cols = cols - cols % 64;
   const int64_t full_cols = cols - cols % 32;
-  const __m256 s = _mm256_set1_ps(mode == FAST ? fast_multiplier(scale, f) : scale);
+  const __m256 s = _mm256_set1_ps(fast ? fast_multiplier(scale, f) : scale);
   __m256i amax_v = _mm256_setzero_si256();
   const int stream =
       (uintptr_t)y % 32 == 0 && ld_y % 32 == 0 && (uintptr_t)y_t % 32 == 0 && ld_t % 32 == 0;
   for (int64_t r0 = 0; r0 < full_rows; r0 += TILE_ROWS) {
     for (int64_t c0 = 0; c0 < wide_cols; c0 += 64) {
       if (stream)
-        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, d, f, mode, s, table, &amax_v, y, ld_y, y_t, ld_t);
+        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, d, f, fast, s, &amax_v, y, ld_y, y_t, ld_t);
       else
-        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, d, f, mode, s, table, &amax_v, y, ld_y, y_t, ld_t);
+        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, d, f, fast, s, &amax_v, y, ld_y, y_t, ld_t);
     }
     if (wide_cols < full_cols)
-      cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, d, f, mode, s, table, &amax_v, y, ld_y,
-                          y_t, ld_t);
+      cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, d, f, fast, s, &amax_v, y, ld_y, y_t,
+                          ld_t);
   }
   if (stream) _mm_sfence(); /* the streamed stores are visible before the caller's next step */
-  uint32_t amax = amax_of(amax_v, d, mode), a;
+  const tf_fp8_cast_transpose_fn edge = tf_fp8_kernels_portable.cast_transpose[d][f];
+  uint32_t amax = amax_of(amax_v, d, fast), a;
   if (amax == UINT32_MAX) { /* a float16 NaN: recount the whole tiles in float32 bits */
     amax = 0;
     for (int64_t r = 0; r < full_rows; ++r) {
@@ -541,13 +517,13 @@ TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_
     }
   }
   if (full_cols < cols) { /* right edge of the whole-tile rows */
-    a = edge_block((const char *)x + full_cols * size, ld_x, full_rows, cols - full_cols, scale, table,
-                   y + full_cols, ld_y, y_t + full_cols * ld_t, ld_t, d, f, mode);
+    a = edge((const char *)x + full_cols * size, ld_x, full_rows, cols - full_cols, scale, y + full_cols,
+             ld_y, y_t + full_cols * ld_t, ld_t);
     amax = a > amax ? a : amax;
   }
   if (full_rows < rows) { /* bottom rows, every column */
-    a = edge_block((const char *)x + full_rows * ld_x * size, ld_x, rows - full_rows, cols, scale, table,
-                   y + full_rows * ld_y, ld_y, y_t + full_rows, ld_t, d, f, mode);
+    a = edge((const char *)x + full_rows * ld_x * size, ld_x, rows - full_rows, cols, scale,
+             y + full_rows * ld_y, ld_y, y_t + full_rows, ld_t);
     amax = a > amax ? a : amax;
   }
   return amax;
@@ -558,19 +534,9 @@ TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_
                                       float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,          \
                                       int64_t ld_t) {                                               \
     return fast_scale(scale, FORMAT)                                                                \
-               ? cast_transpose_block(x, ld_x, rows, cols, scale, NULL, y, ld_y, y_t, ld_t, DTYPE,  \
-                                      FORMAT, FAST)                                                 \
-               : cast_transpose_block(x, ld_x, rows, cols, scale, NULL, y, ld_y, y_t, ld_t, DTYPE,  \
-                                      FORMAT, GENERIC);                                             \
-  }
-
-/* As DEFINE_QUANTIZE_TABLE: the format only fills the parameter. */
-#define DEFINE_CAST_TRANSPOSE_TABLE(NAME, DTYPE)                                                    \
-  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols,      \
-                                      const uint8_t *table, uint8_t *y, int64_t ld_y, uint8_t *y_t, \
-                                      int64_t ld_t) {                                               \
-    return cast_transpose_block(x, ld_x, rows, cols, 0.0f, table, y, ld_y, y_t, ld_t, DTYPE,        \
-                                TF_FP8_E4M3, TABLE);                                                \
+               ? cast_transpose_block(x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t, DTYPE, FORMAT, FAST) \
+               : cast_transpose_block(x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t, DTYPE, FORMAT,    \
+                                      GENERIC);                                                     \
   }
 
 DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
@@ -579,8 +545,6 @@ DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
 DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
 DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
 DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
-DEFINE_CAST_TRANSPOSE_TABLE(cast_transpose_table_bf16, TF_BFLOAT16)
-DEFINE_CAST_TRANSPOSE_TABLE(cast_transpose_table_f16, TF_FLOAT16)
 
 static const tf_fp8_kernel_set avx2_kernels = {
     .quantize = {{quantize_f32_e4m3, quantize_f32_e5m2},
@@ -590,8 +554,7 @@ static const tf_fp8_kernel_set avx2_kernels = {
     .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
                        {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
                        {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
-    .quantize_table = {quantize_table_bf16, quantize_table_f16},
-    .cast_transpose_table = {cast_transpose_table_bf16, cast_transpose_table_f16}};
+    .quantize_table = {quantize_table_bf16, quantize_table_f16}};
 
 const tf_fp8_kernel_set *const tf_fp8_kernels_avx2 = &avx2_kernels;
 
