@@ -41,6 +41,15 @@ uint32_t parallel_elements(int64_t n, const char* what, const F& fn) {
                          });
 }
 
+// The FP8 codes of every bit pattern of a 16-bit dtype at this scale (see
+// tf_fp8_table_build), built on the calling thread: a second parallel region
+// costs more than the build when other processes share the cores.
+std::vector<uint8_t> build_table(tf_dtype dtype, float scale, tf_fp8_format format, const char* what) {
+  std::vector<uint8_t> table(TF_FP8_TABLE_ENTRIES);
+  check_status(tf_fp8_table_build(dtype, scale, format, 0, TF_FP8_TABLE_ENTRIES, table.data()), what);
+  return table;
+}
+
 // amax <- max(amax, new), on the bit patterns of non-negative floats (NaN wins).
 void accumulate_amax(const Tensor& amax, uint32_t bits) {
   float* p = amax.mutable_data_ptr<float>();
@@ -56,10 +65,17 @@ Tensor fp8_quantize_cpu(Tensor input, Tensor scale, Tensor amax, ScalarType fp8_
   const void* x = input.const_data_ptr();
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
   const float s = *scale.const_data_ptr<float>();
-  const uint32_t bits = parallel_elements(input.numel(), "fp8_quantize",
-                                     [&](int64_t b, int64_t e, uint32_t* a) {
-                                       return tf_fp8_quantize(x, dtype, b, e, s, format, y, a);
-                                     });
+  uint32_t bits;
+  if (tf_fp8_table_pays(dtype, input.numel())) {
+    const std::vector<uint8_t> table = build_table(dtype, s, format, "fp8_quantize");
+    bits = parallel_elements(input.numel(), "fp8_quantize", [&](int64_t b, int64_t e, uint32_t* a) {
+      return tf_fp8_quantize_table(x, dtype, b, e, table.data(), y, a);
+    });
+  } else {
+    bits = parallel_elements(input.numel(), "fp8_quantize", [&](int64_t b, int64_t e, uint32_t* a) {
+      return tf_fp8_quantize(x, dtype, b, e, s, format, y, a);
+    });
+  }
   accumulate_amax(amax, bits);
   return out;
 }

@@ -27,12 +27,34 @@ typedef uint32_t (*tf_fp8_cast_transpose_fn)(const void *x, int64_t ld_x, int64_
                                              int64_t cols, float scale, uint8_t *y, int64_t ld_y,
                                              uint8_t *y_t, int64_t ld_t);
 
-/* Tables indexed [tf_dtype][tf_fp8_format] (amax: [tf_dtype]). */
+/*
+ * The lookup-table quantize kernel of 16-bit input (see tf_fp8_table_build): tf_fp8_quantize_fn
+ * with fp8(x * scale) replaced by table[bit pattern of x], for bfloat16 and float16 alike.
+ */
+typedef uint32_t (*tf_fp8_quantize_table_fn)(const void *x, int64_t begin, int64_t end,
+                                             const uint8_t *table, uint8_t *y);
+
+/*
+ * Tables indexed [tf_dtype][tf_fp8_format] (amax: [tf_dtype]); the quantize table kernels
+ * [tf_dtype - TF_BFLOAT16], bfloat16 then float16.
+ */
 typedef struct tf_fp8_kernel_set {
   tf_fp8_quantize_fn quantize[3][2];
   tf_fp8_amax_fn amax[3];
   tf_fp8_cast_transpose_fn cast_transpose[3][2];
+  tf_fp8_quantize_table_fn quantize_table[2];
 } tf_fp8_kernel_set;
+
+/*
+ * The amax bits of 16-bit input from m, the largest of its |x| bit patterns (sign bit cleared),
+ * which order like the values: bfloat16 widens by a shift, float16 exactly, except that the
+ * widening quiets a signalling NaN, which reorders NaN payloads; then UINT32_MAX asks the caller
+ * to recount in float32 bits.
+ */
+static inline uint32_t tf_fp8_amax_of_16bit_max(uint32_t m, tf_dtype d) {
+  if (d == TF_BFLOAT16) return m << 16;
+  return m > 0x7C00u ? UINT32_MAX : tf_f32_bits(tf_f16_to_f32((uint16_t)m));
+}
 
 /* Plain C, vectorized by the compiler for the baseline target: runs everywhere. */
 extern const tf_fp8_kernel_set tf_fp8_kernels_portable;

@@ -79,6 +79,37 @@ typedef void (*dequantize_fn)(const uint8_t *, int64_t, int64_t, float, void *);
     return amax;                                                                               \
   }
 
+/*
+ * The quantize table kernels of 16-bit input, a block at a time: the largest |x| bit pattern in one loop
+ * (which the compiler vectorizes), the lookups in another.
+ */
+enum { TABLE_BLOCK = 1024 };
+
+static uint32_t quantize_table_16(const void *restrict x, int64_t begin, int64_t end,
+                                  const uint8_t *restrict table, uint8_t *restrict y, tf_dtype d) {
+  const uint16_t *restrict h = (const uint16_t *)x;
+  uint16_t m = 0;
+  for (int64_t b = begin; b < end; b += TABLE_BLOCK) {
+    const int64_t e = end - b < TABLE_BLOCK ? end : b + TABLE_BLOCK;
+    for (int64_t i = b; i < e; ++i) {
+      const uint16_t a = h[i] & 0x7FFFu;
+      m = a > m ? a : m;
+    }
+    for (int64_t i = b; i < e; ++i) y[i] = table[h[i]];
+  }
+  const uint32_t amax = tf_fp8_amax_of_16bit_max(m, d);
+  return amax == UINT32_MAX ? tf_fp8_kernels_portable.amax[d](x, begin, end) : amax;
+}
+
+static uint32_t quantize_table_bf16(const void *x, int64_t begin, int64_t end, const uint8_t *table,
+                                    uint8_t *y) {
+  return quantize_table_16(x, begin, end, table, y, TF_BFLOAT16);
+}
+static uint32_t quantize_table_f16(const void *x, int64_t begin, int64_t end, const uint8_t *table,
+                                   uint8_t *y) {
+  return quantize_table_16(x, begin, end, table, y, TF_FLOAT16);
+}
+
 DEFINE_QUANTIZE(quantize_f32_e4m3, TF_LOAD_F32, tf_fp8_e4m3_encode)
 DEFINE_QUANTIZE(quantize_f32_e5m2, TF_LOAD_F32, tf_fp8_e5m2_encode)
 DEFINE_QUANTIZE(quantize_bf16_e4m3, TF_LOAD_BF16, tf_fp8_e4m3_encode)
@@ -111,7 +142,8 @@ const tf_fp8_kernel_set tf_fp8_kernels_portable = {
     .amax = {amax_f32, amax_bf16, amax_f16},
     .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
                        {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
-                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}}};
+                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
+    .quantize_table = {quantize_table_bf16, quantize_table_f16}};
 
 /* Indexed [dtype][format]; dtype and format are checked before indexing. */
 static const dequantize_fn dequantize_table[3][2] = {
@@ -182,5 +214,38 @@ tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int
   *amax_bits = tf_fp8_kernels_active()->cast_transpose[dtype][format](
       band, x_row_stride, row_end - row_begin, cols, scale, y + row_begin * cols, cols,
       y_t + row_begin, rows);
+  return TF_OK;
+}
+
+static int table_dtype_ok(tf_dtype dtype) { return dtype == TF_BFLOAT16 || dtype == TF_FLOAT16; }
+
+int tf_fp8_table_pays(tf_dtype dtype, int64_t elements) {
+  return table_dtype_ok(dtype) && elements >= TF_FP8_TABLE_MIN_ELEMENTS;
+}
+
+tf_status tf_fp8_table_build(tf_dtype dtype, float scale, tf_fp8_format format, int64_t begin,
+                             int64_t end, uint8_t *table) {
+  if (!table_dtype_ok(dtype) || !format_ok(format)) return TF_ERR_BAD_DTYPE;
+  if (!tf_range_ok(begin, end, TF_FP8_TABLE_ENTRIES)) return TF_ERR_BAD_SIZE;
+  if (end > begin && !table) return TF_ERR_NULL_POINTER;
+  /* The bit patterns themselves, a block at a time, through the quantize kernel in force. */
+  enum { BLOCK = 1024 };
+  uint16_t bits[BLOCK];
+  const tf_fp8_quantize_fn encode = tf_fp8_kernels_active()->quantize[dtype][format];
+  for (int64_t b = begin; b < end; b += BLOCK) {
+    const int64_t n = end - b < BLOCK ? end - b : BLOCK;
+    for (int64_t k = 0; k < n; ++k) bits[k] = (uint16_t)(b + k);
+    encode(bits, 0, n, scale, table + b);
+  }
+  return TF_OK;
+}
+
+tf_status tf_fp8_quantize_table(const void *x, tf_dtype dtype, int64_t begin, int64_t end,
+                                const uint8_t *table, uint8_t *y, uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  if (!table_dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
+  if (begin < 0 || begin > end) return TF_ERR_BAD_SIZE;
+  if (end > begin && (!x || !y || !table)) return TF_ERR_NULL_POINTER;
+  *amax_bits = tf_fp8_kernels_active()->quantize_table[dtype - TF_BFLOAT16](x, begin, end, table, y);
   return TF_OK;
 }

@@ -28,10 +28,15 @@
  * with scales that take either encoder. float16 is widened by F16C's vcvtph2ps, which is exact
  * and quiets a signalling NaN like the portable conversion.
  *
+ * The quantize table kernels (tf_fp8_table_build) run the same loop with a third mode in place
+ * of an encoder: one scalar lookup an element, the amax on the 16-bit patterns as above.
+ * Cast-transpose has no table kernels: its time goes to the tiles, not to the encoder.
+ *
  * Only whole steps and whole cast-transpose tiles are done here; the few elements
  * past them are handed to the portable kernels, which give the same bytes.
  */
 #include <float.h>
+#include <string.h>
 
 #include "fp8_kernels.h"
 #include "fp8_quantize.h"
@@ -128,8 +133,8 @@ TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
 
 /* ---- The fast encoder (positive finite scale). ---- */
 
-/* The kernels pass this as a constant, so each kernel is compiled once per encoder. */
-enum { GENERIC = 0, FAST = 1 };
+/* The kernels pass this as a constant, so each kernel is compiled once per encoder (or table). */
+enum { GENERIC = 0, FAST = 1, TABLE = 2 };
 
 /*
  * Whether the fast encoder applies: scale > 0 and finite, so that |x * scale| = |x| * scale and
@@ -232,15 +237,52 @@ TF_AVX2_INLINE uint32_t hmax_u16(__m256i m) {
   return (uint32_t)_mm_cvtsi128_si32(r) & 0xFFFFu;
 }
 
-/*
- * The float32 amax bits of 16-bit lanes of |x| bit patterns, which order like the values. A
- * float16 NaN is the exception: the widening quiets a signalling one, which reorders NaN
- * payloads, so then UINT32_MAX asks the caller to recount in float32 bits.
- */
+/* The float32 amax bits of 16-bit lanes of |x| bit patterns, or UINT32_MAX: recount. */
 TF_AVX2_INLINE uint32_t amax16_bits(__m256i amax, tf_dtype d) {
-  const uint32_t m = hmax_u16(amax);
-  if (d == TF_BFLOAT16) return m << 16;
-  return m > 0x7C00u ? UINT32_MAX : tf_f32_bits(tf_f16_to_f32((uint16_t)m));
+  return tf_fp8_amax_of_16bit_max(hmax_u16(amax), d);
+}
+
+/* ---- The table "encoder" (16-bit input, any scale; see tf_fp8_table_build). ---- */
+
+/*
+ * table[h[0..7]] as the 8 bytes of one little-endian word. Scalar loads, as vpgatherdd is slower
+ * on the CPUs of this tier; written out because compilers assemble the word with a shift and an
+ * or per byte, which leaves the loop bound by instruction count: here the indices come from two
+ * 64-bit loads and each looked-up byte is loaded straight into AL or AH, 16 bits of the word at
+ * a time (AH is only encodable without a REX prefix, hence the table pointer in RSI and the
+ * indices in RCX and RDX). The "m" operand tells the compiler that the whole table is read.
+ */
+TF_AVX2_INLINE uint64_t lookup8(const uint16_t *h, const uint8_t *table) {
+  uint64_t q0, q1, word;
+  memcpy(&q0, h, 8);
+  memcpy(&q1, h + 4, 8);
+  __asm__(
+      "movq %[q1], %%rcx\n\t" "shrq $48, %%rcx\n\t" "movzbl (%[t],%%rcx), %%eax\n\t"       /* h[7] */
+      "shlq $8, %%rax\n\t"
+      "movq %[q1], %%rdx\n\t" "shrq $32, %%rdx\n\t" "movzwl %%dx, %%edx\n\t"
+      "movb (%[t],%%rdx), %%al\n\t"                                                        /* h[6] */
+      "shlq $16, %%rax\n\t"
+      "movl %k[q1], %%ecx\n\t" "shrl $16, %%ecx\n\t" "movb (%[t],%%rcx), %%ah\n\t"          /* h[5] */
+      "movzwl %w[q1], %%edx\n\t" "movb (%[t],%%rdx), %%al\n\t"                             /* h[4] */
+      "shlq $16, %%rax\n\t"
+      "movq %[q0], %%rcx\n\t" "shrq $48, %%rcx\n\t" "movb (%[t],%%rcx), %%ah\n\t"          /* h[3] */
+      "movq %[q0], %%rdx\n\t" "shrq $32, %%rdx\n\t" "movzwl %%dx, %%edx\n\t"
+      "movb (%[t],%%rdx), %%al\n\t"                                                        /* h[2] */
+      "shlq $16, %%rax\n\t"
+      "movl %k[q0], %%ecx\n\t" "shrl $16, %%ecx\n\t" "movb (%[t],%%rcx), %%ah\n\t"          /* h[1] */
+      "movzwl %w[q0], %%edx\n\t" "movb (%[t],%%rdx), %%al"                                 /* h[0] */
+      : "=&a"(word)
+      : [q0] "r"(q0), [q1] "r"(q1), [t] "S"(table), "m"(*(const uint8_t(*)[TF_FP8_TABLE_ENTRIES])table)
+      : "rcx", "rdx");
+  return word;
+}
+
+/* The |x| bit patterns of the 32 16-bit elements at h folded into *amax. */
+TF_AVX2_INLINE void amax16_fold32(const uint16_t *h, __m256i *amax) {
+  const __m256i abs_mask = _mm256_set1_epi16(0x7FFF);
+  const __m256i a0 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)h), abs_mask);
+  const __m256i a1 = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(h + 16)), abs_mask);
+  *amax = _mm256_max_epu16(*amax, _mm256_max_epu16(a0, a1));
 }
 
 /* ---- Either encoder. ---- */
@@ -248,11 +290,11 @@ TF_AVX2_INLINE uint32_t amax16_bits(__m256i amax, tf_dtype d) {
 /*
  * Encodes the 32 elements at x + i and folds their |x| into *amax (in 16-bit lanes for 16-bit
  * input under the fast encoder, as the amax bits otherwise). s is the scale, or the fast
- * multiplier under the fast encoder.
+ * multiplier under the fast encoder. (The table mode has loops of its own.)
  */
 TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 s, __m256i *amax, tf_dtype d,
-                                tf_fp8_format f, int fast) {
-  if (fast) return fast_encode32(x, i, s, amax, d, f);
+                                tf_fp8_format f, int mode) {
+  if (mode == FAST) return fast_encode32(x, i, s, amax, d, f);
   __m256 v[4];
   for (int k = 0; k < 4; ++k) {
     const __m256 xk = load8(x, i + 8 * k, d);
@@ -263,15 +305,16 @@ TF_AVX2_INLINE __m256i encode32(const void *x, int64_t i, __m256 s, __m256i *ama
 }
 
 /* The amax bits of an encode32 accumulator, or UINT32_MAX where the caller must recount. */
-TF_AVX2_INLINE uint32_t amax_of(__m256i amax, tf_dtype d, int fast) {
-  return fast && d != TF_FLOAT32 ? amax16_bits(amax, d) : hmax_u32(amax);
+TF_AVX2_INLINE uint32_t amax_of(__m256i amax, tf_dtype d, int mode) {
+  return mode != GENERIC && d != TF_FLOAT32 ? amax16_bits(amax, d) : hmax_u32(amax);
 }
 
 enum { PREFETCH_BYTES = 4096 };
 
 TF_AVX2_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end, float scale,
-                                       uint8_t *y, tf_dtype d, tf_fp8_format f, int fast) {
-  const __m256 s = _mm256_set1_ps(fast ? fast_multiplier(scale, f) : scale);
+                                       const uint8_t *table, uint8_t *y, tf_dtype d, tf_fp8_format f,
+                                       int mode) {
+  const __m256 s = _mm256_set1_ps(mode == FAST ? fast_multiplier(scale, f) : scale);
   __m256i amax = _mm256_setzero_si256();
   const int64_t size = tf_dtype_size(d);
   int64_t i = begin;
@@ -285,19 +328,37 @@ TF_AVX2_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end
     const uintptr_t ahead = (uintptr_t)x + (uintptr_t)(i * size + PREFETCH_BYTES);
     for (int64_t line = 0; line < 32 * size; line += 64)
       _mm_prefetch((const char *)(ahead + (uintptr_t)line), _MM_HINT_T0);
-    _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, &amax, d, f, fast));
+    if (mode == TABLE) { /* the words go straight to y, not through a vector register */
+      amax16_fold32((const uint16_t *)x + i, &amax);
+      for (int k = 0; k < 4; ++k) {
+        const uint64_t word = lookup8((const uint16_t *)x + i + 8 * k, table);
+        memcpy(y + i + 8 * k, &word, 8);
+      }
+    } else {
+      _mm256_storeu_si256((__m256i *)(y + i), encode32(x, i, s, &amax, d, f, mode));
+    }
   }
-  uint32_t head = amax_of(amax, d, fast);
+  uint32_t head = amax_of(amax, d, mode);
   if (head == UINT32_MAX) head = tf_fp8_kernels_portable.amax[d](x, begin, i);
-  const uint32_t tail = tf_fp8_kernels_portable.quantize[d][f](x, i, end, scale, y);
+  const uint32_t tail = mode == TABLE
+                            ? tf_fp8_kernels_portable.quantize_table[d - TF_BFLOAT16](x, i, end, table, y)
+                            : tf_fp8_kernels_portable.quantize[d][f](x, i, end, scale, y);
   return head > tail ? head : tail;
 }
 
 #define DEFINE_QUANTIZE(NAME, DTYPE, FORMAT)                                                    \
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale,    \
                                       uint8_t *y) {                                             \
-    return fast_scale(scale, FORMAT) ? quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, FAST) \
-                                     : quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, GENERIC); \
+    return fast_scale(scale, FORMAT)                                                            \
+               ? quantize_range(x, begin, end, scale, NULL, y, DTYPE, FORMAT, FAST)             \
+               : quantize_range(x, begin, end, scale, NULL, y, DTYPE, FORMAT, GENERIC);         \
+  }
+
+/* The format is the table's business: TF_FP8_E4M3 below only fills the parameter. */
+#define DEFINE_QUANTIZE_TABLE(NAME, DTYPE)                                                      \
+  static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end,                 \
+                                      const uint8_t *table, uint8_t *y) {                       \
+    return quantize_range(x, begin, end, 0.0f, table, y, DTYPE, TF_FP8_E4M3, TABLE);             \
   }
 
 DEFINE_QUANTIZE(quantize_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
@@ -306,6 +367,8 @@ DEFINE_QUANTIZE(quantize_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
 DEFINE_QUANTIZE(quantize_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
 DEFINE_QUANTIZE(quantize_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
 DEFINE_QUANTIZE(quantize_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+DEFINE_QUANTIZE_TABLE(quantize_table_bf16, TF_BFLOAT16)
+DEFINE_QUANTIZE_TABLE(quantize_table_f16, TF_FLOAT16)
 
 /* float32: two accumulators of float32 bits; bfloat16 and float16: 16-bit lanes, 32 a step. */
 TF_AVX2_INLINE uint32_t amax_range(const void *x, int64_t begin, int64_t end, tf_dtype d) {
@@ -490,7 +553,8 @@ static const tf_fp8_kernel_set avx2_kernels = {
     .amax = {amax_f32, amax_bf16, amax_f16},
     .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
                        {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
-                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}}};
+                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
+    .quantize_table = {quantize_table_bf16, quantize_table_f16}};
 
 const tf_fp8_kernel_set *const tf_fp8_kernels_avx2 = &avx2_kernels;
 

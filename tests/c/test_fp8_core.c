@@ -635,6 +635,96 @@ static void test_public_api_under_cap(void) {
   CHECK(bad == 0, "public API with and without the portable cap: %d differences", bad);
 }
 
+/*
+ * The table path (tf_fp8_table_build and the table kernels), with and without the portable cap:
+ * the table built in parts, then quantize of every 16-bit pattern (shuffled, in an odd range)
+ * gives the same bytes and amax bits as the scale path, for both formats and every path scale;
+ * once more with the NaN patterns replaced, so that the amax is a number.
+ * Then each instruction-set path's table kernels against the portable ones at every short length.
+ */
+static int same_table_path(const uint16_t *x, int64_t len, tf_dtype d, float scale, tf_fp8_format f,
+                           const uint8_t *table, uint8_t *y, uint8_t *y_ref) {
+  int ok = 1;
+  uint32_t a = 0, a_ref = 0;
+  memset(y, CANARY, (size_t)len + PAD);
+  memset(y_ref, CANARY, (size_t)len + PAD);
+  ok &= tf_fp8_quantize_table(x, d, 3, len - 5, table, y, &a) == TF_OK;
+  ok &= tf_fp8_quantize(x, d, 3, len - 5, scale, f, y_ref, &a_ref) == TF_OK;
+  return ok && a == a_ref && memcmp(y, y_ref, (size_t)len + PAD) == 0;
+}
+
+static void test_table_path(void) {
+  enum { LEN = TF_FP8_TABLE_ENTRIES + 37 };
+  static uint16_t x[LEN], x_no_nan[LEN];
+  static uint8_t table[TF_FP8_TABLE_ENTRIES], y[LEN + PAD], y_ref[LEN + PAD];
+  for (int i = 0; i < LEN; ++i) x[i] = (uint16_t)i;
+  for (int i = LEN - 1; i > 0; --i) { /* Fisher-Yates */
+    const int j = (int)(rand_u32() % (uint32_t)(i + 1));
+    const uint16_t v = x[i];
+    x[i] = x[j];
+    x[j] = v;
+  }
+  static const int64_t parts[] = {0, 1000, 40000, TF_FP8_TABLE_ENTRIES};
+  int bad = 0;
+  for (int capped = 0; capped < 2; ++capped) {
+    CHECK(tf_set_cpu_isa_cap(capped ? TF_ISA_PORTABLE : -1) == TF_OK, "set cap");
+    for (int d = TF_BFLOAT16; d <= TF_FLOAT16; ++d) {
+      const uint16_t nan_above = d == TF_BFLOAT16 ? 0x7F80u : 0x7C00u;
+      for (int i = 0; i < LEN; ++i)
+        x_no_nan[i] = (x[i] & 0x7FFFu) > nan_above ? (uint16_t)(rand_u32() % nan_above) : x[i];
+      for (int f = 0; f < 2; ++f)
+        for (int k = 0; k < N_PATH_SCALES; ++k) {
+          const float scale = path_scales[k];
+          memset(table, CANARY, sizeof table);
+          for (int p = 0; p < 3; ++p)
+            bad += tf_fp8_table_build((tf_dtype)d, scale, (tf_fp8_format)f, parts[p], parts[p + 1], table) != TF_OK;
+          bad += !same_table_path(x, LEN, (tf_dtype)d, scale, (tf_fp8_format)f, table, y, y_ref);
+          bad += !same_table_path(x_no_nan, LEN, (tf_dtype)d, scale, (tf_fp8_format)f, table, y, y_ref);
+        }
+    }
+  }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(bad == 0, "table path against the scale path: %d differences", bad);
+
+  /* Each path's table kernels against the portable ones: every short range, tails included. */
+  isa_path paths[1];
+  const int n = simd_paths(paths);
+  for (int pi = 0; pi < n; ++pi) {
+    int diff = 0;
+    CHECK(tf_fp8_table_build(TF_FLOAT16, 0.75f, TF_FP8_E4M3, 0, TF_FP8_TABLE_ENTRIES, table) == TF_OK, "build");
+    for (int d = TF_BFLOAT16; d <= TF_FLOAT16; ++d)
+      for (int64_t begin = 0; begin < 9; ++begin)
+        for (int64_t len = 0; begin + len <= 200; ++len) {
+          memset(y, CANARY, 200 + PAD);
+          memset(y_ref, CANARY, 200 + PAD);
+          const uint32_t a = paths[pi].set->quantize_table[d - TF_BFLOAT16](x, begin, begin + len, table, y);
+          const uint32_t a_ref =
+              tf_fp8_kernels_portable.quantize_table[d - TF_BFLOAT16](x, begin, begin + len, table, y_ref);
+          diff += a != a_ref || memcmp(y, y_ref, 200 + PAD) != 0;
+        }
+    CHECK(diff == 0, "%s: table kernels at short lengths: %d differences", paths[pi].name, diff);
+  }
+
+  uint32_t a = 0;
+  CHECK(tf_fp8_table_pays(TF_BFLOAT16, TF_FP8_TABLE_MIN_ELEMENTS) && tf_fp8_table_pays(TF_FLOAT16, INT64_MAX) &&
+            !tf_fp8_table_pays(TF_FLOAT16, TF_FP8_TABLE_MIN_ELEMENTS - 1) && !tf_fp8_table_pays(TF_FLOAT32, INT64_MAX),
+        "table_pays: 16-bit tensors from TF_FP8_TABLE_MIN_ELEMENTS elements");
+  CHECK(tf_fp8_table_build(TF_FLOAT32, 1.0f, TF_FP8_E4M3, 0, 1, table) == TF_ERR_BAD_DTYPE &&
+            tf_fp8_table_build(TF_BFLOAT16, 1.0f, (tf_fp8_format)2, 0, 1, table) == TF_ERR_BAD_DTYPE &&
+            tf_fp8_table_build(TF_BFLOAT16, 1.0f, TF_FP8_E4M3, -1, 1, table) == TF_ERR_BAD_SIZE &&
+            tf_fp8_table_build(TF_BFLOAT16, 1.0f, TF_FP8_E4M3, 2, 1, table) == TF_ERR_BAD_SIZE &&
+            tf_fp8_table_build(TF_BFLOAT16, 1.0f, TF_FP8_E4M3, 0, TF_FP8_TABLE_ENTRIES + 1, table) == TF_ERR_BAD_SIZE &&
+            tf_fp8_table_build(TF_BFLOAT16, 1.0f, TF_FP8_E4M3, 0, 1, NULL) == TF_ERR_NULL_POINTER &&
+            tf_fp8_table_build(TF_BFLOAT16, 1.0f, TF_FP8_E4M3, 5, 5, NULL) == TF_OK,
+        "table_build checks");
+  CHECK(tf_fp8_quantize_table(x, TF_FLOAT32, 0, 1, table, y, &a) == TF_ERR_BAD_DTYPE &&
+            tf_fp8_quantize_table(x, TF_BFLOAT16, 0, 1, table, y, NULL) == TF_ERR_NULL_POINTER &&
+            tf_fp8_quantize_table(x, TF_BFLOAT16, 0, 1, NULL, y, &a) == TF_ERR_NULL_POINTER &&
+            tf_fp8_quantize_table(x, TF_BFLOAT16, 2, 1, table, y, &a) == TF_ERR_BAD_SIZE &&
+            tf_fp8_quantize_table(NULL, TF_BFLOAT16, 0, 0, NULL, NULL, &a) == TF_OK && a == 0,
+        "quantize_table checks");
+}
+
 static void test_isa_paths(void) {
   isa_path paths[1];
   const int n = simd_paths(paths);
@@ -648,6 +738,7 @@ static void test_isa_paths(void) {
     test_paths_f16_nan_payloads(&paths[i]);
   }
   test_public_api_under_cap();
+  test_table_path();
 }
 
 /* ---- Scaling. ---- */
