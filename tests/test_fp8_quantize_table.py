@@ -8,24 +8,12 @@ each instruction-set path. Cast-transpose has no table path (it measured no gain
 import pytest
 import torch
 
-from te_fuser.kernels import cpu
 from te_fuser.kernels import fp8 as k
 from fp8_reference import FP8_DTYPES, all_16bit_patterns, reference_amax, reference_quantize
+from test_fp8_quantize import as_bytes, isa_path  # noqa: F401 (isa_path: the autouse fixture over the CPU tiers)
 
-ISA_PATHS = [tier for tier in ("portable", "avx2") if tier in cpu.available_isa()]
 TABLE_MIN_ELEMENTS = 1 << 21
 DTYPES_16 = [torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(autouse=True, params=ISA_PATHS)
-def isa_path(request):
-    with cpu.isa(request.param):
-        assert cpu.current_isa() == request.param
-        yield request.param
-
-
-def as_bytes(t):
-    return t.view(torch.uint8)
 
 
 def every_pattern_shuffled(dtype, numel, generator):

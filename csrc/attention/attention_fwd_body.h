@@ -256,15 +256,8 @@ TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_opera
   const int64_t seg = unit / (H * tiles), h = unit / tiles % H, r0 = unit % tiles * BQ;
   const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
   if (r0 >= qs.span) return;
-  const int64_t nr = min64(count * BQ, qs.span - r0);
-  const int64_t nv = clamp64(qs.valid - r0, 0, nr);
-  const int64_t kv_end = nv == 0 ? 0 : p->causal ? min64(ks.valid, r0 + nv) : ks.valid;
-  const int64_t rows = kv_end > 0 ? nv : 0;
-  for (int64_t i = rows; i < nr; ++i) { /* padding rows and rows that see no key */
-    const int64_t row = qs.start + r0 + i;
-    tf_attn_zero_row(out, tf_attn_row_offset(out, qs.batch, row, h), D);
-    lse[tf_attn_stat_index(p, qs.batch, h, row)] = -INFINITY;
-  }
+  int64_t kv_end;
+  const int64_t rows = tf_attn_fwd_live_rows(p, out, lse, qs, ks, h, r0, min64(count * BQ, qs.span - r0), &kv_end);
   if (rows == 0) return;
 
   const fwd_scratch t = split_scratch(scratch, dp);

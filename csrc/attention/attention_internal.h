@@ -5,6 +5,9 @@
 #ifndef TF_ATTENTION_INTERNAL_H
 #define TF_ATTENTION_INTERNAL_H
 
+#include <math.h>
+#include <string.h>
+
 #include "../fp8/fp8_format.h"
 #include "attention.h"
 
@@ -137,6 +140,28 @@ static inline void tf_attn_prefetch_row(const tf_attn_operand *op, int64_t offse
 static inline void tf_attn_zero_row(const tf_attn_operand *op, int64_t offset, int64_t n) {
   const int64_t size = op->elem == TF_ATTN_F32 ? 4 : 2;
   memset((char *)op->data + offset * size, 0, (size_t)(n * size));
+}
+
+/*
+ * A forward unit's query rows [r0, r0 + nr) of segment qs against the keys of ks: returns how many
+ * of them, from the first, are computed (valid rows that see at least one key) and sets *kv_end to
+ * the keys those rows see ([0, *kv_end) of ks). The other rows of the block (padding, or rows
+ * that see no key) are written here: zero output and lse = -inf.
+ */
+static inline int64_t tf_attn_fwd_live_rows(const tf_attn_problem *p, const tf_attn_operand *out,
+                                            float *lse, tf_attn_segment qs, tf_attn_segment ks,
+                                            int64_t h, int64_t r0, int64_t nr, int64_t *kv_end) {
+  const int64_t left = qs.valid - r0;
+  const int64_t nv = left < 0 ? 0 : left > nr ? nr : left;
+  const int64_t seen = p->causal && r0 + nv < ks.valid ? r0 + nv : ks.valid;
+  *kv_end = nv == 0 ? 0 : seen;
+  const int64_t rows = *kv_end > 0 ? nv : 0;
+  for (int64_t i = rows; i < nr; ++i) {
+    const int64_t row = qs.start + r0 + i;
+    tf_attn_zero_row(out, tf_attn_row_offset(out, qs.batch, row, h), p->head_dim);
+    lse[tf_attn_stat_index(p, qs.batch, h, row)] = -INFINITY;
+  }
+  return rows;
 }
 
 #endif /* TF_ATTENTION_INTERNAL_H */
