@@ -65,17 +65,15 @@ Tensor fp8_quantize_cpu(Tensor input, Tensor scale, Tensor amax, ScalarType fp8_
   const void* x = input.const_data_ptr();
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
   const float s = *scale.const_data_ptr<float>();
-  uint32_t bits;
-  if (tf_fp8_table_pays(dtype, input.numel())) {
-    const std::vector<uint8_t> table = build_table(dtype, s, format, "fp8_quantize");
-    bits = parallel_elements(input.numel(), "fp8_quantize", [&](int64_t b, int64_t e, uint32_t* a) {
-      return tf_fp8_quantize_table(x, dtype, b, e, table.data(), y, a);
-    });
-  } else {
-    bits = parallel_elements(input.numel(), "fp8_quantize", [&](int64_t b, int64_t e, uint32_t* a) {
-      return tf_fp8_quantize(x, dtype, b, e, s, format, y, a);
-    });
-  }
+  const bool use_table = tf_fp8_table_pays(dtype, input.numel());
+  const std::vector<uint8_t> table =
+      use_table ? build_table(dtype, s, format, "fp8_quantize") : std::vector<uint8_t>();
+  const uint32_t bits = parallel_elements(input.numel(), "fp8_quantize",
+                                          [&](int64_t b, int64_t e, uint32_t* a) {
+                                            return use_table
+                                                       ? tf_fp8_quantize_table(x, dtype, b, e, table.data(), y, a)
+                                                       : tf_fp8_quantize(x, dtype, b, e, s, format, y, a);
+                                          });
   accumulate_amax(amax, bits);
   return out;
 }
