@@ -123,8 +123,8 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cpu(Tensor input, Tensor scale, Te
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
   uint8_t* y_t = static_cast<uint8_t*>(out_t.mutable_data_ptr());
   const float s = *scale.const_data_ptr<float>();
-  // Bands of whole tiles of about kGrainElements elements each.
-  const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / TF_FP8_CT_TILE + 1) * TF_FP8_CT_TILE;
+  // Bands of whole tall tiles of about kGrainElements elements each.
+  const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / TF_FP8_CT_BAND + 1) * TF_FP8_CT_BAND;
   const uint32_t bits = parallel_chunks(
       (rows + band - 1) / band, "fp8_cast_transpose", [&](int64_t c, uint32_t* a) {
         const int64_t r0 = c * band;

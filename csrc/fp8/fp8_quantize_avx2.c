@@ -431,13 +431,18 @@ TF_AVX2_INLINE void transpose_16x32(const __m256i t[16], __m256i out[16]) {
   }
 }
 
-enum { TILE_ROWS = TF_FP8_CT_TILE };
+/*
+ * Tiles are TALL (TF_FP8_CT_BAND, 128) rows high where the rows allow, else TF_FP8_CT_TILE (64):
+ * the taller tile writes 128-byte runs of y_t's rows, which measured 7% (float32) to 13%
+ * (bfloat16) faster on large matrices; the shorter one keeps 64-row blocks on this path.
+ */
+enum { TALL = TF_FP8_CT_BAND };
 
 /*
- * One tile of TILE_ROWS (64) rows by 32 * width columns at (r0, c0), width 1
- * or 2: each row is encoded into `width` registers, stored to y and kept in an
+ * One tile of `height` (TALL or TF_FP8_CT_TILE, a constant) rows by 32 * width columns at (r0, c0),
+ * width 1 or 2: each row is encoded into `width` registers, stored to y and kept in an
  * L1 buffer; the buffer is transposed 16 rows by 32 columns at a time into a
- * second one, from which each column goes out as one 64-byte run of its row
+ * second one, from which each column goes out as one run of `height` bytes of its row
  * of y_t. With width 2, the rows of y get whole 64-byte runs too: no cache line
  * of y or y_t is left half written for a later tile, and with `stream` (set
  * when these runs are 32-byte aligned) they are written with non-temporal
@@ -452,13 +457,13 @@ TF_AVX2_INLINE void store32(__m256i *p, __m256i v, int stream) {
 }
 
 TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_x, int64_t r0,
-                                        int64_t c0, int width, int stream, tf_dtype d,
+                                        int64_t c0, int height, int width, int stream, tf_dtype d,
                                         tf_fp8_format f, int fast, __m256 s, __m256i *amax, uint8_t *y,
                                         int64_t ld_y, uint8_t *y_t, int64_t ld_t) {
-  __m256i tile[2][TILE_ROWS];        /* tile[k][r]: row r, columns 32k..32k+31 */
-  __m256i tile_t[64][TILE_ROWS / 32]; /* tile_t[c]: column c, TILE_ROWS codes */
-  for (int r = 0; r < TILE_ROWS; ++r) {
-    /* The next tile's part of the row: the hardware prefetchers follow few of the 64 rows. */
+  __m256i tile[2][TALL];        /* tile[k][r]: row r, columns 32k..32k+31 */
+  __m256i tile_t[64][TALL / 32]; /* tile_t[c]: column c, `height` codes */
+  for (int r = 0; r < height; ++r) {
+    /* The next tile's part of the row: the hardware prefetchers follow few of the tile's rows. */
     const char *next = (const char *)x + ((r0 + r) * ld_x + c0 + 32 * width) * size;
     for (int64_t line = 0; line < 32 * width * size; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
     for (int k = 0; k < width; ++k) {
@@ -467,7 +472,7 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
     }
   }
   for (int k = 0; k < width; ++k)
-    for (int h = 0; h < TILE_ROWS / 16; ++h) {
+    for (int h = 0; h < height / 16; ++h) {
       __m256i col[16];
       transpose_16x32(tile[k] + 16 * h, col);
       for (int j = 0; j < 16; ++j) {
@@ -476,36 +481,50 @@ TF_AVX2_INLINE void cast_transpose_tile(const void *x, int64_t size, int64_t ld_
       }
     }
   for (int c = 0; c < 32 * width; ++c)
-    for (int k = 0; k < TILE_ROWS / 32; ++k)
+    for (int k = 0; k < height / 32; ++k)
       store32((__m256i *)(y_t + (c0 + c) * ld_t + r0) + k, tile_t[c][k], stream);
 }
 
 /*
- * Whole tiles, 64 columns wide and then one 32 wide where 32 to 63 columns
- * are left; the ragged right and bottom edges go to the portable kernel as
- * blocks of their own.
+ * The whole tiles of rows [r0, r0 + height): 64 columns wide, then one 32 wide where 32 to 63
+ * columns are left.
+ */
+TF_AVX2_INLINE void cast_transpose_band(const void *x, int64_t size, int64_t ld_x, int64_t r0, int height,
+                                        int64_t wide_cols, int64_t full_cols, int stream, tf_dtype d,
+                                        tf_fp8_format f, int fast, __m256 s, __m256i *amax, uint8_t *y,
+                                        int64_t ld_y, uint8_t *y_t, int64_t ld_t) {
+  for (int64_t c0 = 0; c0 < wide_cols; c0 += 64) {
+    if (stream)
+      cast_transpose_tile(x, size, ld_x, r0, c0, height, 2, 1, d, f, fast, s, amax, y, ld_y, y_t, ld_t);
+    else
+      cast_transpose_tile(x, size, ld_x, r0, c0, height, 2, 0, d, f, fast, s, amax, y, ld_y, y_t, ld_t);
+  }
+  if (wide_cols < full_cols)
+    cast_transpose_tile(x, size, ld_x, r0, wide_cols, height, 1, stream, d, f, fast, s, amax, y, ld_y, y_t,
+                        ld_t);
+}
+
+/*
+ * Whole tiles, TALL rows high and then one TF_FP8_CT_TILE high where 64 to 127 rows are left;
+ * the ragged right and bottom edges go to the portable kernel as blocks of their own.
  */
 TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_t rows, int64_t cols,
                                              float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,
                                              int64_t ld_t, tf_dtype d, tf_fp8_format f, int fast) {
   const int64_t size = tf_dtype_size(d);
-  const int64_t full_rows = rows - rows % TILE_ROWS, wide_cols = cols - cols % 64;
+  const int64_t full_rows = rows - rows % TF_FP8_CT_TILE, wide_cols = cols - cols % 64;
   const int64_t full_cols = cols - cols % 32;
   const __m256 s = _mm256_set1_ps(fast ? fast_multiplier(scale, f) : scale);
   __m256i amax_v = _mm256_setzero_si256();
   const int stream =
       (uintptr_t)y % 32 == 0 && ld_y % 32 == 0 && (uintptr_t)y_t % 32 == 0 && ld_t % 32 == 0;
-  for (int64_t r0 = 0; r0 < full_rows; r0 += TILE_ROWS) {
-    for (int64_t c0 = 0; c0 < wide_cols; c0 += 64) {
-      if (stream)
-        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 1, d, f, fast, s, &amax_v, y, ld_y, y_t, ld_t);
-      else
-        cast_transpose_tile(x, size, ld_x, r0, c0, 2, 0, d, f, fast, s, &amax_v, y, ld_y, y_t, ld_t);
-    }
-    if (wide_cols < full_cols)
-      cast_transpose_tile(x, size, ld_x, r0, wide_cols, 1, stream, d, f, fast, s, &amax_v, y, ld_y, y_t,
-                          ld_t);
-  }
+  int64_t r0 = 0;
+  for (; full_rows - r0 >= TALL; r0 += TALL)
+    cast_transpose_band(x, size, ld_x, r0, TALL, wide_cols, full_cols, stream, d, f, fast, s, &amax_v, y,
+                        ld_y, y_t, ld_t);
+  if (r0 < full_rows)
+    cast_transpose_band(x, size, ld_x, r0, TF_FP8_CT_TILE, wide_cols, full_cols, stream, d, f, fast, s,
+                        &amax_v, y, ld_y, y_t, ld_t);
   if (stream) _mm_sfence(); /* the streamed stores are visible before the caller's next step */
   const tf_fp8_cast_transpose_fn edge = tf_fp8_kernels_portable.cast_transpose[d][f];
   uint32_t amax = amax_of(amax_v, d, fast), a;

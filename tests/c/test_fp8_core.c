@@ -302,14 +302,16 @@ static void test_amax_special_values(void) {
 }
 
 static void test_cast_transpose(void) {
-  enum { R = TF_FP8_CT_TILE + 37, C = 70, LD = 75 };
+  /* Rows: a tall tile, a short one and a ragged edge in the first band, an edge band; columns: a
+   * 64-wide tile, a 32-wide one and a ragged edge. */
+  enum { R = TF_FP8_CT_BAND + TF_FP8_CT_TILE + 37, C = 100, LD = 105 };
   static float x[R * LD];
   static uint8_t y[R * C], y_t[C * R], q[R * LD];
   fill_f32(x, R * LD);
   const float scale = 0.011f;
   uint32_t amax_all = 0, amax_ref = 0, a = 0;
   /* Bands at multiples of the tile height, as the binding splits them. */
-  const int64_t cuts[3] = {0, TF_FP8_CT_TILE, R};
+  const int64_t cuts[3] = {0, TF_FP8_CT_BAND + TF_FP8_CT_TILE, R};
   int ok = 1;
   for (int b = 0; b < 2; ++b) {
     ok &= tf_fp8_cast_transpose(x, TF_FLOAT32, R, C, LD, cuts[b], cuts[b + 1], scale,
