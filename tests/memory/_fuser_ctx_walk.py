@@ -5,18 +5,17 @@ tensor reachable from a node -- saved tensors still alive, and anything on a
 custom Function's ctx attributes (through lists, dicts, objects, Float8Tensors).
 
 retained_cpu_bytes: the bytes torch's CPU allocator allocated during a call and
-that are still alive afterwards, from the addresses of the profiler's memory
-events.
+that are still alive afterwards (te_fuser's MemoryTracker, which the bug-on
+control of every test using it shows to catch the leak).
 """
 
 import gc
 
 import torch
-from torch._C._profiler import _EventType
 from torch.autograd.function import BackwardCFunction
-from torch.profiler import ProfilerActivity, profile
 
 from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.memory import MemoryTracker
 from te_fuser.ops.fuser import OperationFuser
 from te_fuser.quantizer import Quantizer
 
@@ -113,38 +112,20 @@ def assert_nothing_reachable(output: torch.Tensor, allowed: set) -> None:
         f"  {p}: {tuple(t.shape)} {t.dtype}" for p, t in found)
 
 
-def _allocation_events(prof):
-    """(address, signed size) of the CPU allocations and frees a profiler recorded, in order."""
-    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            fields = event.extra_fields
-            found.append((event.start_time_ns, event.id, fields.ptr, fields.alloc_size))
-    return [(ptr, size) for _, _, ptr, size in sorted(found)]
-
-
 def retained_cpu_bytes(fn):
     """(result of fn(), CPU bytes allocated during fn and still alive once it returned).
 
-    Frees are matched by address to the allocations made during fn. Summing the events' sizes
-    would not do: torch keeps the size of every block it saw allocated under any profiler and
-    never forgets one freed while no profiler ran, so a later free at a reused address reports
-    that stale size, and blocks from before fn would count as negative bytes. The collector is
-    run first and kept off while fn runs, so that fn's count holds only what fn left alive.
+    Measured by te_fuser's MemoryTracker, which matches frees to the allocations made during fn by
+    address. Summing the profiler events' sizes would not do: torch reports the free of any block
+    it saw allocated under an earlier profiler, which would count as negative bytes. The collector
+    is run first and kept off while fn runs, so that whether fn's own cyclic garbage counts does not
+    depend on when a collection happens to run.
     """
     gc.collect()
     gc.disable()
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with MemoryTracker(device="cpu", gc_collect=False) as tracker:
             result = fn()
     finally:
         gc.enable()
-    live = {}
-    for ptr, size in _allocation_events(prof):
-        if size > 0:
-            live[ptr] = size
-        else:
-            live.pop(ptr, None)
-    return result, sum(live.values())
+    return result, tracker.retained_bytes
