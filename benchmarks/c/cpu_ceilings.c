@@ -55,7 +55,7 @@ static const char *const kernel_names[] = {"quantize", "quantize (16-bit table)"
 /* Median over ROUNDS of the mean ns per element of REPEATS calls. */
 static double ns_per_element(kernel k, tf_dtype dtype, const void *x, const uint8_t *table,
                              uint8_t *y, uint8_t *y_t) {
-  double best[ROUNDS];
+  double times[ROUNDS];
   uint32_t amax = 0;
   for (int round = 0; round < ROUNDS; ++round) {
     const double t0 = seconds();
@@ -73,15 +73,15 @@ static double ns_per_element(kernel k, tf_dtype dtype, const void *x, const uint
         exit(1);
       }
     }
-    best[round] = (seconds() - t0) / REPEATS / ELEMENTS * 1e9;
+    times[round] = (seconds() - t0) / REPEATS / ELEMENTS * 1e9;
   }
   for (int i = 1; i < ROUNDS; ++i) /* insertion sort of five */
-    for (int j = i; j > 0 && best[j] < best[j - 1]; --j) {
-      const double t = best[j];
-      best[j] = best[j - 1];
-      best[j - 1] = t;
+    for (int j = i; j > 0 && times[j] < times[j - 1]; --j) {
+      const double t = times[j];
+      times[j] = times[j - 1];
+      times[j - 1] = t;
     }
-  return best[ROUNDS / 2];
+  return times[ROUNDS / 2];
 }
 
 int main(void) {
