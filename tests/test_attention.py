@@ -226,6 +226,44 @@ def test_edge_values_and_fully_masked_rows():
         assert_close(g, r, 2e-3, 1e-4, f"d{name}")
 
 
+@pytest.mark.parametrize("growth", [0.02, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_that_grow_along_the_keys(growth, dtype, cpu_isa):
+    """Keys whose scores grow along the sequence, over several 64-key tiles: the forward keeps each query's
+    running max until a later tile beats it by more than its headroom (2^8), then rescales. A growth of 0.02 per
+    key stays within that headroom from tile to tile; 0.3 per key passes it in every tile (scores reach ~500)."""
+    torch.manual_seed(23)
+    q, k, v = make_inputs("bshd", 1, 300, 300, 2, 2, 32, dtype, requires_grad=False)
+    direction = torch.randn(32)
+    direction = direction / direction.norm()
+    q = (q.float() * 0.2 + direction * 3).to(dtype)
+    k = (k.float() * 0.2 + direction * (growth * torch.arange(300.0)).view(1, 300, 1, 1)).to(dtype)
+    for causal in (False, True):
+        out, lse = attn_kernels.attention_fwd(q, k, v, causal=causal, softmax_scale=1.0)
+        ref, _ = reference(q, k, v, "bshd", causal, 1.0)
+        # Scores reach ~270 with the fast growth: float32 rounds them by ~1e-5, which the outputs inherit.
+        atol, _, rtol = TOLERANCES[dtype] if dtype != torch.float32 else (3e-4, 0, 1e-4)
+        assert_close(out, ref, atol, rtol, f"out causal={causal}")
+        s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double())
+        if causal:
+            s = s.masked_fill(~torch.ones(300, 300, dtype=torch.bool).tril(), float("-inf"))
+        torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1), atol=1e-4, rtol=1e-5)
+
+
+def test_nan_in_a_late_key_reaches_the_queries_that_see_it(cpu_isa):
+    """A NaN key in the third key tile makes NaN the output rows and the dq rows that attend to it (it is not
+    skipped as a zero probability), and leaves the earlier output rows of a causal problem finite."""
+    torch.manual_seed(24)
+    q, k, v = make_inputs("bshd", 1, 200, 200, 1, 1, 16, torch.float32, requires_grad=False)
+    k[0, 150, 0, 3] = float("nan")
+    out, lse = attn_kernels.attention_fwd(q, k, v, causal=True)
+    assert torch.isfinite(out[0, :150]).all()
+    assert torch.isnan(out[0, 150:]).all()
+    # Earlier rows of dq may be NaN too (0 * NaN in the dq product, as in SDPA's math backward).
+    dq, _, _ = attn_kernels.attention_bwd(torch.randn_like(out), q, k, v, out, lse, causal=True)
+    assert torch.isnan(dq[0, 150:]).all()
+
+
 def test_lse_matches_logsumexp():
     torch.manual_seed(6)
     q, k, v = make_inputs("bshd", 1, 90, 90, 2, 2, 16, torch.float32, requires_grad=False)

@@ -113,12 +113,15 @@ static strip make_strip(const tf_attn_problem *p, int64_t i0, int64_t width, int
  * Scores of a strip, transposed: st[j][i0 + i] = k_j . q_{i0 + i} (qt holds q^T,
  * pre-scaled) for keys j < s.rows, with hidden scores set to -inf in the same
  * pass (key k0 + j is hidden from query r0 + i when it is later, or when
- * j >= nk). Returns the max over the keys of each query column in mx.
+ * j >= nk). Returns the max over the keys of each query column in mx. With
+ * `lazy`, st gets 2^(score - ref) instead, computed while the block is in
+ * registers, and their column sums are added to sum (strip_lazy_softmax).
  */
 TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, int64_t ldk,
                                  const float *restrict qt, int64_t D, strip s,
                                  int causal, int64_t r0, int64_t k0, int64_t nk,
-                                 const int masked, const int cols, tf_vf mx[2]) {
+                                 const int masked, const int cols, const int lazy,
+                                 const tf_vf ref[2], tf_vf mx[2], tf_vf sum[2]) {
   tf_vfi lane;
   for (int i = 0; i < VW; ++i) lane[i] = i;
   TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) mx[c] = tf_vf_splat(-__builtin_inff());
@@ -143,8 +146,23 @@ TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, i
           x[i][c] = tf_vf_select(lane < (int32_t)hidden, tf_vf_splat(-__builtin_inff()), x[i][c]);
         }
         mx[c] = tf_vf_max(mx[c], x[i][c]);
-        tf_vf_store(st + (r + i) * LD + s.i0 + VW * c, x[i][c]);
+        if (lazy) x[i][c] -= ref[c];
       }
+    if (lazy) {
+      /* The block's exponentials, TF_ATTN_EXP2_MAX_N chains at a time. */
+      tf_vf e[TF_ATTN_GEMM_ROWS * 2];
+      TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+        TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) e[i * cols + c] = x[i][c];
+      TF_ATTN_UNROLL for (int g = 0; g < TF_ATTN_GEMM_ROWS * cols; g += TF_ATTN_EXP2_MAX_N)
+        tf_vf_exp2_n(e + g, TF_ATTN_EXP2_MAX_N);
+      TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+        TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) {
+          x[i][c] = e[i * cols + c];
+          sum[c] += x[i][c];
+        }
+    }
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) tf_vf_store(st + (r + i) * LD + s.i0 + VW * c, x[i][c]);
   }
 }
 
@@ -162,7 +180,17 @@ TF_ATTN_INLINE void strip_softmax(float *restrict st, strip s, const tf_vf mx[2]
     /* A query that sees no key yet keeps m = -inf; subtracting 0 instead gives it p = 0. */
     const tf_vf m_use = tf_vf_select(m_new == -__builtin_inff(), tf_vf_splat(0.0f), m_new);
     tf_vf sum = {0};
-    for (int64_t j = 0; j < s.seen; ++j) {
+    int64_t j = 0;
+    for (; j + TF_ATTN_EXP2_MAX_N <= s.seen; j += TF_ATTN_EXP2_MAX_N) {
+      tf_vf e[TF_ATTN_EXP2_MAX_N];
+      TF_ATTN_UNROLL for (int u = 0; u < TF_ATTN_EXP2_MAX_N; ++u) e[u] = tf_vf_load(st + (j + u) * LD + col) - m_use;
+      tf_vf_exp2_n(e, TF_ATTN_EXP2_MAX_N);
+      TF_ATTN_UNROLL for (int u = 0; u < TF_ATTN_EXP2_MAX_N; ++u) {
+        tf_vf_store(st + (j + u) * LD + col, e[u]);
+        sum += e[u];
+      }
+    }
+    for (; j < s.seen; ++j) {
       const tf_vf e = tf_vf_exp2(tf_vf_load(st + j * LD + col) - m_use);
       tf_vf_store(st + j * LD + col, e);
       sum += e;
@@ -174,14 +202,62 @@ TF_ATTN_INLINE void strip_softmax(float *restrict st, strip s, const tf_vf mx[2]
   }
 }
 
+/*
+ * The lazy online softmax (strip_scores with `lazy`): st holds 2^(s - m_old)
+ * already. While no score of a query exceeds its running max by more than
+ * TF_ATTN_LAZY_HEADROOM, the max stays put: the exponentials (at most
+ * 2^HEADROOM) and the sums keep full float32 precision relative to it, and
+ * the o rows need no rescaling (returns 0). Otherwise (and for NaN scores)
+ * the strip's columns move to the new max: st, l and o (through alpha) are
+ * rescaled by 2^(m_old - m_new), and it returns 1.
+ */
+#define TF_ATTN_LAZY_HEADROOM 8.0f
+
+TF_ATTN_INLINE int strip_lazy_softmax(float *restrict st, strip s, const tf_vf mx[2],
+                                      const tf_vf sum[2], float *m, float *l, float *alpha) {
+  int moved = 0;
+  for (int64_t c = 0; c < s.cols; ++c) {
+    const int64_t col = s.i0 + VW * c;
+    const tf_vf m_old = tf_vf_load(m + col);
+    const tf_vfi within = mx[c] <= m_old + TF_ATTN_LAZY_HEADROOM;
+    int all_within = 1;
+    for (int i = 0; i < VW; ++i) all_within &= within[i] != 0;
+    if (all_within) {
+      tf_vf_store(l + col, tf_vf_load(l + col) + sum[c]);
+      tf_vf_store(alpha + col, tf_vf_splat(1.0f));
+      continue;
+    }
+    moved = 1;
+    const tf_vf m_new = tf_vf_max(m_old, mx[c]);
+    const tf_vf a = tf_vf_exp2(m_old - m_new);
+    for (int64_t j = 0; j < s.seen; ++j) tf_vf_store(st + j * LD + col, tf_vf_load(st + j * LD + col) * a);
+    tf_vf_store(l + col, (tf_vf_load(l + col) + sum[c]) * a);
+    tf_vf_store(m + col, m_new);
+    tf_vf_store(alpha + col, a);
+  }
+  return moved;
+}
+
+/* Every query column of the strip has a finite running max (has seen a key), so it may take the lazy softmax. */
+TF_ATTN_INLINE int strip_has_max(strip s, const float *m) {
+  for (int64_t i = s.i0; i < s.i0 + VW * s.cols; ++i)
+    if (!(m[i] > -__builtin_inff() && m[i] < __builtin_inff())) return 0;
+  return 1;
+}
+
+/* How pv_block starts its o rows: from zero (the first key tile), as they are, or times alpha. */
+enum { TF_ATTN_O_ZERO, TF_ATTN_O_KEEP, TF_ATTN_O_RESCALE };
+
 /* Columns [n, n + VW cols) of the o rows [r, r + TF_ATTN_GEMM_ROWS) below; `cols` is a constant where it is inlined. */
 TF_ATTN_INLINE void pv_block(float *restrict o, const float *restrict st, const float *restrict vp,
                              const float *alpha, int64_t dp, int64_t r, int64_t n, int64_t keys,
-                             int first, const int cols) {
+                             int start, const int cols) {
   tf_vf x[TF_ATTN_GEMM_ROWS][2];
   TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
-    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c)
-      x[i][c] = first ? tf_vf_splat(0.0f) : tf_vf_load(o + (r + i) * dp + n + VW * c) * alpha[r + i];
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) {
+      x[i][c] = start == TF_ATTN_O_ZERO ? tf_vf_splat(0.0f) : tf_vf_load(o + (r + i) * dp + n + VW * c);
+      if (start == TF_ATTN_O_RESCALE) x[i][c] *= alpha[r + i];
+    }
   for (int64_t kk = 0; kk < keys; ++kk) {
     tf_vf b[2];
     TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_vf_load(vp + kk * dp + n + VW * c);
@@ -195,21 +271,21 @@ TF_ATTN_INLINE void pv_block(float *restrict o, const float *restrict st, const 
 }
 
 /*
- * o[i] = (first ? 0 : alpha[i] o[i]) + sum_j p[j][i] v_j for the strip's
- * queries, 8 rows at a time, each over only the keys its rows may see.
- * Every query sees a key of the first tile (key 0 with causality), so `first`
- * sets every row; a later row block that sees none of the tile's keys has
- * alpha 1 and is left as is.
+ * o[i] = (0, o[i] or alpha[i] o[i], as `start` says) + sum_j p[j][i] v_j for
+ * the strip's queries, TF_ATTN_GEMM_ROWS rows at a time, each over only the
+ * keys its rows may see. Every query sees a key of the first tile (key 0
+ * with causality), so TF_ATTN_O_ZERO sets every row; a later row block that
+ * sees none of the tile's keys has alpha 1 and is left as is.
  */
 TF_ATTN_INLINE void strip_pv(float *restrict o, const float *restrict st, const float *restrict vp,
                              const float *alpha, int64_t dp, strip s, int causal, int64_t r0,
-                             int64_t k0, int64_t nk, int first) {
+                             int64_t k0, int64_t nk, int start) {
   for (int64_t r = s.i0; r < s.i0 + VW * s.cols; r += TF_ATTN_GEMM_ROWS) {
     const int64_t keys = causal ? min64(nk, r0 + r + TF_ATTN_GEMM_ROWS - k0) : nk;
     if (keys <= 0) continue;
     int64_t n = 0;
-    for (; n + SW <= dp; n += SW) pv_block(o, st, vp, alpha, dp, r, n, keys, first, 2);
-    if (n < dp) pv_block(o, st, vp, alpha, dp, r, n, keys, first, 1);
+    for (; n + SW <= dp; n += SW) pv_block(o, st, vp, alpha, dp, r, n, keys, start, 2);
+    if (n < dp) pv_block(o, st, vp, alpha, dp, r, n, keys, start, 1);
   }
 }
 
@@ -227,18 +303,32 @@ static void dropout_strip(const tf_attn_problem *p, float *st, int64_t i_begin, 
     }
 }
 
-/* Scores, softmax, dropout and o update of one strip; `masked` and `cols` are constants where it is inlined. */
+/*
+ * Scores, softmax, dropout and o update of one strip; `masked` and `cols` are
+ * constants where it is inlined. A strip whose queries have all seen keys
+ * takes the lazy softmax, with the exponentials computed in the score pass.
+ */
 TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, const float *kp,
                                int64_t ldk, strip s, int64_t D,
                                int64_t dp, int64_t rows, int64_t seg, int64_t h, int64_t r0,
                                int64_t k0, int64_t nk, int first, const int masked,
                                const int cols) {
-  tf_vf mx[2];
-  strip_scores(t->st, kp, ldk, t->qt, D, s, p->causal, r0, k0, nk, masked, cols, mx);
-  strip_softmax(t->st, s, mx, t->m, t->l, t->alpha);
+  tf_vf mx[2], ref[2], sum[2];
+  int start = first ? TF_ATTN_O_ZERO : TF_ATTN_O_RESCALE;
+  if (!first && strip_has_max(s, t->m)) {
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) {
+      ref[c] = tf_vf_load(t->m + s.i0 + VW * c);
+      sum[c] = tf_vf_splat(0.0f);
+    }
+    strip_scores(t->st, kp, ldk, t->qt, D, s, p->causal, r0, k0, nk, masked, cols, 1, ref, mx, sum);
+    if (!strip_lazy_softmax(t->st, s, mx, sum, t->m, t->l, t->alpha)) start = TF_ATTN_O_KEEP;
+  } else {
+    strip_scores(t->st, kp, ldk, t->qt, D, s, p->causal, r0, k0, nk, masked, cols, 0, ref, mx, sum);
+    strip_softmax(t->st, s, mx, t->m, t->l, t->alpha);
+  }
   if (p->dropout_p > 0.0f)
     dropout_strip(p, t->st, s.i0, min64(s.i0 + VW * s.cols, rows), s.seen, seg, h, r0, k0);
-  strip_pv(t->o, t->st, t->v, t->alpha, dp, s, p->causal, r0, k0, nk, first);
+  strip_pv(t->o, t->st, t->v, t->alpha, dp, s, p->causal, r0, k0, nk, start);
 }
 
 /*

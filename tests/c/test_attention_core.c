@@ -13,6 +13,7 @@
 
 #include "attention/attention.h"
 #include "attention/attention_dropout.h"
+#include "attention/attention_tile.h"
 #include "common/cpu_features.h"
 #include "fp8/fp8_format.h"
 
@@ -423,6 +424,31 @@ static void test_amx_path(void) {
 }
 #endif
 
+/* The softmax's 2^x (attention_tile.h) against exp2 in double, on a sweep and its edge values. */
+static void test_exp2(void) {
+  double worst = 0.0;
+  int edges_ok = 1;
+  for (int64_t i = 0; i <= 140000; i += TF_ATTN_VW) {
+    tf_vf x;
+    for (int l = 0; l < TF_ATTN_VW; ++l) x[l] = (float)(-138.0 + (double)(i + l) * 1e-3);
+    const tf_vf y = tf_vf_exp2(x);
+    for (int l = 0; l < TF_ATTN_VW; ++l) {
+      const double want = exp2((double)x[l]);
+      if (x[l] >= -126.0f)
+        worst = fmax(worst, fabs((double)y[l] - want) / want);
+      else if (x[l] <= -127.0f)
+        edges_ok &= y[l] == 0.0f;
+      else
+        edges_ok &= fabs((double)y[l] - want) < 0x1p-126; /* flushed or subnormal */
+    }
+  }
+  CHECK(worst < 3e-7, "2^x relative error %.3g over [-126, 2]", worst);
+  CHECK(edges_ok, "2^x is 0 at and below -127");
+  const tf_vf special = tf_vf_splat(-INFINITY) + (tf_vf){0.0f, NAN, INFINITY * 0.0f};
+  const tf_vf y = tf_vf_exp2(special);
+  CHECK(y[0] == 0.0f && isnan(y[1]) && isnan(y[2]) && y[3] == 0.0f, "2^-inf = 0 and NaN stays NaN");
+}
+
 static void test_dropout_rng(void) {
   const tf_attn_dropout_key_t key = tf_attn_dropout_key(7, 0);
   const uint32_t threshold = tf_attn_dropout_threshold(0.1f);
@@ -523,6 +549,7 @@ int main(void) {
 #if defined(TF_ATTN_AMX_EMULATE)
   test_amx_path();
 #endif
+  test_exp2();
   test_dropout_rng();
   test_checks();
   return check_report();
