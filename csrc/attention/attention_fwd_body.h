@@ -313,13 +313,10 @@ TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, c
                                int64_t dp, int64_t rows, int64_t seg, int64_t h, int64_t r0,
                                int64_t k0, int64_t nk, int first, const int masked,
                                const int cols) {
-  tf_vf mx[2], ref[2], sum[2];
+  tf_vf mx[2], ref[2] = {{0}}, sum[2] = {{0}};
   int start = first ? TF_ATTN_O_ZERO : TF_ATTN_O_RESCALE;
   if (!first && strip_has_max(s, t->m)) {
-    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) {
-      ref[c] = tf_vf_load(t->m + s.i0 + VW * c);
-      sum[c] = tf_vf_splat(0.0f);
-    }
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) ref[c] = tf_vf_load(t->m + s.i0 + VW * c);
     strip_scores(t->st, kp, ldk, t->qt, D, s, p->causal, r0, k0, nk, masked, cols, 1, ref, mx, sum);
     if (!strip_lazy_softmax(t->st, s, mx, sum, t->m, t->l, t->alpha)) start = TF_ATTN_O_KEEP;
   } else {
