@@ -60,6 +60,14 @@ def reference(q, k, v, fmt, causal, scale, lens_q=None, lens_kv=None, cu_q=None,
     return out.detach(), grads
 
 
+def reference_lse(q, k, scale, causal):
+    """Float64 log-sum-exp of the scores, [b, h, s_q], for one bshd sequence per batch row of equal lengths."""
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).tril(), float("-inf"))
+    return torch.logsumexp(s, dim=-1)
+
+
 def assert_close(actual, expected, atol, rtol, what):
     actual = actual.detach().cpu().double()
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
@@ -244,10 +252,7 @@ def test_scores_that_grow_along_the_keys(growth, dtype, cpu_isa):
         # Scores reach ~270 with the fast growth: float32 rounds them by ~1e-5, which the outputs inherit.
         atol, _, rtol = TOLERANCES[dtype] if dtype != torch.float32 else (3e-4, 0, 1e-4)
         assert_close(out, ref, atol, rtol, f"out causal={causal}")
-        s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double())
-        if causal:
-            s = s.masked_fill(~torch.ones(300, 300, dtype=torch.bool).tril(), float("-inf"))
-        torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), reference_lse(q, k, 1.0, causal), atol=1e-4, rtol=1e-5)
 
 
 def test_nan_in_a_late_key_reaches_the_queries_that_see_it(cpu_isa):
@@ -268,9 +273,7 @@ def test_lse_matches_logsumexp():
     torch.manual_seed(6)
     q, k, v = make_inputs("bshd", 1, 90, 90, 2, 2, 16, torch.float32, requires_grad=False)
     _, lse = attn_kernels.attention_fwd(q, k, v, causal=True, softmax_scale=0.5)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 0.5
-    s = s.masked_fill(~torch.ones(90, 90, dtype=torch.bool).tril(), float("-inf"))
-    torch.testing.assert_close(lse.double(), torch.logsumexp(s, dim=-1), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(lse.double(), reference_lse(q, k, 0.5, True), atol=1e-5, rtol=1e-6)
 
 
 def test_strided_qkv_views_need_no_copy():

@@ -146,13 +146,12 @@ TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, i
           x[i][c] = tf_vf_select(lane < (int32_t)hidden, tf_vf_splat(-__builtin_inff()), x[i][c]);
         }
         mx[c] = tf_vf_max(mx[c], x[i][c]);
-        if (lazy) x[i][c] -= ref[c];
       }
     if (lazy) {
       /* The block's exponentials, TF_ATTN_EXP2_MAX_N chains at a time. */
       tf_vf e[TF_ATTN_GEMM_ROWS * 2];
       TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
-        TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) e[i * cols + c] = x[i][c];
+        TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) e[i * cols + c] = x[i][c] - ref[c];
       TF_ATTN_UNROLL for (int g = 0; g < TF_ATTN_GEMM_ROWS * cols; g += TF_ATTN_EXP2_MAX_N)
         tf_vf_exp2_n(e + g, TF_ATTN_EXP2_MAX_N);
       TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
@@ -180,17 +179,7 @@ TF_ATTN_INLINE void strip_softmax(float *restrict st, strip s, const tf_vf mx[2]
     /* A query that sees no key yet keeps m = -inf; subtracting 0 instead gives it p = 0. */
     const tf_vf m_use = tf_vf_select(m_new == -__builtin_inff(), tf_vf_splat(0.0f), m_new);
     tf_vf sum = {0};
-    int64_t j = 0;
-    for (; j + TF_ATTN_EXP2_MAX_N <= s.seen; j += TF_ATTN_EXP2_MAX_N) {
-      tf_vf e[TF_ATTN_EXP2_MAX_N];
-      TF_ATTN_UNROLL for (int u = 0; u < TF_ATTN_EXP2_MAX_N; ++u) e[u] = tf_vf_load(st + (j + u) * LD + col) - m_use;
-      tf_vf_exp2_n(e, TF_ATTN_EXP2_MAX_N);
-      TF_ATTN_UNROLL for (int u = 0; u < TF_ATTN_EXP2_MAX_N; ++u) {
-        tf_vf_store(st + (j + u) * LD + col, e[u]);
-        sum += e[u];
-      }
-    }
-    for (; j < s.seen; ++j) {
+    for (int64_t j = 0; j < s.seen; ++j) {
       const tf_vf e = tf_vf_exp2(tf_vf_load(st + j * LD + col) - m_use);
       tf_vf_store(st + j * LD + col, e);
       sum += e;

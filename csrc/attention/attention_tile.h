@@ -127,17 +127,12 @@ TF_ATTN_INLINE tf_vf tf_vf_max(tf_vf a, tf_vf b) {
 TF_ATTN_INLINE tf_vf tf_vf_max(tf_vf a, tf_vf b) { return tf_vf_select(a > b, a, b); }
 #endif
 
-/*
- * tf_vf_exp2_n computes n vectors (a constant, at most TF_ATTN_EXP2_MAX_N) in
- * place, one step of the chain across all of them before the next, so that
- * independent operations stand next to each other for the scheduler (one
- * chain is about 40 cycles of dependent latency).
- */
-#define TF_ATTN_EXP2_MAX_N 4
 #define TF_ATTN_UNROLL _Pragma("GCC unroll 8")
+#define TF_ATTN_EXP2_MAX_N 4
 
 /*
- * 2^x for x <= 0 (small positive x is fine too), relative error below 3e-7
+ * 2^x of n vectors (a constant, at most TF_ATTN_EXP2_MAX_N) in place, for
+ * x <= 0 (small positive x is fine too), relative error below 3e-7
  * (tests/c/test_attention_core.c measures 2.3e-7: two float32 ulps);
  * x <= -127 (including -inf) gives exactly 0 and NaN stays NaN (the clamp
  * is written so that vmaxps returns x for NaN). Round-to-nearest splits x
@@ -146,7 +141,9 @@ TF_ATTN_INLINE tf_vf tf_vf_max(tf_vf a, tf_vf b) { return tf_vf_select(a > b, a,
  * all, but costs 2% of the forward) gives 2^f, and 2^r is built in
  * the exponent bits (r = -127 builds +0). Adding 1.5 * 2^23 rounds x and
  * leaves r + 2^22 in the low mantissa bits of the sum, which the exponent is
- * built from directly (no float-to-int conversion).
+ * built from directly (no float-to-int conversion). Each step runs across all
+ * n vectors before the next, so that independent operations stand next to
+ * each other for the scheduler (one chain is about 40 cycles of latency).
  */
 TF_ATTN_INLINE void tf_vf_exp2_n(tf_vf *x, const int n) {
   tf_vf shifted[TF_ATTN_EXP2_MAX_N], f[TF_ATTN_EXP2_MAX_N], poly[TF_ATTN_EXP2_MAX_N];
