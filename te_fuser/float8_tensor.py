@@ -1,6 +1,7 @@
 """Float8Tensor: FP8 bytes with their inverse scale, as a torch.Tensor, and how it is saved for backward."""
 
 import copy
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -10,6 +11,8 @@ from .kernels import fp8 as fp8_kernels
 from .quantized_tensor import QuantizedTensor
 
 aten = torch.ops.aten
+# The dtypes the FP8 kernels read and write; others go through float32.
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
@@ -32,6 +35,10 @@ class Float8Tensor(QuantizedTensor):
     _quantizer: optional quantizer that writes new high-precision values into it (copy_, in-place
                 ops); without one, they are quantized with the tensor's own scale. A Float8Tensor
                 of the same FP8 format is copied as it is (bytes and scale)
+    _whole:     set on a part (slice, select, split, as_strided): the bytes of the tensor it was cut
+                from and a weak reference to that tensor's transpose. The scale belongs to the whole,
+                so a write into a part requantizes the whole when the quantizer picks a new scale,
+                and refreshes the whole's transpose (quantize_)
     dtype:      the nominal dtype it stands for
     """
 
@@ -57,6 +64,7 @@ class Float8Tensor(QuantizedTensor):
         self._fp8_dtype = fp8_dtype
         self._transpose = transpose
         self._quantizer = quantizer
+        self._whole = None
         return self
 
     def _live(self) -> "Float8Tensor":
@@ -82,7 +90,12 @@ class Float8Tensor(QuantizedTensor):
         self._live()
         if dtype == torch.float64:  # exact: an FP8 value times a float32 scale fits a double
             return self._data.to(torch.float64) * self._scale_inv.to(torch.float64)
-        return fp8_kernels.dequantize(self._data, self._scale_inv, dtype or self.dtype)
+        if dtype not in (None, *_HIGH_PRECISION):
+            return self.dequantize().to(dtype)
+        data = self._data
+        if not data.is_contiguous():  # a part or a strided view: the kernel reads contiguous bytes
+            data = data.view(torch.uint8).contiguous().view(self._fp8_dtype)
+        return fp8_kernels.dequantize(data, self._scale_inv, dtype or self.dtype)
 
     def transpose_dequantized(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The cast-transpose data dequantized (the transpose of the 2-D view of the values)."""
@@ -94,8 +107,15 @@ class Float8Tensor(QuantizedTensor):
         """Write src's values into this tensor's FP8 buffers (its quantizer's scale, else its own)."""
         self._live()
         if tuple(src.shape) != tuple(self.shape):
-            raise ValueError(f"src has shape {tuple(src.shape)}, this Float8Tensor {tuple(self.shape)}")
+            try:  # copy_ broadcasts its source
+                src = src.expand(self.shape)
+            except RuntimeError:
+                raise ValueError(f"src has shape {tuple(src.shape)}, this Float8Tensor {tuple(self.shape)}") from None
         src = src.detach()
+        if not isinstance(src, Float8Tensor) and src.dtype not in _HIGH_PRECISION:
+            src = src.to(torch.float32)  # float64, integers, bool: the quantizers take float32
+        if self._whole is not None:
+            return self._quantize_part_(src)
         if isinstance(src, Float8Tensor):
             # FP8 into FP8 of the same format: the bytes and scale as they are (exact; how a
             # checkpoint of FP8 weights loads, whatever the receiving quantizer's scale is).
@@ -124,6 +144,35 @@ class Float8Tensor(QuantizedTensor):
         if self._transpose is not None:
             self._transpose.copy_(fp8_transpose(self._data))
 
+    def _quantize_part_(self, src: torch.Tensor) -> "Float8Tensor":
+        """quantize_ of a part: the bytes outside it keep their values, read with the whole's scale."""
+        whole, whole_transpose = self._whole
+        if isinstance(src, Float8Tensor) and src._fp8_dtype == self._fp8_dtype and \
+                torch.equal(src._live()._scale_inv, self._scale_inv):
+            self._data.view(torch.uint8).copy_(src._data.view(torch.uint8))
+        elif self._quantizer is None or not whole.is_contiguous():
+            # The whole keeps its scale: only this part's bytes change (values beyond it saturate).
+            values = (src.dequantize() if isinstance(src, Float8Tensor) else src).to(self.device)
+            codes = fp8_kernels.quantize(values.contiguous(), torch.reciprocal(self._scale_inv),
+                                         torch.zeros_like(self._scale_inv), self._fp8_dtype)
+            self._data.view(torch.uint8).copy_(codes.view(torch.uint8))
+        else:
+            # The quantizer's scale is the whole's: requantize all of it, with this part's new values.
+            values = Float8Tensor(whole, self._scale_inv, self._fp8_dtype, torch.float32).dequantize()
+            part = values.as_strided(self.shape, self._data.stride(),
+                                     self._data.storage_offset() - whole.storage_offset())
+            part.copy_(src.dequantize(torch.float32) if isinstance(src, Float8Tensor) else src)
+            fresh = self._quantizer.quantize(values)
+            if fresh._fp8_dtype != self._fp8_dtype:
+                raise ValueError(f"this Float8Tensor holds {self._fp8_dtype} but its quantizer casts to "
+                                 f"{fresh._fp8_dtype}")
+            whole.view(torch.uint8).copy_(fresh._data.view(torch.uint8))
+            self._scale_inv.copy_(fresh._scale_inv)
+        transpose = None if whole_transpose is None else whole_transpose()
+        if transpose is not None:
+            transpose.copy_(fp8_transpose(whole))
+        return self
+
     # -- the ops that keep FP8 (everything else dequantizes: QuantizedTensor) --------------
     @classmethod
     def _handled_op(cls, func, args, kwargs):
@@ -145,7 +194,7 @@ class Float8Tensor(QuantizedTensor):
         tensors = [self._data, self._transpose, self._scale_inv]
         if torch.compiler.is_compiling():
             return tensors, Float8Record(self._fp8_dtype, self.dtype, self._quantizer)
-        self._data = self._transpose = self._scale_inv = None
+        self._data = self._transpose = self._scale_inv = self._whole = None
         return tensors, self
 
     def restore_from_saved(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
@@ -155,7 +204,7 @@ class Float8Tensor(QuantizedTensor):
 
     def clear(self) -> None:
         """Drop every buffer reference (what backward does once it is done with the tensor)."""
-        self._data = self._transpose = self._scale_inv = None
+        self._data = self._transpose = self._scale_inv = self._whole = None
 
     # -- FSDP2 (fully_shard): all-gather the FP8 bytes, not the nominal dtype ----------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -239,16 +288,23 @@ def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, transpose, require
 
 
 # -- the FP8 op table ------------------------------------------------------------------------
+def _same_bytes(t: Float8Tensor, data: torch.Tensor, transpose) -> Float8Tensor:
+    """A view of all of t's bytes (alias, detach, view): a part's stays a part of the same whole."""
+    out = t._like(data, transpose)
+    out._whole = t._whole
+    return out
+
+
 def _alias(func, args, kwargs):
     t = args[0]
-    return return_and_correct_aliasing(func, args, kwargs, t._like(t._data, t._transpose))
+    return return_and_correct_aliasing(func, args, kwargs, _same_bytes(t, t._data, t._transpose))
 
 
 def _reshaped(t: Float8Tensor, size) -> Float8Tensor:
     data = t._data.view(size)
     # The transpose is of the (rows, last dim) matrix: still right while the last dim is unchanged.
     same_rows = data.dim() > 0 and t._data.dim() > 0 and data.shape[-1] == t._data.shape[-1]
-    return t._like(data, t._transpose if same_rows else None)
+    return _same_bytes(t, data, t._transpose if same_rows else None)
 
 
 def _view(func, args, kwargs):
@@ -291,23 +347,26 @@ def _to(func, args, kwargs):
                         quantizer=t._quantizer)
 
 
-def _split(func, args, kwargs):
-    """Splits along dim 0 stay FP8 (FSDP shards, chunked weights); other dims dequantize."""
-    t = args[0]
-    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-    if dim % max(t.dim(), 1) != 0:
-        return func(t.dequantize(), *args[1:], **kwargs)
-    parts = func(t._data, *args[1:], **kwargs)
-    return [t._like(part, None) for part in parts]
+def _part(t: Float8Tensor, data: torch.Tensor) -> Float8Tensor:
+    """A Float8Tensor over some of t's bytes, which knows the whole it was cut from (quantize_)."""
+    part = t._like(data, None)
+    if t._whole is not None:
+        part._whole = t._whole
+    else:
+        part._whole = (t._data, None if t._transpose is None else weakref.ref(t._transpose))
+    return part
 
 
-def _slice(func, args, kwargs):
+def _parts(func, args, kwargs):
+    """split / unbind: parts along any dim (FSDP shards, chunked weights) stay FP8."""
     t = args[0]
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
-    if dim % max(t.dim(), 1) != 0 or step != 1:
-        return func(t.dequantize(), *args[1:], **kwargs)
-    return t._like(func(t._data, *args[1:], **kwargs), None)
+    return [_part(t, data) for data in func(t._data, *args[1:], **kwargs)]
+
+
+def _cut(func, args, kwargs):
+    """slice / select / as_strided of the bytes: a part that writes through (`w[0] = 0` included)."""
+    t = args[0]
+    return _part(t, func(t._data, *args[1:], **kwargs))
 
 
 def _new_fp8(func, args, kwargs):
@@ -317,14 +376,9 @@ def _new_fp8(func, args, kwargs):
     t, size = bound["self"], bound["size"]
     if bound.get("dtype") not in (None, t.dtype):
         return func(t.dequantize(), *args[1:], **kwargs)
-    data = torch.zeros(size, dtype=t._fp8_dtype, device=t.device)
-    return Float8Tensor(data, t._scale_inv.clone(), t._fp8_dtype, t.dtype, quantizer=t._quantizer)
-
-
-def _as_strided(func, args, kwargs):
-    """as_strided of the bytes, in elements like the values (one scale for the whole tensor)."""
-    t = args[0]
-    return t._like(func(t._data, *args[1:], **kwargs), None)
+    device = t.device if bound.get("device") is None else torch.device(bound["device"])
+    data = torch.zeros(size, dtype=t._fp8_dtype, device=device)
+    return Float8Tensor(data, t._scale_inv.to(device, copy=True), t._fp8_dtype, t.dtype, quantizer=t._quantizer)
 
 
 _FP8_OPS = {
@@ -339,12 +393,14 @@ _FP8_OPS = {
     aten.to.device: _to,
     aten.to.dtype: _to,
     aten.to.other: _to,
-    aten.split.Tensor: _split,
-    aten.split_with_sizes.default: _split,
-    aten.slice.Tensor: _slice,
+    aten.split.Tensor: _parts,
+    aten.split_with_sizes.default: _parts,
+    aten.unbind.int: _parts,
+    aten.slice.Tensor: _cut,
+    aten.select.int: _cut,
+    aten.as_strided.default: _cut,
     aten.new_zeros.default: _new_fp8,
     aten.new_empty.default: _new_fp8,
-    aten.as_strided.default: _as_strided,
 }
 
 # The ops that stay in FP8 (written down for users; the table above is the source of truth).

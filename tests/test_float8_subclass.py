@@ -71,15 +71,87 @@ def test_views_share_the_fp8_bytes(fp8_dtype, generator):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
-def test_splits_along_dim_0_stay_fp8(fp8_dtype, generator):
+def test_parts_stay_fp8_along_any_dim(fp8_dtype, generator):
     x8 = _quantized(_random((8, 6), generator), fp8_dtype)
+    values = x8.dequantize()
     parts = torch.chunk(x8, 2, dim=0)
     assert all(isinstance(p, Float8Tensor) for p in parts)
     assert torch.equal(torch.cat([p._data.view(torch.uint8) for p in parts]), x8._data.view(torch.uint8))
-    assert isinstance(x8[2:5], Float8Tensor) and torch.equal(x8[2:5].dequantize(), x8.dequantize()[2:5])
-    columns = torch.chunk(x8, 2, dim=1)
-    assert all(type(p) is torch.Tensor for p in columns)
-    assert torch.equal(columns[1], x8.dequantize()[:, 3:])
+    for part, expected in ((x8[2:5], values[2:5]), (x8[:, 1:5:2], values[:, 1:5:2]), (x8[3], values[3]),
+                           (x8[:, 4], values[:, 4]), (torch.chunk(x8, 2, dim=1)[1], values[:, 3:]),
+                           (x8.unbind(1)[2], values[:, 2]), (x8.as_strided((6, 4), (1, 6)), values.as_strided((6, 4), (1, 6)))):
+        assert isinstance(part, Float8Tensor) and part._data.untyped_storage().data_ptr() == x8._data.data_ptr()
+        assert torch.equal(part.dequantize(), expected) and torch.equal(part + 1, expected + 1)
+
+
+def _whole_and_reference(generator, quantizer):
+    """A Float8Tensor that writes through its quantizer (as FP8 weights do), and its values."""
+    q8 = quantizer(_random((8, 6), generator))
+    x8 = Float8Tensor(q8._data, q8._scale_inv, q8._fp8_dtype, torch.float32, q8._transpose, quantizer=quantizer)
+    return x8, x8.dequantize(torch.float64)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("write", ["slice_copy", "select_fill", "column_setitem", "strided_mul", "view_of_part"])
+def test_a_write_into_a_part_keeps_the_rest(fp8_dtype, write, generator):
+    """The scale belongs to the whole tensor: writing a part must not change what the other bytes
+    mean. With current scaling the whole is requantized with the new amax (the rest is re-rounded
+    to the new scale, within half its step); its transpose follows."""
+    quantizer = te_fuser.Float8CurrentScalingQuantizer(fp8_dtype, columnwise=True)
+    x8, ref = _whole_and_reference(generator, quantizer)
+    big = 40.0  # well above the values' amax: the scale must change
+    with torch.no_grad():
+        if write == "slice_copy":
+            x8[1:3].copy_(torch.full((2, 6), big)); ref[1:3] = big
+        elif write == "select_fill":
+            x8[5] = big; ref[5] = big
+        elif write == "column_setitem":
+            x8[:, 2] = -big; ref[:, 2] = -big
+        elif write == "strided_mul":
+            x8[::3, 1::2].mul_(big); ref[::3, 1::2] *= big
+        else:
+            x8[4:6].view(-1)[3:9].fill_(big); ref.view(-1)[27:33] = big
+    limit = torch.finfo(fp8_dtype).max
+    scale = limit / ref.abs().max()
+    assert x8._scale_inv.item() == pytest.approx(1 / scale.item(), rel=1e-6)
+    expected = (ref.float() * scale.float()).clamp(-limit, limit).to(fp8_dtype)
+    assert torch.equal(x8._data.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(x8._transpose.view(torch.uint8), x8._data.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_a_write_into_a_part_without_quantizer_keeps_the_scale(fp8_dtype, generator):
+    x8 = _quantized(_random((8, 6), generator), fp8_dtype, columnwise=True)
+    before = x8._data.view(torch.uint8).clone()
+    new = _random((8,), generator)
+    x8[:, 3].copy_(new)
+    expected = before.clone()
+    expected[:, 3] = _torch_cast(new, 0.75, fp8_dtype).view(torch.uint8)
+    assert torch.equal(x8._data.view(torch.uint8), expected) and x8._scale_inv.item() == pytest.approx(1 / 0.75)
+    assert torch.equal(x8._transpose.view(torch.uint8), expected.t())
+    # From a Float8Tensor with another scale: its values, in this tensor's scale.
+    src = _quantized(_random((2, 6), generator), fp8_dtype, scale=2.0)
+    x8[6:8].copy_(src)
+    expected[6:8] = _torch_cast(src.dequantize(), 0.75, fp8_dtype).view(torch.uint8)
+    assert torch.equal(x8._data.view(torch.uint8), expected)
+    # A broadcast source, as copy_ allows.
+    x8[0].fill_(1.5)
+    x8[1].copy_(torch.tensor(-2.0))
+    expected[0:2] = _torch_cast(torch.tensor([[1.5], [-2.0]]).expand(2, 6), 0.75, fp8_dtype).view(torch.uint8)
+    assert torch.equal(x8._data.view(torch.uint8), expected)
+
+
+def test_the_bug_pattern_is_caught():
+    """Control: the old behaviour (a part's quantizer writing a fresh scale into the shared scale_inv
+    without requantizing the rest) changes the rest's values, which the test above would see."""
+    quantizer = te_fuser.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    x8 = quantizer(torch.linspace(-1, 1, 48).reshape(8, 6))
+    rest = x8.dequantize()[3:].clone()
+    part = x8[0:3]
+    fresh = quantizer.quantize(torch.full((3, 6), 40.0))
+    part._data.view(torch.uint8).copy_(fresh._data.view(torch.uint8))
+    part._scale_inv.copy_(fresh._scale_inv)  # what quantize_ did before it knew about parts
+    assert not torch.allclose(x8.dequantize()[3:], rest, rtol=0.1)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
@@ -183,3 +255,28 @@ def test_bad_construction_is_refused():
 
 def test_the_fp8_op_list_is_written_down():
     assert "aten.view.default" in Float8Tensor.OPS and "aten.copy_.default" in Float8Tensor.OPS
+
+
+def test_conversions_torch_allows_work(generator):
+    x8 = _quantized(_random((4, 6), generator), torch.float8_e4m3fn)
+    values = x8.dequantize()
+    for dtype in (torch.int32, torch.int64, torch.bool, torch.complex64):
+        assert torch.equal(x8.to(dtype), values.to(dtype))
+    assert torch.equal(x8.to(torch.float64), x8._data.double() * x8._scale_inv.double())  # exact
+    into = torch.zeros(4, 6, dtype=torch.int32)
+    into.copy_(x8)
+    assert torch.equal(into, values.to(torch.int32))
+    # Sources torch would cast: float64 and integers go through float32.
+    src = _random((4, 6), generator, torch.float64)
+    x8.copy_(src)
+    assert torch.equal(x8._data.view(torch.uint8), _torch_cast(src.float(), 0.75, torch.float8_e4m3fn).view(torch.uint8))
+    x8.copy_(torch.arange(24, dtype=torch.int64).reshape(4, 6))
+    assert torch.equal(x8._data.view(torch.uint8), _torch_cast(torch.arange(24.0).reshape(4, 6), 0.75,
+                                                               torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_new_zeros_on_another_device(generator):
+    x8 = _quantized(_random((4, 6), generator), torch.float8_e4m3fn)
+    out = x8.new_zeros(3, device="meta")
+    assert isinstance(out, Float8Tensor) and out.device.type == "meta" and out._data.device.type == "meta"
+    assert out._scale_inv.device.type == "meta"

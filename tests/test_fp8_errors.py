@@ -95,3 +95,18 @@ def test_raw_ops_reject_bad_input_without_crashing():
         ops.fp8_quantize(torch.ones(4), ONE, ZERO.clone(), torch.float16)
     with pytest.raises(RuntimeError, match="amax_compute_algo|argument"):
         ops.fp8_delayed_scaling_update(torch.zeros(2, 1), torch.zeros(1), torch.ones(1), torch.ones(1), 448.0, 0, 7)
+
+
+def test_raw_ops_refuse_a_meta_argument_beside_real_tensors():
+    """One meta argument makes the dispatcher run the fake kernel on the real ones: it must refuse,
+    not hand back an uninitialised result (and leave amax unwritten)."""
+    ops, meta = torch.ops.te_fuser, torch.ones(1, device="meta")
+    x, amax = torch.full((4, 4), 3.0), ZERO.clone()
+    with pytest.raises(ValueError, match="scale must be on x's device"):
+        ops.fp8_quantize(x, meta, amax, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="amax must be on x's device"):
+        ops.fp8_cast_transpose(x, ONE, torch.zeros(1, device="meta"), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="scale_inv must be on data's device"):
+        ops.fp8_dequantize(x.to(torch.float8_e4m3fn), meta, torch.float32)
+    # All on meta is how shapes are traced: still fine.
+    assert ops.fp8_quantize(x.to("meta"), meta, meta, torch.float8_e4m3fn).shape == (4, 4)
