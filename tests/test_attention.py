@@ -511,6 +511,99 @@ def test_torch_compile_fullgraph_forward_and_backward():
         torch.testing.assert_close(g, t.grad, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("call", ["self_attention_x_x_x", "one_padding_mask", "one_cu_seqlens", "dynamic_shapes"])
+def test_torch_compile_fullgraph_traces_repeated_inputs_and_dynamic_shapes(call):
+    """torch.compile cannot trace an autograd.Function given one tensor twice, nor math on a symbolic
+    scale: the module must still trace (results equal to eager)."""
+    torch.manual_seed(13)
+    if call == "one_cu_seqlens":
+        module = te_fuser.DotProductAttention(2, 16, qkv_format="thd", attn_mask_type="padding")
+        cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+        q, k, v = make_inputs("thd", 1, 10, 10, 2, 2, 16, torch.float32)
+        args, kwargs = (q, k, v), dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    elif call == "one_padding_mask":
+        module = te_fuser.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="padding")
+        q, k, v = make_inputs("bshd", 2, 12, 12, 2, 2, 16, torch.float32)
+        mask = torch.zeros(2, 1, 1, 12, dtype=torch.bool)
+        mask[0, ..., 9:] = True
+        args, kwargs = (q, k, v), dict(attention_mask=mask)
+    else:
+        module = te_fuser.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal")
+        q, k, v = make_inputs("bshd", 1, 12, 12, 2, 2, 16, torch.float32)
+        args, kwargs = ((q, q, q) if call == "self_attention_x_x_x" else (q, k, v)), {}
+    leaves = (q,) if call == "self_attention_x_x_x" else (q, k, v)
+    compiled = torch.compile(lambda *a: module(*a, **kwargs), fullgraph=True, dynamic=call == "dynamic_shapes")
+    out = compiled(*args)
+    out.sum().backward()
+    grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    expected = module(*args, **kwargs)
+    expected.sum().backward()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    for g, t in zip(grads, leaves):
+        torch.testing.assert_close(g, t.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_left_padding_is_refused_under_compile_too():
+    module = te_fuser.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="padding")
+    q, k, v = make_inputs("bshd", 2, 12, 12, 2, 2, 16, torch.float32, requires_grad=False)
+    mask = torch.zeros(2, 1, 1, 12, dtype=torch.bool)
+    mask[1, ..., :5] = True  # left padding: the kernels take lengths
+    with pytest.raises(ValueError, match="right padding"):
+        module(q, k, v, attention_mask=mask)
+    compiled = torch.compile(lambda m: module(q, k, v, attention_mask=m), fullgraph=True)
+    right = torch.zeros_like(mask)
+    right[1, ..., 7:] = True
+    torch.testing.assert_close(compiled(right), module(q, k, v, attention_mask=right), atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="right padding"):
+        compiled(mask)
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_causal_with_a_non_positive_scale_on_every_tier(isa, scale):
+    """Torch's CPU flash kernel (the portable tier's route) gives NaN here: such problems stay on te_fuser's."""
+    if isa not in cpu_kernels.available_isa():
+        pytest.skip(f"this CPU has no {isa} tier")
+    torch.manual_seed(14)
+    q, k, v = make_inputs("bshd", 1, 8, 8, 2, 2, 16, torch.float32)
+    module = te_fuser.DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal", softmax_scale=scale)
+    dout = torch.randn(1, 8, 2, 16)
+    with cpu_kernels.isa(isa):
+        out = module(q, k, v)
+        out.backward(dout.reshape(1, 8, 32))
+    ref, grads = reference(q, k, v, "bshd", True, scale, dout=dout)
+    assert_close(out.reshape(1, 8, 2, 16), ref, 1e-5, 1e-5, f"{isa} out")
+    for name, t, g in zip("qkv", (q, k, v), grads):
+        assert_close(t.grad, g, 1e-5, 1e-5, f"{isa} d{name}")
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_backward_with_no_query_tokens(fmt):
+    module = te_fuser.DotProductAttention(1, 8, qkv_format=fmt, attn_mask_type="padding" if fmt == "thd" else "no_mask")
+    q, k, v = make_inputs(fmt, 1, 0, 4, 1, 1, 8, torch.float32)
+    kwargs = {}
+    if fmt == "thd":
+        kwargs = dict(cu_seqlens_q=torch.tensor([0, 0], dtype=torch.int32),
+                      cu_seqlens_kv=torch.tensor([0, 4], dtype=torch.int32))
+    out = module(q, k, v, **kwargs)
+    assert out.numel() == 0
+    out.sum().backward()
+    assert q.grad.shape == q.shape and torch.equal(k.grad, torch.zeros_like(k))
+    assert torch.equal(v.grad, torch.zeros_like(v))
+
+
+def test_fp8_second_backward_is_refused_clearly():
+    q, k, v = make_inputs("bshd", 1, 16, 16, 2, 2, 16, torch.float32)
+    module = te_fuser.DotProductAttention(2, 16, qkv_format="bshd")
+    with te_fuser.fp8_autocast(fp8_recipe=te_fuser.recipe.Float8CurrentScaling(fp8_dpa=True)):
+        out = module(q, k, v)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.sum().backward()
+
+
 # Bad inputs -------------------------------------------------------------------------------------------------------
 
 def test_bad_inputs_raise_clear_errors():

@@ -22,6 +22,18 @@ def _check_format(qkv_format: str) -> str:
     return qkv_format
 
 
+def _distinct(*tensors):
+    """The tensors, a repeated one as a view of itself: torch.compile cannot trace an autograd.Function
+    given the same tensor twice (self-attention m(x, x, x), one mask or cu_seqlens for q and kv)."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is not None and id(t) in seen:
+            t = t.view_as(t)
+        seen.add(id(t))
+        out.append(t)
+    return out
+
+
 def _dropout_seed(device: torch.device):
     """(seed, offset) of one dropout call: the generator's initial seed and an offset drawn from it.
 
@@ -245,6 +257,8 @@ class DotProductAttention(torch.nn.Module):
         output_quantizer = None
         if quantizers is not None and (fp8_output or getattr(FP8GlobalState.get_recipe(), "fp8_mha", False)):
             output_quantizer = self._fp8_output_quantizer(query_layer.device)
+        query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv = _distinct(
+            query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv)
         out = FusedAttentionFunction.apply(query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q,
                                            lens_kv, self.softmax_scale, "causal" in mask_type, dropout_p, seed,
                                            offset, quantizers, output_quantizer)

@@ -103,6 +103,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         # FP8: the Float8Tensor shells (prepare_for_saving handed their buffers to save_for_backward).
         ctx.tensor_objects = objects
+        ctx.fp8 = quantizers is not None
         ctx.qkv_format = qkv_format
         ctx.softmax_scale = softmax_scale
         ctx.causal = causal
@@ -115,6 +116,9 @@ class FusedAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         fmt = ctx.qkv_format
         descales = {}
+        if ctx.fp8 and ctx.tensor_objects is None:
+            raise RuntimeError("FP8 attention (fp8_dpa) frees its saved FP8 tensors in its first backward: a "
+                               "second backward through the same graph (retain_graph=True) is not supported")
         if ctx.tensor_objects is None:
             q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = ctx.saved_tensors
             q, k, v = (to_kernel_layout(t, fmt) for t in (q, k, v))

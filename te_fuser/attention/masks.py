@@ -37,10 +37,12 @@ def _lengths_from_mask(mask: torch.Tensor, name: str, batch: int, seq: int) -> t
     if mask.dim() != 2 or tuple(mask.shape) != (batch, seq):
         raise ValueError(f"{name} must have shape [{batch}, 1, 1, {seq}], got {tuple(mask.shape)}")
     lengths = (~mask).sum(dim=1, dtype=torch.int32)
-    if mask.device.type == "cpu" and not torch.compiler.is_compiling():
+    if mask.device.type == "cpu":
         # The kernels take lengths, so the valid tokens must come first (right padding).
-        positions = torch.arange(seq, device=mask.device)
-        if not torch.equal(mask, positions[None, :] >= lengths[:, None]):
+        right_padded = (mask == (torch.arange(seq, device=mask.device)[None, :] >= lengths[:, None])).all()
+        if torch.compiler.is_compiling():  # a data-dependent check that traces (a RuntimeError when run)
+            torch._assert_async(right_padded, f"{name} must mask a suffix of every sequence (right padding)")
+        elif not right_padded:
             raise ValueError(f"{name} must mask a suffix of every sequence (right padding)")
     return lengths
 

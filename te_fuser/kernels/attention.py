@@ -103,7 +103,9 @@ def _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv):
 
 
 def _check_scalars(softmax_scale, dropout_p):
-    if not math.isfinite(softmax_scale):
+    # Under torch.compile(dynamic=True) the default scale is symbolic (from the head dim), and finite;
+    # the C kernels check the value they are given again.
+    if not torch.compiler.is_compiling() and not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
@@ -141,17 +143,20 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
             raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
         if not fp8 and out_dtype != q.dtype:
             raise ValueError(f"out_dtype must be q's dtype {q.dtype} for non-FP8 inputs, got {out_dtype}")
-    if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8):
+    if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8, softmax_scale):
         return _torch_cpu_flash_fwd(q, k, v, softmax_scale, bool(causal))
     return _ops.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
                               bool(causal), float(dropout_p), int(seed), int(offset), q_descale, k_descale,
                               v_descale, out_dtype)
 
 
-def _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8) -> bool:
+def _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8,
+                             softmax_scale) -> bool:
     """Whether this problem runs on torch's CPU flash attention (see ROUTE_TO_TORCH_CPU_FLASH): its causal
-    mask is aligned to the top left, which is te_fuser's when q and k have the same length."""
+    mask is aligned to the top left, which is te_fuser's when q and k have the same length. Its causal
+    path gives NaN for a scale <= 0 (it scales the -inf it masks with), so those stay here."""
     return (ROUTE_TO_TORCH_CPU_FLASH and q.device.type == "cpu" and not fp8 and dropout_p == 0.0
+            and softmax_scale > 0.0
             and cu_seqlens_q is None and seqlens_q is None and seqlens_kv is None
             and q.shape[2] == k.shape[2] and (not causal or q.shape[1] == k.shape[1])
             and q.numel() > 0 and k.numel() > 0 and not torch.compiler.is_compiling()
@@ -225,7 +230,10 @@ def attention_bwd(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_kv=N
     expected = _lse_shape(q, cu_seqlens_q)
     if tuple(lse.shape) != expected or not lse.is_contiguous():
         raise ValueError(f"lse must be a contiguous float32 tensor of shape {expected}, got {tuple(lse.shape)}")
-    if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8):
+    if q.numel() == 0:  # no query: nothing reaches k or v
+        return (_empty_in_order_of(q, dout.dtype), _empty_in_order_of(k, dout.dtype).zero_(),
+                _empty_in_order_of(v, dout.dtype).zero_())
+    if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8, softmax_scale):
         return _torch_cpu_flash_bwd(dout, q, k, v, out, lse, softmax_scale, bool(causal))
     return _ops.attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
                               softmax_scale, bool(causal), float(dropout_p), int(seed), int(offset),
