@@ -46,6 +46,18 @@ class Float8Tensor(QuantizedTensor):
     def __new__(cls, data: Optional[torch.Tensor], scale_inv: Optional[torch.Tensor], fp8_dtype: torch.dtype,
                 dtype: torch.dtype, transpose: Optional[torch.Tensor] = None, *, shape=None,
                 quantizer=None, requires_grad: bool = False):
+        if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+        if dtype not in _HIGH_PRECISION:
+            raise ValueError(f"dtype (the nominal dtype) must be one of {_HIGH_PRECISION}, got {dtype}")
+        if scale_inv is not None and (scale_inv.dtype != torch.float32 or scale_inv.numel() != 1):
+            raise ValueError(f"scale_inv must be a float32 tensor of one element, got {scale_inv.dtype} "
+                             f"with {scale_inv.numel()} elements")
+        if data is not None and transpose is not None and data.dim() > 0:
+            rows = data.numel() // data.shape[-1] if data.shape[-1] else 0
+            if tuple(transpose.shape) != (data.shape[-1], rows) or transpose.dtype != fp8_dtype:
+                raise ValueError(f"transpose must be a {fp8_dtype} tensor of shape {(data.shape[-1], rows)}, "
+                                 f"got {transpose.dtype} {tuple(transpose.shape)}")
         if data is not None:
             if data.dtype != fp8_dtype:
                 raise ValueError(f"data must hold {fp8_dtype}, got {data.dtype}")

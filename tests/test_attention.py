@@ -637,6 +637,13 @@ def test_bad_inputs_raise_clear_errors():
                cu_seqlens_kv=torch.tensor([0, 8, 16]))
     with pytest.raises(ValueError, match="right padding"):
         module(q, k, v, attn_mask_type="padding", attention_mask=torch.tensor([[True] + [False] * 7] * 2).view(2, 1, 1, 8))
+    # Padded bshd/sbhd layouts with cu_seqlens: integer offsets that do not decrease.
+    with pytest.raises(TypeError, match="cu_seqlens_q must hold int32 or int64"):
+        module(q, k, v, attn_mask_type="padding", cu_seqlens_q=torch.tensor([0.0, 5.7, 10.0]),
+               cu_seqlens_kv=torch.tensor([0, 8, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_kv must not decrease"):
+        module(q, k, v, attn_mask_type="padding", cu_seqlens_q=torch.tensor([0, 8, 16], dtype=torch.int32),
+               cu_seqlens_kv=torch.tensor([0, 9, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="shape"):
         module(q, k, v, attn_mask_type="padding", attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool))
     with pytest.raises(NotImplementedError, match="window_size"):

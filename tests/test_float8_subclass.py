@@ -248,6 +248,15 @@ def test_bad_construction_is_refused():
         Float8Tensor(data, torch.ones(1), torch.float8_e5m2, torch.float32)
     with pytest.raises(ValueError, match="needs its shape"):
         Float8Tensor(None, torch.ones(1), torch.float8_e4m3fn, torch.float32)
+    with pytest.raises(ValueError, match="fp8_dtype must be"):
+        Float8Tensor(data, torch.ones(1), torch.float8_e4m3fnuz, torch.float32)
+    with pytest.raises(ValueError, match="nominal dtype"):
+        Float8Tensor(data, torch.ones(1), torch.float8_e4m3fn, torch.int32)
+    for scale_inv in (torch.ones(1, dtype=torch.float64), torch.ones(2)):
+        with pytest.raises(ValueError, match="scale_inv must be a float32 tensor of one element"):
+            Float8Tensor(data, scale_inv, torch.float8_e4m3fn, torch.float32)
+    with pytest.raises(ValueError, match="transpose must be"):
+        Float8Tensor(data, torch.ones(1), torch.float8_e4m3fn, torch.float32, torch.zeros(4, 1, dtype=torch.float8_e4m3fn))
     x8 = Float8Tensor(data, torch.ones(1), torch.float8_e4m3fn, torch.float32)
     with pytest.raises(ValueError, match="src has shape"):
         x8.quantize_(torch.zeros(3))

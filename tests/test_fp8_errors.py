@@ -78,8 +78,14 @@ def test_scaling_update_bad_arguments():
         k.delayed_scaling_update(h, a, s.double(), si, 448.0, 0)
     with pytest.raises(ValueError, match="margin"):
         k.delayed_scaling_update(h, a, s, si, 448.0, 500)
-    with pytest.raises(ValueError, match="epsilon"):
-        k.current_scale(ONE, 448.0, epsilon=-1.0)
+    with pytest.raises(ValueError, match="margin must be an integer"):
+        k.delayed_scaling_update(h, a, s, si, 448.0, 0.5)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="epsilon"):
+            k.current_scale(ONE, 448.0, epsilon=bad)
+    for bad in (0.0, -448.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="fp8_max_value must be positive and finite"):
+            k.current_scale(ONE, bad)
 
 
 def test_raw_ops_reject_bad_input_without_crashing():

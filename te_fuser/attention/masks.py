@@ -69,4 +69,9 @@ def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor, name: str, batch: int) -> 
     """Per-sequence lengths of cu_seqlens offsets, for padded batched (bshd/sbhd) layouts."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() != batch + 1:
         raise ValueError(f"{name} must be a 1-D tensor of batch + 1 = {batch + 1} offsets")
-    return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must hold int32 or int64 offsets, got {cu_seqlens.dtype}")
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    if cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling() and bool((lengths < 0).any()):
+        raise ValueError(f"{name} must not decrease, got {cu_seqlens.tolist()}")
+    return lengths.to(torch.int32)

@@ -4,6 +4,8 @@ The kernels themselves are torch.ops.te_fuser.fp8_* (C on CPU, CUDA C on GPU).
 The fake kernels describe their outputs so torch.compile can trace them.
 """
 
+import math
+
 import torch
 
 from .validate import (
@@ -82,8 +84,8 @@ def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: 
     for name, t in (("amax", amax), ("scale", scale), ("scale_inv", scale_inv)):
         if t.numel() != n:
             raise ValueError(f"{name} must have amax_history.shape[1] = {n} elements, got {t.numel()}")
-    if not -126 <= int(margin) <= 126:
-        raise ValueError(f"margin must lie in [-126, 126], got {margin}")
+    if not (isinstance(margin, (int, float)) and margin == int(margin) and -126 <= margin <= 126):
+        raise ValueError(f"margin must be an integer in [-126, 126], got {margin!r}")
     _ops.fp8_delayed_scaling_update(amax_history, amax, scale, scale_inv, float(fp8_max_value), int(margin),
                                     AMAX_ALGOS[amax_compute_algo])
 
@@ -91,8 +93,10 @@ def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: 
 def current_scale(amax: torch.Tensor, fp8_max_value: float, epsilon: float = 0.0, force_pow2: bool = False):
     """(scale, scale_inv) for current scaling: fp8_max / max(amax, epsilon), 1 for amax 0/Inf/NaN."""
     check_scalar_f32(amax, "amax", amax, "amax")
-    if epsilon < 0:
-        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+    if not 0.0 < fp8_max_value < math.inf:
+        raise ValueError(f"fp8_max_value must be positive and finite, got {fp8_max_value}")
+    if not 0.0 <= epsilon < math.inf:
+        raise ValueError(f"epsilon must be finite and >= 0, got {epsilon}")
     return _ops.fp8_current_scale(amax, float(fp8_max_value), float(epsilon), bool(force_pow2))
 
 
