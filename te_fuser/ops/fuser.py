@@ -172,7 +172,14 @@ class _FuserFunction(torch.autograd.Function):
 
         param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
         dy = grad_output
-        for op, idx in reversed(state.plan.backward_ops):
+        plan = state.plan
+        for op, idx in reversed(plan.backward_ops):
+            if not any(plan.input_requires_grad[j] or any(plan.params_require_grad[slice(*plan.param_slices[j])])
+                       for j in idx):
+                # Neither these ops nor any before them (frozen, with an input that needs no
+                # gradient) want a gradient, and they saved nothing for one.
+                dy = None
+                break
             dy, grads_per_op = op.fuser_backward([ctxs[j] for j in idx], dy)
             for j, grads in zip(idx, grads_per_op):
                 start, _ = state.plan.param_slices[j]
@@ -225,6 +232,8 @@ class OperationFuser:
         one quantized with the first linear op's grad-input quantizer; outside it they do nothing."""
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
+        if input_.dim() == 0:
+            raise ValueError("input must have at least one dimension (its last is the features), got a 0-d tensor")
         kwargs_list = basic_op_kwargs if basic_op_kwargs is not None else [{}] * len(self.basic_ops)
         params_per_op = [op.op_params(**kw) for op, kw in zip(self.basic_ops, kwargs_list)]
         params = [p for ps in params_per_op for p in ps]
