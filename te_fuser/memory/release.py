@@ -88,15 +88,37 @@ def _storage_identity(tensor):
         return None
 
 
+def _holders(tensor):
+    """The plain tensors that hold tensor's bytes: itself, or the inner tensors of a wrapper subclass
+    (a Float8Tensor's FP8 data, transpose and scale), which owns no storage of its own."""
+    if not hasattr(type(tensor), "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [inner for name in names for inner in _holders(getattr(tensor, name))]
+
+
 def _parameters_sharing(tensor, parameters):
-    identity = _storage_identity(tensor)
+    identities = {_storage_identity(t) for t in _holders(tensor)} - {None}
     if parameters is None:
-        candidates = (obj for obj in gc.get_objects() if issubclass(type(obj), torch.nn.Parameter))
+        # Parameter's isinstance also sees subclass parameters (FP8 weights); it runs only on tensors.
+        candidates = (obj for obj in gc.get_objects()
+                      if issubclass(type(obj), torch.Tensor) and isinstance(obj, torch.nn.Parameter))
     else:
+        items = [parameters] if isinstance(parameters, (torch.Tensor, torch.nn.Module)) else parameters
+        try:
+            items = list(items)
+        except TypeError:
+            raise TypeError("parameters must be an nn.Parameter, an nn.Module, or an iterable of them, "
+                            f"got {type(parameters).__name__}") from None
         candidates = []
-        for item in parameters if isinstance(parameters, (list, tuple, set)) else [parameters]:
-            candidates.extend(item.parameters() if isinstance(item, torch.nn.Module) else [item])
-    return [p for p in candidates if _storage_identity(p) == identity]
+        for item in items:
+            if isinstance(item, torch.nn.Module):
+                candidates.extend(item.parameters())
+            elif isinstance(item, torch.Tensor):
+                candidates.append(item)
+            else:
+                raise TypeError(f"parameters must hold nn.Parameters or nn.Modules, got a {type(item).__name__}")
+    return [p for p in candidates if any(_storage_identity(h) in identities for h in _holders(p))]
 
 
 def _protect_from_reuse(tensor, streams):
@@ -138,6 +160,10 @@ def release_storage(tensor, *, streams=(), parameters=None, allow_parameter=Fals
     if mechanism is None:
         raise RuntimeError(f"release_storage is unavailable: {why_not}")
     poison = _poisoner(mechanism)
+    return sum(_release_one(holder, streams, poison) for holder in _holders(tensor))
+
+
+def _release_one(tensor, streams, poison):
     storage = tensor.untyped_storage()
     freed = storage.nbytes()
     if freed == 0 or _is_released(storage):

@@ -59,10 +59,10 @@ def test_every_use_raises_naming_release_storage(device):
             use, outcome, message = line.split("\t", 2)
             outcomes[use] = (outcome, message)
     assert set(outcomes) == set(USES), runs[0].stderr[-3000:]
-    # te_fuser's own ops reach the data pointer through the stable C ABI, which turns the
-    # exception into its generic "API call failed" RuntimeError: raised, but unnamed.
-    wrong = {use: result for use, result in outcomes.items() if result[0] != "RAISED RuntimeError" or (
-             "release_storage" not in result[1] and not use.startswith("te_fuser-"))}
+    # te_fuser's own ops would reach the data pointer through the stable C ABI, which reports only that
+    # the call failed: their Python wrappers touch each tensor's data pointer first, which names it.
+    wrong = {use: result for use, result in outcomes.items()
+             if result[0] != "RAISED RuntimeError" or "release_storage" not in result[1]}
     assert not wrong, "uses of a released view that did not raise RuntimeError naming release_storage: " + \
         "; ".join(f"{use}: {outcome} {message}" for use, (outcome, message) in wrong.items())
 
@@ -128,6 +128,40 @@ def test_refuses_parameters_and_their_views():
         release_storage(layer.bias.detach())
     torch.testing.assert_close(layer.weight.detach(), before)
     assert release_storage(torch.ones(4), parameters=[layer.weight]) == 16
+
+
+def test_fp8_parameters_and_float8_tensors():
+    """A quantized weight owns no storage of its own: its FP8 bytes, transpose and scale are what
+    must be refused, and what release_storage frees when handed a Float8Tensor (an FP8 all-gather)."""
+    with te_fuser.quantized_model_init(enabled=True):
+        layer = te_fuser.Linear(32, 32)
+    before = layer.weight.dequantize().clone()
+    for held in (layer.weight, layer.weight._data, layer.weight._scale_inv):
+        with pytest.raises(ValueError, match="refuses to free"):
+            release_storage(held)
+    with pytest.raises(ValueError, match="shared with an nn.Parameter"):
+        release_storage(layer.weight._data, parameters=layer)
+    assert torch.equal(layer.weight.dequantize(), before)
+    quantizer = te_fuser.Float8CurrentScalingQuantizer(torch.float8_e4m3fn, columnwise=True)
+    x = torch.randn(64, 32)
+    quantizer(x)  # its own state, allocated once
+    with MemoryTracker("cpu") as tracker:
+        gathered = quantizer(x)
+        freed = release_storage(gathered)
+    assert freed == 64 * 32 * 2 + 4  # data, transpose and scale
+    assert tracker.retained_bytes == 0 and tracker.peak_bytes >= freed
+    with pytest.raises(RuntimeError, match="release_storage"):
+        gathered.dequantize()
+
+
+def test_parameters_argument_takes_any_iterable():
+    layer = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="shared with an nn.Parameter"):
+        release_storage(layer.weight.data, parameters=(p for p in layer.parameters()))
+    with pytest.raises(TypeError, match="parameters must be"):
+        release_storage(torch.ones(3), parameters=3)
+    with pytest.raises(TypeError, match="parameters must hold"):
+        release_storage(torch.ones(3), parameters=["weight"])
 
 
 def test_allow_parameter_releases_it():
