@@ -105,8 +105,11 @@ def test_bad_marker_is_a_usage_error(pytester, marker, message):
 
 def test_bad_tolerance_and_missing_baseline_are_usage_errors(pytester):
     pytester.makepyfile(test_probe="def test_x():\n    pass\n")
-    result = pytester.runpytest(*PLUGIN, "--memory-baseline=b.json", "--memory-tolerance=lots")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    pytester.runpytest(*PLUGIN, "--memory-baseline=b.json", "--memory-baseline-update").assert_outcomes(passed=1)
+    pytester.runpytest(*PLUGIN, "--memory-baseline=b.json", "--memory-tolerance=5%").assert_outcomes(passed=1)
+    for bad in ("lots", "nan", "inf", "-5%"):  # NaN would turn the baseline comparison off
+        result = pytester.runpytest(*PLUGIN, "--memory-baseline=b.json", f"--memory-tolerance={bad}")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, bad
     result = pytester.runpytest(*PLUGIN, "--memory-baseline=missing.json")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*missing.json does not exist*--memory-baseline-update*"])

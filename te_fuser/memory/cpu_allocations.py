@@ -62,6 +62,7 @@ class AllocationWatcher:
         self._live = {}  # address -> size of the blocks allocated while watching
         self.current = 0
         self.peak = 0
+        self.lost = False  # another profiler ended a session this watcher depended on
 
     def _feed(self, address, size):
         if size > 0:
@@ -98,8 +99,14 @@ class _Recorder:
     def _flush(self):
         if not self._running:
             return
-        result = _ag._disable_profiler()
         self._running = False
+        if not torch.autograd._profiler_enabled():
+            # A torch profiler started inside the region took the session over and ended it:
+            # its allocation events are gone, so every active watcher's count is incomplete.
+            for watcher in self._watchers:
+                watcher.lost = True
+            return
+        result = _ag._disable_profiler()
         for address, size in _allocation_events(result):
             for watcher in self._watchers:
                 watcher._feed(address, size)
@@ -134,6 +141,7 @@ class _Recorder:
         with self._lock:
             self._flush()
             self._resume()
+        _check_not_lost(watcher)
         return watcher.current
 
     def stop(self, watcher):
@@ -141,7 +149,17 @@ class _Recorder:
             self._flush()
             self._watchers.remove(watcher)
             self._resume()
+        _check_not_lost(watcher)
         return watcher
+
+
+def _check_not_lost(watcher):
+    if watcher.lost:
+        raise RuntimeError(
+            "a torch profiler ran inside a te_fuser.memory CPU measurement and ended the profiler "
+            "session it counts allocations with: the measurement is incomplete. Profile outside the "
+            "measured region, or track a CUDA device only"
+        )
 
 
 RECORDER = _Recorder()

@@ -5,6 +5,8 @@ and ctx of that microbatch's graph (seed 002: 164 MiB per microbatch). Detaching
 storing drops the graph; deferring ``.item()`` to the end keeps the device unsynchronized.
 """
 
+import copy
+
 import torch
 
 
@@ -21,7 +23,7 @@ class LossLog:
 
     def append(self, loss):
         if not isinstance(loss, torch.Tensor):
-            loss = torch.tensor(float(loss))
+            loss = torch.tensor(float(loss), dtype=torch.float64)  # a Python float is a double
         elif loss.numel() != 1:
             raise ValueError(f"LossLog.append expects a one-element loss, got shape {tuple(loss.shape)}")
         self._values.append(loss.detach().clone().reshape(()))
@@ -62,7 +64,7 @@ def detach_for_logging(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach()
     if isinstance(obj, dict):
-        copied = obj.copy()
+        copied = copy.copy(obj)  # dict.copy() of a subclass without its own copy() is a plain dict
         for key, value in obj.items():
             copied[key] = detach_for_logging(value)
         return copied

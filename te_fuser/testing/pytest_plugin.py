@@ -65,7 +65,7 @@ def _parse_tolerance(text):
         value = float(str(text).strip().rstrip("%"))
     except ValueError:
         value = -1.0
-    if value < 0:
+    if not 0 <= value < float("inf"):  # negative, NaN or infinite
         raise pytest.UsageError(f"--memory-tolerance must be a percentage like '5%' or '5', got {text!r}")
     return value / 100
 

@@ -44,6 +44,9 @@ def test_numbers_empty_log_and_bad_shapes():
         log.append(torch.ones(2))
     log.clear()
     assert len(log) == 0
+    log.append(0.1)  # a Python float is a double: kept exactly
+    log.append(2**25 + 1)
+    assert log.values() == [0.1, 2**25 + 1]
 
 
 def test_detach_for_logging_nested_structures():
@@ -66,3 +69,12 @@ def test_detach_for_logging_nested_structures():
         torch.testing.assert_close(got, want.detach())
     assert detached["step"] == 7 and detached["name"] == "lm"
     assert metrics["loss"].grad_fn is not None  # the input is left as it was
+
+
+def test_detach_for_logging_keeps_a_plain_dict_subclass():
+    class Metrics(dict):
+        pass
+
+    w = torch.randn(3, requires_grad=True)
+    detached = detach_for_logging(Metrics(loss=w.sum()))
+    assert type(detached) is Metrics and detached["loss"].grad_fn is None

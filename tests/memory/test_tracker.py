@@ -136,6 +136,21 @@ def test_refuses_to_share_the_profiler():
     del kept
 
 
+def test_a_profiler_started_inside_a_measurement_is_not_a_silent_zero():
+    """It ends the session the tracker counts with: the tracker must say so, not report 0 bytes (a
+    memory-budget test would pass whatever it allocated)."""
+    with pytest.raises(RuntimeError, match="measurement is incomplete"):
+        with MemoryTracker("cpu"):
+            kept = torch.empty(1 << 20, dtype=torch.uint8)
+            with torch.profiler.profile():
+                torch.ones(4).sum()
+            more = torch.empty(1 << 20, dtype=torch.uint8)
+    del kept, more
+    with MemoryTracker("cpu") as tracker:  # the next measurement is whole again
+        kept = torch.empty(10)
+    assert tracker.retained_bytes == 40
+
+
 @CUDA
 def test_cuda_peak_and_retained_with_nesting():
     device = torch.device("cuda")
