@@ -41,6 +41,9 @@ def prepare_for_saving(*objs) -> Tuple[List[Optional[torch.Tensor]], List[Option
 
 def restore_from_saved(objects: Sequence[Optional[Float8Tensor]], saved: Sequence[Optional[torch.Tensor]]) -> list:
     """Inverse of prepare_for_saving: the original objects, in order."""
+    needed = sum(1 if shell is None else _FLOAT8_PARTS for shell in objects)
+    if needed != len(saved):
+        raise RuntimeError(f"restore_from_saved: {len(saved)} saved tensors but the objects use {needed}")
     out = []
     pos = 0
     for shell in objects:
@@ -54,6 +57,4 @@ def restore_from_saved(objects: Sequence[Optional[Float8Tensor]], saved: Sequenc
             shell.restore_from_saved(list(saved[pos:pos + _FLOAT8_PARTS]))
             out.append(shell)
             pos += _FLOAT8_PARTS
-    if pos != len(saved):
-        raise RuntimeError(f"restore_from_saved: {len(saved)} saved tensors but the objects use {pos}")
     return out

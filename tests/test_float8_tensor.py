@@ -68,6 +68,8 @@ def test_prepare_for_saving_round_trip_and_shell(generator):
         te_fuser.prepare_for_saving("not a tensor")
     with pytest.raises(RuntimeError, match="saved tensors"):
         te_fuser.restore_from_saved([None], [plain, plain])
+    with pytest.raises(RuntimeError, match="1 saved tensors but the objects use 4"):  # too few, not an IndexError
+        te_fuser.restore_from_saved([None, objects[1]], [plain])
 
 
 def test_quantizer_rejects_bad_state():
