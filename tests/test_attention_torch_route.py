@@ -65,9 +65,9 @@ def test_routed_problems_match_te_fuser_kernels_without_calling_them(dtype, caus
 
 @pytest.mark.parametrize("case", ["dropout", "seqlens", "gqa", "causal_cross", "fp8", "route_off", "unrouted_isa"])
 def test_other_problems_keep_te_fuser_kernels(case, generator, monkeypatch):
-    """Dropout (te_fuser's RNG), padding, grouped heads, causal cross-attention (bottom-right alignment
-    differs from torch's top-left) and FP8 keep te_fuser's kernels; so does everything with the route off
-    or on a CPU tier outside ROUTED_ISAS (AVX-512 and AMX CPUs)."""
+    """Dropout (te_fuser's RNG), padding, grouped heads, causal cross-attention (the route is kept to the
+    self-attention lengths it was measured on) and FP8 keep te_fuser's kernels; so does everything with
+    the route off or on a CPU tier outside ROUTED_ISAS (AVX-512 and AMX CPUs)."""
     q, k, v = _gpt_qkv(torch.float32, generator)
     kwargs = {}
     if case == "dropout":

@@ -152,9 +152,10 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
 
 def _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8,
                              softmax_scale) -> bool:
-    """Whether this problem runs on torch's CPU flash attention (see ROUTE_TO_TORCH_CPU_FLASH): its causal
-    mask is aligned to the top left, which is te_fuser's when q and k have the same length. Its causal
-    path gives NaN for a scale <= 0 (it scales the -inf it masks with), so those stay here."""
+    """Whether this problem runs on torch's CPU flash attention (see ROUTE_TO_TORCH_CPU_FLASH). Its causal
+    mask is aligned to the top left, like te_fuser's (TE's `causal`), but only self-attention lengths
+    were measured, so causal cross-attention stays here; so does a scale <= 0, for which its causal path
+    gives NaN (it scales the -inf it masks with)."""
     return (ROUTE_TO_TORCH_CPU_FLASH and q.device.type == "cpu" and not fp8 and dropout_p == 0.0
             and softmax_scale > 0.0
             and cu_seqlens_q is None and seqlens_q is None and seqlens_kv is None
