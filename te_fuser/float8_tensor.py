@@ -8,11 +8,10 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from .kernels import fp8 as fp8_kernels
+from .kernels.validate import FLOAT_DTYPES as _HIGH_PRECISION  # what the FP8 kernels read and write
 from .quantized_tensor import QuantizedTensor
 
 aten = torch.ops.aten
-# The dtypes the FP8 kernels read and write; others go through float32.
-_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
@@ -362,10 +361,7 @@ def _to(func, args, kwargs):
 def _part(t: Float8Tensor, data: torch.Tensor) -> Float8Tensor:
     """A Float8Tensor over some of t's bytes, which knows the whole it was cut from (quantize_)."""
     part = t._like(data, None)
-    if t._whole is not None:
-        part._whole = t._whole
-    else:
-        part._whole = (t._data, None if t._transpose is None else weakref.ref(t._transpose))
+    part._whole = t._whole or (t._data, None if t._transpose is None else weakref.ref(t._transpose))
     return part
 
 
