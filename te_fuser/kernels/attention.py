@@ -6,7 +6,8 @@ csrc/attention/attention.h. Tensors are in the kernel layout: q is
 [batch, seq_q, heads_q, head_dim], k and v [batch, seq_kv, heads_kv, head_dim]
 with a contiguous last dim (other strides free, so an sbhd tensor permuted to
 bshd needs no copy). Packed (thd) inputs have batch 1 and cu_seqlens offsets.
-Dense 16/32-bit CPU problems may instead run torch's CPU flash attention (ROUTE_TO_TORCH_CPU_FLASH below).
+Dense 16/32-bit CPU problems may instead run torch's CPU flash attention (ROUTE_TO_TORCH_CPU_FLASH below),
+and CUDA problems the CUDA kernels do not cover (float32, other head dims) torch's math (attention_math.py).
 """
 
 import math
@@ -14,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from . import cpu
+from . import attention_math, cpu
 from .validate import check_dtype, check_same_device, check_scalar_f32, check_tensor, FLOAT_DTYPES
 
 _ops = torch.ops.te_fuser
@@ -145,6 +146,11 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
             raise ValueError(f"out_dtype must be q's dtype {q.dtype} for non-FP8 inputs, got {out_dtype}")
     if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8, softmax_scale):
         return _torch_cpu_flash_fwd(q, k, v, softmax_scale, bool(causal))
+    if attention_math.applies(q):
+        attention_math.refuse_dropout(q, dropout_p)
+        out, lse = attention_math.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
+                                                softmax_scale, bool(causal), (q_descale, k_descale, v_descale))
+        return _in_order_of(out.to(out_dtype or (torch.float32 if fp8 else q.dtype)), q), lse
     return _ops.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
                               bool(causal), float(dropout_p), int(seed), int(offset), q_descale, k_descale,
                               v_descale, out_dtype)
@@ -236,6 +242,11 @@ def attention_bwd(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_kv=N
                 _empty_in_order_of(v, dout.dtype).zero_())
     if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8, softmax_scale):
         return _torch_cpu_flash_bwd(dout, q, k, v, out, lse, softmax_scale, bool(causal))
+    if attention_math.applies(q):
+        attention_math.refuse_dropout(q, dropout_p)
+        grads = attention_math.attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q,
+                                             seqlens_kv, softmax_scale, bool(causal), (q_descale, k_descale, v_descale))
+        return tuple(_in_order_of(g.to(dout.dtype), like) for g, like in zip(grads, (q, k, v)))
     return _ops.attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
                               softmax_scale, bool(causal), float(dropout_p), int(seed), int(offset),
                               q_descale, k_descale, v_descale)
