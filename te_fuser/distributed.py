@@ -28,7 +28,9 @@ __all__ = ["CudaRNGStatesTracker", "activation_recompute_forward", "checkpoint",
 # -- the device generator ---------------------------------------------------------------------
 def _device_generator() -> torch.Generator:
     if torch.cuda.is_available():
-        return torch.cuda.default_generators[torch.cuda.current_device()]
+        # current_device() initializes CUDA, which fills default_generators: it must run first.
+        index = torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
     return torch.default_generator
 
 

@@ -1,6 +1,8 @@
 """te_fuser.distributed: TE's RNG tracker, checkpoint, recompute flags and FSDP preparation."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,30 +17,43 @@ from _gloo_ranks import free_port
 
 
 def test_tracker_forks_a_seeded_stream_and_leaves_the_default_one_alone(generator):
+    """The tracker's streams are the GPU's where there is one (as in TE), else the CPU's."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     seed = int(torch.randint(0, 2**30, (1,), generator=generator))
     tracker = ted.CudaRNGStatesTracker()
     tracker.add("model-parallel-rng", seed)
     assert ted.get_all_rng_states() is tracker.states_
 
     torch.manual_seed(seed + 1)
-    expected_outside = torch.rand(4, generator=torch.Generator().manual_seed(seed + 1))
-    reference = torch.Generator().manual_seed(seed)
+    expected_outside = torch.rand(4, device=dev, generator=torch.Generator(dev).manual_seed(seed + 1))
+    reference = torch.Generator(dev).manual_seed(seed)
     with tracker.fork():
-        first = torch.rand(3)
-    outside = torch.rand(4)
+        first = torch.rand(3, device=dev)
+    outside = torch.rand(4, device=dev)
     with tracker.fork("model-parallel-rng"):
-        second = torch.rand(3)
-    assert torch.equal(first, torch.rand(3, generator=reference))
-    assert torch.equal(second, torch.rand(3, generator=reference))  # the forked stream continues
+        second = torch.rand(3, device=dev)
+    assert torch.equal(first, torch.rand(3, device=dev, generator=reference))
+    assert torch.equal(second, torch.rand(3, device=dev, generator=reference))  # the forked stream continues
     assert torch.equal(outside, expected_outside)  # the default stream never saw the forks
 
     saved = tracker.get_states()
     assert saved == tracker.states_ and saved is not tracker.states_
     with tracker.fork():
-        a = torch.rand(2)
+        a = torch.rand(2, device=dev)
     tracker.set_states(saved)
     with tracker.fork():
-        assert torch.equal(torch.rand(2), a)
+        assert torch.equal(torch.rand(2, device=dev), a)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tracker_adds_a_stream_before_cuda_is_initialized():
+    """Megatron seeds the tracker first thing in a process; CUDA's generators exist only after its lazy init."""
+    code = ("import torch; from te_fuser import distributed as ted; assert not torch.cuda.is_initialized(); "
+            "t = ted.CudaRNGStatesTracker(); t.add('model-parallel-rng', 7)\n"
+            "with t.fork(): x = torch.rand(3, device='cuda')\n"
+            "assert torch.equal(x, torch.rand(3, device='cuda', generator=torch.Generator('cuda').manual_seed(7)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_tracker_errors_match_te():
