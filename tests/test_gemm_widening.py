@@ -50,7 +50,10 @@ def test_which_gemms_widen():
         assert gemm.widens_to_float32(x16, x16)
 
 
-def test_out_dtype():
+@pytest.mark.parametrize("widen", [True, False], ids=["widened", "torch_16bit"])
+def test_out_dtype(widen, monkeypatch):
+    """A float32 output keeps float32 sums on every path (with AVX512-BF16 or AMX, or without widening)."""
+    monkeypatch.setattr(gemm, "WIDEN_16BIT_ON_CPU", widen)
     a = torch.randn(4, 8).bfloat16()
     out = gemm.mm(a, a.t(), out_dtype=torch.float32)
     assert out.dtype == torch.float32

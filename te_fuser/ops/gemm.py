@@ -79,7 +79,9 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
     """a @ b (+ bias) for 2-D a and b of one dtype (either may be a transposed view), in out_dtype
     (default: the operands' dtype). See the module docstring for when the GEMM runs in float32."""
     out_dtype = a.dtype if out_dtype is None else out_dtype
-    if widens_to_float32(a, b):
+    # A float32 result of 16-bit operands comes from a float32 GEMM too: torch's 16-bit GEMM would round it to
+    # 16 bits first (CPUs have no 16-bit GEMM with a float32 output in torch).
+    if widens_to_float32(a, b) or (out_dtype == torch.float32 and a.dtype in _WIDENED_DTYPES):
         a, b = (t.dequantize().float() if isinstance(t, QuantizedTensor) else t.float() for t in (a, b))
         bias = None if bias is None else bias.float()
     out = torch.addmm(bias, a, b) if bias is not None else torch.mm(a, b)
