@@ -127,8 +127,9 @@ class MemoryTracker(contextlib.ContextDecorator):
     As a decorator the results describe the most recent call.
 
     device: None (CPU, plus the current CUDA device when available), "cpu", "cuda",
-    "cuda:N", or a list of those. gc_collect: run ``gc.collect()`` before the exit
-    reading so that garbage in reference cycles is not counted as retained.
+    "cuda:N", or a list of those. gc_collect: run ``gc.collect()`` before the entry and
+    exit readings, so that garbage in reference cycles is not counted as retained, nor
+    garbage from before the block as freed by it.
 
     CPU tracking runs torch's profiler (see cpu_allocations): it sees the thread that
     entered the tracker and the threads torch hands its work to, costs some speed while
@@ -146,6 +147,8 @@ class MemoryTracker(contextlib.ContextDecorator):
         if self._probes is not None:
             raise RuntimeError("this MemoryTracker is already measuring a block; use a new one to nest")
         devices = resolve_devices(self._device_arg)
+        if self._gc_collect:
+            gc.collect()
         self.devices = {}
         self.samples = []
         self._probes = []

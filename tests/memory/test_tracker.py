@@ -152,6 +152,22 @@ def test_a_profiler_started_inside_a_measurement_is_not_a_silent_zero():
 
 
 @CUDA
+def test_cuda_garbage_from_before_the_block_is_not_counted_as_freed_by_it():
+    class Node:
+        pass
+
+    def leave_a_cycle_holding(t):
+        a, b = Node(), Node()
+        a.other, b.other, a.tensor = b, a, t
+
+    leave_a_cycle_holding(torch.empty(MIB, device="cuda"))
+    with MemoryTracker("cuda") as tracker:
+        kept = torch.empty(MIB // 4, device="cuda")
+    assert tracker.retained_bytes == MIB
+    del kept
+
+
+@CUDA
 def test_cuda_peak_and_retained_with_nesting():
     device = torch.device("cuda")
     with MemoryTracker("cuda") as outer:
