@@ -24,12 +24,13 @@ def _check_format(qkv_format: str) -> str:
 
 def _distinct(*tensors):
     """The tensors, a repeated one as a view of itself: torch.compile cannot trace an autograd.Function
-    given the same tensor twice (self-attention m(x, x, x), one mask or cu_seqlens for q and kv)."""
-    seen, out = set(), []
+    given the same tensor twice (self-attention m(x, x, x), one mask or cu_seqlens for q and kv).
+    Identity is tested with `is`, which dynamo traces for every tensor (id() fails on tensors made in the
+    compiled region, in torch 2.11)."""
+    out = []
     for t in tensors:
-        if t is not None and id(t) in seen:
+        if isinstance(t, torch.Tensor) and any(t is seen for seen in out):
             t = t.view_as(t)
-        seen.add(id(t))
         out.append(t)
     return out
 
