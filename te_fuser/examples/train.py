@@ -141,11 +141,14 @@ def train(args, device, rank, world):
         shard_from_full(model, full, rank, par.tp_size)
         del full
     if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The mesh on the training device: FSDP's default mesh is CUDA's wherever a GPU exists.
+        mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     masters = MasterWeights(model) if args.fp8_weights else None
     optimizer = torch.optim.AdamW(masters.masters if masters else model.parameters(), lr=args.lr, weight_decay=0.0)
     tokens = load_tokens()

@@ -6,6 +6,7 @@ of the unsharded module holding the same FP8 weights (bitwise: the gathered byte
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
@@ -61,7 +62,8 @@ def _fsdp2_fp8_weights(rank, name, recipe_name):
     world = dist.get_world_size()
     reference = _build(name, fp8_recipe)
     model = _build(name, fp8_recipe)
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    mesh = init_device_mesh("cpu", (world,))  # FSDP's default mesh is CUDA's wherever a GPU exists
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     for p in model.parameters():  # each rank keeps its FP8 shard
         local = p._local_tensor
         if isinstance(local, Float8Tensor):
@@ -91,7 +93,7 @@ def _fsdp2_fp8_weights(rank, name, recipe_name):
     fp8_gather_bytes = list(log.bytes)
 
     bf16 = _build(name, None)
-    fully_shard(bf16)
+    fully_shard(bf16, mesh=mesh)
     with _GatherLog() as log:
         bf16(torch.randn(TOKENS, HIDDEN, dtype=BF16))
     bf16_gather_bytes = log.bytes[0]
