@@ -45,10 +45,15 @@ def _classic_module_torch():
         return None
 
 
+def has_storage_functions() -> bool:
+    """Whether the running torch has the functions release_storage frees a storage with."""
+    return all(hasattr(torch._C, name) for name in ("_construct_storage_from_data_pointer", "StorageBase")) and \
+        hasattr(torch._C.StorageBase, "_swap_data_ptr_")
+
+
 def guard_mechanism():
     """(name, None) of the mechanism that poisons released storages here, or (None, why not)."""
-    if not all(hasattr(torch._C, name) for name in ("_construct_storage_from_data_pointer", "StorageBase")) or \
-            not hasattr(torch._C.StorageBase, "_swap_data_ptr_"):
+    if not has_storage_functions():
         return None, f"torch {torch.__version__} lacks the storage functions release_storage needs"
     if hasattr(torch._C, "_set_storage_data_ptr_access_error_msg"):
         return "torch._C._set_storage_data_ptr_access_error_msg", None
