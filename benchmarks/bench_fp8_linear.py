@@ -62,8 +62,8 @@ def main():
     fp8 = lambda: te_fuser.fp8_autocast(fp8_recipe=recipe.DelayedScaling())  # noqa: E731
     plain = torch.enable_grad
     nn_bf16 = torch.nn.Linear(f, f, dtype=torch.bfloat16)
-    ours_bf16 = te_fuser.Linear(f, f, params_dtype=torch.bfloat16)
-    ours_f32 = te_fuser.Linear(f, f, params_dtype=torch.float32)
+    ours_bf16 = te_fuser.Linear(f, f, params_dtype=torch.bfloat16, device="cpu")
+    ours_f32 = te_fuser.Linear(f, f, params_dtype=torch.float32, device="cpu")
     x16 = torch.randn(args.tokens, f, dtype=torch.bfloat16, requires_grad=True)
     g16 = torch.randn(args.tokens, f, dtype=torch.bfloat16)
     x32 = x16.detach().float().requires_grad_()

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _cpu_default import build_modules_on_cpu
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,6 +25,7 @@ def free_port() -> int:
 def _worker(rank, world, port, cases, errors):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    build_modules_on_cpu()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

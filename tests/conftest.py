@@ -7,12 +7,19 @@ import torch
 import te_fuser
 from te_fuser.memory.release import guard_mechanism
 
+from _cpu_default import build_modules_on_cpu
+
 # The memory-limit markers and options, also when te_fuser is imported from a source tree
 # without its pytest11 entry point. The entry point has the same name, so pytest loads
 # the plugin once either way; --strict-markers (pyproject.toml) fails loudly without it.
 pytest_plugins = ["te_fuser.testing.pytest_plugin"]
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "te_default_device: modules built without device= keep te_fuser's "
+                                       "(TE's) default device instead of the suite's CPU")
 
 
 def pytest_report_header(config):
@@ -36,6 +43,13 @@ def _seed_torch_per_test(request):
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+@pytest.fixture(autouse=True)
+def _modules_on_cpu_by_default(request, monkeypatch):
+    """See _cpu_default.py: on a GPU machine, modules built without device= stay on the CPU here."""
+    if "te_default_device" not in request.keywords:
+        build_modules_on_cpu(monkeypatch.setattr)
 
 
 @pytest.fixture(params=["cpu", "cuda"])

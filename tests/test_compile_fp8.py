@@ -7,6 +7,8 @@ import torch
 import te_fuser
 from te_fuser.kernels import fp8 as k
 
+from _torch_support import compiles_te_fuser_modules
+
 
 def test_compile_quantize_dequantize(generator):
     def roundtrip(x, scale, amax):
@@ -34,6 +36,7 @@ def test_compile_current_scaling_quantizer_and_cast_transpose(generator):
     torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x), rtol=0, atol=0)
 
 
+@compiles_te_fuser_modules
 @pytest.mark.parametrize("make_recipe", [te_fuser.recipe.DelayedScaling, te_fuser.recipe.Float8CurrentScaling],
                          ids=["delayed", "current"])
 def test_compiled_steps_on_fp8_weights_match_eager(make_recipe, generator):

@@ -13,6 +13,8 @@ import torch
 import te_fuser
 from te_fuser import Float8Tensor
 
+from _torch_support import compiles_te_fuser_modules
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -223,6 +225,7 @@ def test_parameter_state_dict_and_pickle_round_trip(generator, tmp_path):
     assert torch.equal(torch.load(buffer, weights_only=True).dequantize(), x8.dequantize())
 
 
+@compiles_te_fuser_modules
 def test_compile_fullgraph_traces_float8_tensor_inputs(generator):
     x8 = _quantized(_random((8, 16), generator), torch.float8_e4m3fn)
     y = _random((16,), generator)

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 import te_fuser
 from te_fuser import recipe
 
+from _torch_support import compiles_te_fuser_modules
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and te_fuser._extension.has_cuda_kernels() else [])
 
 
@@ -339,6 +341,7 @@ def test_fp8_bfloat16_3d_input():
     assert ((out - ref).float().norm() / ref.float().norm()) < 0.08
 
 
+@compiles_te_fuser_modules
 def test_torch_compile():
     torch.manual_seed(0)
     model = torch.nn.Sequential(te_fuser.Linear(32, 64, device="cpu"), torch.nn.GELU(),

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import te_fuser
+from te_fuser.kernels import cpu
 from te_fuser.module._te_pickle import UnsafeExtraStateError, safe_loads
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling
 from test_extra_state import E4M3_MAX, random_te_state, te_payload, te_update
@@ -76,7 +77,9 @@ def test_te_state_loads_and_the_next_fp8_dpa_forward_uses_its_qkv_scale(fake_te,
     with torch.no_grad(), te_fuser.fp8_autocast(fp8_recipe=recipe):
         out = module(q, k, v)
     expect = _reference(q, k, v, [qkv_scale] * 3)
-    torch.testing.assert_close(out.double(), expect, rtol=1e-4, atol=1e-5)
+    # On CPUs with AMX, P is rounded to bf16 for the P.V tile product: out may move by 2^-8 of max|v| there.
+    atol = 2.0**-8 * v.abs().max().item() if cpu.current_isa() == "amx" else 1e-5
+    torch.testing.assert_close(out.double(), expect, rtol=1e-4, atol=atol)
     # The check can fail: a fresh module (scale 1) gives a clearly different result.
     with torch.no_grad(), te_fuser.fp8_autocast(fp8_recipe=recipe):
         fresh = _dpa()(q, k, v)

@@ -13,8 +13,8 @@ from te_fuser.float8_tensor import Float8Tensor
 from te_fuser.memory import MemoryTracker
 from te_fuser.recipe import DelayedScaling
 
-TINY = ["--hidden", "32", "--heads", "2", "--layers", "1", "--seq-len", "32", "--batch-size", "2", "--quiet",
-        "--plot", ""]
+TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--layers", "1", "--seq-len", "32", "--batch-size", "2",
+        "--quiet", "--plot", ""]
 # The issue's model: h=512, ffn 2048, 8 heads, 1 layer (vocab 256).
 ISSUE_CFG = dict(hidden_size=512, ffn_hidden_size=2048, num_heads=8, num_layers=1)
 

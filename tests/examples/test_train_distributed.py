@@ -13,8 +13,8 @@ from te_fuser.examples import train
 
 from _gloo_ranks import free_port
 
-SMALL = ["--hidden", "64", "--heads", "4", "--layers", "2", "--seq-len", "64", "--batch-size", "4", "--quiet",
-         "--plot", "", "--steps", "4"]
+SMALL = ["--device", "cpu", "--hidden", "64", "--heads", "4", "--layers", "2", "--seq-len", "64", "--batch-size", "4",
+         "--quiet", "--plot", "", "--steps", "4"]
 
 
 def _torchrun(tmp_path, *args):

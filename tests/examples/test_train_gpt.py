@@ -10,8 +10,8 @@ from te_fuser.examples.gpt import GPT, GPTConfig
 from te_fuser.memory import MemoryTracker, audit_autograd
 from te_fuser.recipe import DelayedScaling
 
-TINY = ["--hidden", "32", "--heads", "2", "--layers", "1", "--seq-len", "32", "--batch-size", "2", "--quiet",
-        "--plot", ""]
+TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--layers", "1", "--seq-len", "32", "--batch-size", "2",
+        "--quiet", "--plot", ""]
 
 
 def test_loss_falls_in_a_short_run(tmp_path):

@@ -10,8 +10,8 @@ from te_fuser.examples import train
 from te_fuser.ops import fuser
 from te_fuser.memory import MemoryTracker
 
-TINY = ["--hidden", "32", "--heads", "2", "--layers", "1", "--seq-len", "32", "--batch-size", "2", "--quiet",
-        "--plot", ""]
+TINY = ["--device", "cpu", "--hidden", "32", "--heads", "2", "--layers", "1", "--seq-len", "32", "--batch-size", "2",
+        "--quiet", "--plot", ""]
 # One step of this model peaks at about 0.8 MiB; one microbatch's graph is about 0.2 MiB.
 PEAK_LIMIT = 2 * 2**20
 

@@ -64,8 +64,9 @@ def _retained():
 def test_retained_bytes_with_output_alive(monkeypatch):
     retained, expected = _retained()
     assert retained <= expected + 4096, (retained, expected)
-    # With the frame left on ctx the same measure sees at least the two RNG states it holds
-    # (torch's CPU generator state is 5056 bytes).
+    # With the frame left on ctx the same measure sees at least the CPU generator's state (5056 bytes) and
+    # the tracker's (the GPU generator's, 16 bytes, where there is one; else another CPU state).
     monkeypatch.setattr(ted, "_CLEAR_FRAME_AFTER_BACKWARD", False)
     retained_leaky, expected = _retained()
-    assert retained_leaky >= expected + 2 * torch.get_rng_state().numel(), (retained_leaky, expected)
+    states = torch.get_rng_state().numel() + ted._get_rng_state().numel()
+    assert retained_leaky >= expected + states, (retained_leaky, expected)

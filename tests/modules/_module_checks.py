@@ -17,6 +17,7 @@ from te_fuser.ops import fuser as fuser_module
 
 from _fuser_ctx_walk import allowed_storages, reachable_tensors, retained_cpu_bytes
 from _gloo_ranks import free_port
+from _cpu_default import build_modules_on_cpu
 
 
 # -- float64 references ------------------------------------------------------------------
@@ -132,6 +133,7 @@ _JOB_TIMEOUT_S = 300
 
 def _rank_main(rank, port, jobs, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    build_modules_on_cpu()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     while True:

@@ -5,6 +5,7 @@
   input that requires grad (the parameter gradients must not change, bit for bit) and float64 torch
   math for the trainable weights.
 - A 0-d input: a clear error, not an IndexError from deep inside an op.
+- No device= given: TE's default, the current CUDA device where there is one, else the CPU.
 """
 
 import contextlib
@@ -93,3 +94,11 @@ def test_frozen_layernorm_linear_weight_grad_against_float64():
 def test_a_0d_input_is_refused_clearly(make):
     with pytest.raises(ValueError, match="input must have at least one dimension"):
         make()(torch.tensor(1.0))
+
+
+@pytest.mark.te_default_device
+@pytest.mark.parametrize("build", [lambda: te_fuser.Linear(8, 4), lambda: te_fuser.LayerNormLinear(8, 4),
+                                   lambda: te_fuser.LayerNormMLP(8, 16)])
+def test_default_device_follows_te(build):
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert {p.device for p in build().parameters()} == {expected}
