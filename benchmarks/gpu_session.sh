@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# One lease of a lent GPU machine (the device tool): machine facts, then the stages named on the
+# command line, each under its own time limit, each logged in full to $OUT/<stage>.log with its
+# tail printed. te_fuser comes either prebuilt (te_fuser/_C.abi3.so carried in .devbuild/, built
+# here with TE_FUSER_CUDA=1 against the CUDA build of torch; the stable ABI lets it load in the
+# machine's torch) or, failing that, built there.
+#
+#   bash benchmarks/gpu_session.sh facts cuda_tests bench_gpu      # GPU kernels
+#   bash benchmarks/gpu_session.sh facts cpu_tests c_core bench_cpu  # the CPU tiers the host has
+#   bash benchmarks/gpu_session.sh tests demo                        # the whole suite; the demo on the GPU
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+PY=python3
+# Tests run several workers at once: two torch threads each, as on the 2-core development machine.
+export OMP_NUM_THREADS=2
+
+run_stage() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  local start=$SECONDS
+  timeout "$limit" bash -c "$*" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "-- $name: rc=$rc, $((SECONDS - start)) s"
+  tail -n "${TAIL:-30}" "$OUT/$name.log"
+}
+
+prepare() {
+  if [ -f .devbuild/_C.abi3.so ]; then cp .devbuild/_C.abi3.so te_fuser/; fi
+  if ! $PY -c "import te_fuser, sys; sys.exit(0 if te_fuser._extension.has_cuda_kernels() else 1)"; then
+    echo "prebuilt extension unusable here: building"
+    TE_FUSER_CUDA=1 MAX_JOBS=16 $PY setup.py -q build_ext --inplace || exit 1
+  fi
+}
+
+facts() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  lscpu | grep -E "Model name|^CPU\(s\)|Flags" | sed 's/Flags:/Flags:/' | cut -c1-2000
+  $PY -c "import torch, te_fuser; from te_fuser.kernels import cpu
+print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
+print('te_fuser cuda kernels:', te_fuser._extension.has_cuda_kernels())
+print('cpu tier:', cpu.detected_isa(), cpu.available_isa())"
+}
+
+PYTEST="-q -p te_fuser.testing.pytest_plugin -p no:cacheprovider --timeout=300 tests --ignore=tests/c"
+export PYTEST
+
+cuda_tests() { $PY -m pytest $PYTEST -n 8 -k cuda; }
+cpu_tests() { $PY -m pytest $PYTEST -n 7 -k "not cuda"; }
+tests() { $PY -m pytest $PYTEST -n 8; }
+demo() { $PY -m te_fuser.examples.train --device cuda --steps 40 --plot "" && $PY -m te_fuser.examples.train --device cuda --steps 40 --plot "" --dtype bfloat16; }
+c_core() { sh tests/c/run_gemm.sh && sh tests/c/run_attention.sh && sh tests/c/run.sh; }
+c_attention() { sh tests/c/run_attention.sh; }
+
+bench_fp8_linear() { taskset -c 2,3 $PY benchmarks/bench_fp8_linear.py --threads 2 --all-isa; }
+bench_gpu() {
+  $PY benchmarks/bench_attention_cuda.py --iters 20
+  $PY benchmarks/bench_quantize.py --device cuda
+  $PY benchmarks/bench_linear.py --device cuda
+}
+
+# The issue's shapes on two cores of this host, pinned, so the figures compare with the 2-core machine.
+bench_cpu() {
+  local pin="taskset -c 2,3"
+  $pin $PY benchmarks/bench_attention.py --device cpu --dtype bfloat16
+  $pin $PY benchmarks/bench_attention.py --device cpu --dtype float32
+  $pin $PY benchmarks/bench_attention.py --device cpu --dtype bfloat16 --fp8-dpa
+  $pin $PY benchmarks/bench_fp8_linear.py --threads 2
+  $pin $PY benchmarks/bench_quantize.py --device cpu --heap
+  $pin $PY benchmarks/bench_gpt.py --threads 2
+}
+
+export PY
+export -f bench_fp8_linear facts cuda_tests cpu_tests tests demo c_core c_attention bench_gpu bench_cpu
+prepare
+for stage in "$@"; do
+  case $stage in
+    facts) run_stage facts 60 facts ;;
+    cuda_tests) run_stage cuda_tests 300 cuda_tests ;;
+    cpu_tests) run_stage cpu_tests 330 cpu_tests ;;
+    tests) run_stage tests 330 tests ;;
+    demo) run_stage demo 120 demo ;;
+    c_core) run_stage c_core 240 c_core ;;
+    c_attention) run_stage c_attention 150 c_attention ;;
+    bench_gpu) run_stage bench_gpu 200 bench_gpu ;;
+    bench_fp8_linear) run_stage bench_fp8_linear 120 bench_fp8_linear ;;
+    bench_cpu) run_stage bench_cpu 450 bench_cpu ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
