@@ -6,7 +6,7 @@ Bandwidth counts bytes read plus bytes written once: quantize reads x and writes
 element; cast-transpose reads x and writes two (the FP8 matrix and its transpose); x.clone()
 reads and writes x. "of clone" is te_fuser's bandwidth over x.clone()'s, measured in the same
 run. On the CPU every instruction-set path that this machine has is measured (te_fuser.kernels.cpu
-caps the tier; the FP8 quantizer has a portable and an AVX2 path).
+caps the tier; the FP8 quantizer has a portable, an AVX2 and an AVX-512 path).
 
 The torch path is `amax = x.abs().amax()` then `(x * scale).clamp(-m, m).to(fp8)`, and for
 cast-transpose also `.t().contiguous()` of the FP8 matrix. Times are medians over --repeats
@@ -101,7 +101,7 @@ def main():
     if side * side != args.numel:
         parser.error("--numel must be a perfect square (cast-transpose uses a square matrix)")
     if device.type == "cpu":
-        paths = args.isa.split(",") if args.isa else [t for t in ("portable", "avx2") if t in cpu.available_isa()]
+        paths = args.isa.split(",") if args.isa else [t for t in ("portable", "avx2", "avx512") if t in cpu.available_isa()]
     else:
         paths = [None]
     print(f"device={device} numel={args.numel} threads={torch.get_num_threads()} repeats={args.repeats}"

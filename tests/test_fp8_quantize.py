@@ -1,8 +1,8 @@
 """FP8 quantizer kernels against torch's own float8 casts and plain-Python formulas.
 
 Every test runs once per instruction-set path of the CPU kernels that this machine has
-(te_fuser.kernels.cpu caps the tier): the quantizer has a portable path and an AVX2 one,
-which the higher tiers also take.
+(te_fuser.kernels.cpu caps the tier): the quantizer has a portable path, an AVX2 one and an
+AVX-512 one, which the higher tiers also take.
 """
 
 import pytest
@@ -16,7 +16,7 @@ from fp8_reference import (
 )
 
 
-ISA_PATHS = [tier for tier in ("portable", "avx2") if tier in cpu.available_isa()]
+ISA_PATHS = [tier for tier in ("portable", "avx2", "avx512") if tier in cpu.available_isa()]
 CHUNK = 1 << 16  # elements per task of the CPU binding (kGrainElements)
 
 

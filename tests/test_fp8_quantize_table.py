@@ -1,6 +1,6 @@
-"""The table path of the CPU quantizer: bfloat16/float16 tensors of at least 2^21 elements
-(TF_FP8_TABLE_MIN_ELEMENTS in csrc/fp8/fp8_quantize.h) are quantized through a per-call table of
-the FP8 code of every 16-bit pattern. Checked against torch's float8 casts on every pattern
+"""The table path of the CPU quantizer: on the portable and avx2 paths, bfloat16/float16 tensors of at
+least 2^21 elements (TF_FP8_TABLE_MIN_ELEMENTS in csrc/fp8/fp8_quantize.h) are quantized through a
+per-call table of the FP8 code of every 16-bit pattern (the avx512 path encodes them directly). Checked against torch's float8 casts on every pattern
 (NaN, Inf, subnormals and -0 included), shuffled, with random scales and saturating ones, under
 each instruction-set path. Cast-transpose has no table path (it measured no gain there).
 """

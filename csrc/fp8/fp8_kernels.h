@@ -65,6 +65,12 @@ extern const tf_fp8_kernel_set tf_fp8_kernels_portable;
  */
 extern const tf_fp8_kernel_set *const tf_fp8_kernels_avx2;
 
+/*
+ * AVX-512 F + BW + VL: NULL where the file is not built for x86-64. Only called when the CPU
+ * has the avx512 tier; hands its tails to the AVX2 set.
+ */
+extern const tf_fp8_kernel_set *const tf_fp8_kernels_avx512;
+
 /* The set for the instruction-set path in force (see common/cpu_features.h). */
 const tf_fp8_kernel_set *tf_fp8_kernels_active(void);
 

@@ -152,8 +152,10 @@ static const dequantize_fn dequantize_table[3][2] = {
     {dequantize_e4m3_f16, dequantize_e5m2_f16}};
 
 const tf_fp8_kernel_set *tf_fp8_kernels_active(void) {
-  return tf_fp8_kernels_avx2 && tf_cpu_isa() >= TF_ISA_AVX2 ? tf_fp8_kernels_avx2
-                                                            : &tf_fp8_kernels_portable;
+  const tf_isa isa = tf_cpu_isa();
+  if (tf_fp8_kernels_avx512 && isa >= TF_ISA_AVX512) return tf_fp8_kernels_avx512;
+  if (tf_fp8_kernels_avx2 && isa >= TF_ISA_AVX2) return tf_fp8_kernels_avx2;
+  return &tf_fp8_kernels_portable;
 }
 
 static int dtype_ok(tf_dtype dtype) {
@@ -219,8 +221,10 @@ tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int
 
 static int table_dtype_ok(tf_dtype dtype) { return dtype == TF_BFLOAT16 || dtype == TF_FLOAT16; }
 
+/* On the avx512 tier the fast encoder outruns a lookup (csrc/README.md): no table there. */
 int tf_fp8_table_pays(tf_dtype dtype, int64_t elements) {
-  return table_dtype_ok(dtype) && elements >= TF_FP8_TABLE_MIN_ELEMENTS;
+  return table_dtype_ok(dtype) && elements >= TF_FP8_TABLE_MIN_ELEMENTS &&
+         tf_fp8_kernels_active() != tf_fp8_kernels_avx512;
 }
 
 tf_status tf_fp8_table_build(tf_dtype dtype, float scale, tf_fp8_format format, int64_t begin,

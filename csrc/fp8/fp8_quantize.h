@@ -58,7 +58,8 @@ tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int
 #define TF_FP8_TABLE_ENTRIES 65536
 #define TF_FP8_TABLE_MIN_ELEMENTS (1 << 21)
 
-/* Whether a tensor of `elements` elements of `dtype` takes the table path: 16-bit and large. */
+/* Whether a tensor of `elements` elements of `dtype` takes the table path: 16-bit and large, on the
+ * portable and avx2 paths (the avx512 encoder is faster than a lookup). */
 int tf_fp8_table_pays(tf_dtype dtype, int64_t elements);
 
 /*

@@ -391,10 +391,12 @@ typedef struct isa_path {
 } isa_path;
 
 /* The paths this CPU runs besides the portable one. */
-static int simd_paths(isa_path paths[1]) {
+static int simd_paths(isa_path paths[2]) {
   int n = 0;
   if (tf_fp8_kernels_avx2 && tf_cpu_isa_detected() >= TF_ISA_AVX2)
     paths[n++] = (isa_path){"avx2", tf_fp8_kernels_avx2};
+  if (tf_fp8_kernels_avx512 && tf_cpu_isa_detected() >= TF_ISA_AVX512)
+    paths[n++] = (isa_path){"avx512", tf_fp8_kernels_avx512};
   return n;
 }
 
@@ -526,7 +528,7 @@ static void test_paths_amax_every_position(const isa_path *path) {
 static void test_paths_cast_transpose(const isa_path *path) {
   static const int64_t shapes[][3] = {{64, 64, 64}, {96, 130, 135}, {37, 70, 75}, {33, 31, 31},
                                        {1, 1, 1},    {128, 32, 40},  {32, 96, 97}, {65, 33, 33},
-                                       {192, 96, 100}, {130, 64, 64}};
+                                       {192, 96, 100}, {130, 64, 64}, {128, 128, 128}};
   enum { MAX_X = 192 * 135, MAX_Y = 192 * 135 };
   static uint32_t x32[MAX_X];
   static uint16_t x16[MAX_X];
@@ -689,7 +691,7 @@ static void test_table_path(void) {
   CHECK(bad == 0, "table path against the scale path: %d differences", bad);
 
   /* Each path's table kernels against the portable ones: every short range, tails included. */
-  isa_path paths[1];
+  isa_path paths[2];
   const int n = simd_paths(paths);
   for (int pi = 0; pi < n; ++pi) {
     int diff = 0;
@@ -708,9 +710,12 @@ static void test_table_path(void) {
   }
 
   uint32_t a = 0;
+  CHECK(tf_set_cpu_isa_cap(TF_ISA_AVX2) == TF_OK, "set cap"); /* the avx512 tier takes no table */
   CHECK(tf_fp8_table_pays(TF_BFLOAT16, TF_FP8_TABLE_MIN_ELEMENTS) && tf_fp8_table_pays(TF_FLOAT16, INT64_MAX) &&
             !tf_fp8_table_pays(TF_FLOAT16, TF_FP8_TABLE_MIN_ELEMENTS - 1) && !tf_fp8_table_pays(TF_FLOAT32, INT64_MAX),
         "table_pays: 16-bit tensors from TF_FP8_TABLE_MIN_ELEMENTS elements");
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(tf_cpu_isa() < TF_ISA_AVX512 || !tf_fp8_table_pays(TF_BFLOAT16, INT64_MAX), "table_pays: not on avx512");
   CHECK(tf_fp8_table_build(TF_FLOAT32, 1.0f, TF_FP8_E4M3, 0, 1, table) == TF_ERR_BAD_DTYPE &&
             tf_fp8_table_build(TF_BFLOAT16, 1.0f, (tf_fp8_format)2, 0, 1, table) == TF_ERR_BAD_DTYPE &&
             tf_fp8_table_build(TF_BFLOAT16, 1.0f, TF_FP8_E4M3, -1, 1, table) == TF_ERR_BAD_SIZE &&
@@ -728,9 +733,10 @@ static void test_table_path(void) {
 }
 
 static void test_isa_paths(void) {
-  isa_path paths[1];
+  isa_path paths[2];
   const int n = simd_paths(paths);
-  printf("instruction-set paths compared with the portable one: %d (%s)\n", n, n ? paths[0].name : "-");
+  printf("instruction-set paths compared with the portable one: %d (%s%s%s)\n", n, n ? paths[0].name : "-",
+         n > 1 ? ", " : "", n > 1 ? paths[1].name : "");
   for (int i = 0; i < n; ++i) {
     test_paths_every_16bit_value(&paths[i]);
     test_paths_random_f32_bits(&paths[i]);

@@ -1,0 +1,298 @@
+/*
+ * The FP8 quantizer kernels on AVX-512 (F + BW + VL), 16 lanes at a time, 64 elements a step.
+ *
+ * The encoders are fp8_quantize_avx2.c's, whose comments explain them, at twice the width; what
+ * differs is how the lanes are gathered and packed:
+ *   - bfloat16 is widened without a shuffle: of each 32-bit pair of elements, the even one is the
+ *     pair shifted left by 16 and the odd one the pair with its low half cleared. Their float16
+ *     bits then give the codes of elements 2j and 2j+1 as the low and high byte of word j, merged
+ *     by one vpternlogd, so the 64 codes come out in order;
+ *   - the signs come from mask registers (vpmovw2m, vpcmpd) and are added to the codes by one
+ *     masked byte add;
+ *   - the generic encoder narrows its 32-bit codes with vpmovdb.
+ * No table kernels of their own: on this tier the fast encoder is quicker than a lookup, so
+ * tf_fp8_table_pays turns the table path off, and the table kernels, still callable, are AVX2's;
+ * so is cast-transpose (see below).
+ *
+ * Only whole steps are done here; the elements past them are handed to the AVX2 kernels (which
+ * hand their own remainder to the portable ones): the same bytes.
+ */
+#include <float.h>
+
+#include "fp8_kernels.h"
+#include "fp8_quantize.h"
+
+#include "../common/cpu_features.h"
+
+#if TF_X86
+#include <immintrin.h>
+
+#define TF_AVX512_INLINE static inline __attribute__((always_inline)) TF_TARGET_AVX512
+
+enum { GENERIC = 0, FAST = 1 };
+
+/* As in fp8_quantize_avx2.c: the fast encoder needs scale > 0 and finite (E4M3: >= 2^-118). */
+static int fast_scale(float scale, tf_fp8_format f) {
+  return scale > 0.0f && scale <= FLT_MAX && (f == TF_FP8_E5M2 || scale >= 0x1p-118f);
+}
+
+static float fast_multiplier(float scale, tf_fp8_format f) {
+  return f == TF_FP8_E4M3 ? scale * 0x1p-8f : scale;
+}
+
+/* ---- The fast encoder. ---- */
+
+/* 16 values |v| (for E4M3 scaled by 2^-8) rounded to the FP8 grid, as float16 bits. */
+TF_AVX512_INLINE __m256i fast_round16(__m512 a, tf_fp8_format f) {
+  const float max_value = f == TF_FP8_E4M3 ? TF_FP8_E4M3_MAX * 0x1p-8f : TF_FP8_E5M2_MAX;
+  const int mbits = f == TF_FP8_E4M3 ? 3 : 2;
+  const __m512 c = _mm512_min_ps(_mm512_set1_ps(max_value), a); /* NaN stays NaN */
+  __m512i e = _mm512_and_si512(_mm512_castps_si512(c), _mm512_set1_epi32(0x7F800000));
+  e = _mm512_max_epi32(e, _mm512_set1_epi32((127 - 14) << 23));
+  const __m512 magic = _mm512_castsi512_ps(_mm512_add_epi32(e, _mm512_set1_epi32((23 - mbits) << 23)));
+  const __m512 rounded = _mm512_sub_ps(_mm512_add_ps(c, magic), magic);
+  return _mm512_cvtps_ph(rounded, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* The codes of float16 bits h >> shift (E4M3: 7, E5M2: 8), NaN's brought to 0x7F, signs added. */
+TF_AVX512_INLINE __m512i finish_codes(__m512i codes, __mmask64 negative, tf_fp8_format f) {
+  if (f == TF_FP8_E4M3)
+    codes = _mm512_min_epu8(codes, _mm512_set1_epi8(0x7F));
+  else /* E5M2 numbers end at 0x7B; NaN leaves 0x7E or 0x7F */
+    codes = _mm512_mask_mov_epi8(codes, _mm512_cmpgt_epu8_mask(codes, _mm512_set1_epi8(0x7B)),
+                                 _mm512_set1_epi8(0x7F));
+  return _mm512_mask_add_epi8(codes, negative, codes, _mm512_set1_epi8((char)0x80));
+}
+
+/* The 64 codes without sign of h[0..3] (float16 bits of elements 16k..16k+15 in h[k]), in order. */
+TF_AVX512_INLINE __m512i codes_of_halves(const __m256i h[4], tf_fp8_format f) {
+  const int shift = f == TF_FP8_E4M3 ? 7 : 8;
+  const __m512i h01 = _mm512_inserti64x4(_mm512_castsi256_si512(h[0]), h[1], 1);
+  const __m512i h23 = _mm512_inserti64x4(_mm512_castsi256_si512(h[2]), h[3], 1);
+  /* packus works per 128-bit lane, leaving the 8-element groups in the order 0 4 1 5 2 6 3 7. */
+  const __m512i packed = _mm512_packus_epi16(_mm512_srli_epi16(h01, shift), _mm512_srli_epi16(h23, shift));
+  return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed);
+}
+
+/*
+ * The 32 codes without sign of bfloat16 elements whose |x| patterns are in a: even elements
+ * (a << 16) and odd ones (a with the low halves cleared) are rounded apart, and word j of the
+ * result takes element 2j's code from he into its low byte and element 2j+1's from ho into its
+ * high byte.
+ */
+TF_AVX512_INLINE __m256i bf16_codes32(__m512i a, __m512 s, tf_fp8_format f) {
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(a, _mm512_set1_epi32((int)0xFFFF0000u)));
+  const __m256i he = fast_round16(_mm512_mul_ps(even, s), f);
+  const __m256i ho = fast_round16(_mm512_mul_ps(odd, s), f);
+  const __m256i lo = f == TF_FP8_E4M3 ? _mm256_srli_epi16(he, 7) : _mm256_srli_epi16(he, 8);
+  const __m256i hi = f == TF_FP8_E4M3 ? _mm256_slli_epi16(ho, 1) : ho;
+  return _mm256_ternarylogic_epi32(lo, hi, _mm256_set1_epi16((short)0xFF00), 0xD8); /* C ? B : A */
+}
+
+/*
+ * Fast-encodes the 64 elements at x + i (s: the fast multiplier) and folds |x| into *amax:
+ * float32 lanes for float32 input, 16-bit lanes for bfloat16 and float16.
+ */
+TF_AVX512_INLINE __m512i fast_encode64(const void *x, int64_t i, __m512 s, __m512i *amax, tf_dtype d,
+                                       tf_fp8_format f) {
+  if (d == TF_FLOAT32) {
+    __m256i h[4];
+    __mmask16 neg[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i xk = _mm512_loadu_si512((const float *)x + i + 16 * k);
+      const __m512i a = _mm512_and_si512(xk, _mm512_set1_epi32(0x7FFFFFFF));
+      *amax = _mm512_max_epu32(*amax, a);
+      neg[k] = _mm512_cmplt_epi32_mask(xk, _mm512_setzero_si512());
+      h[k] = fast_round16(_mm512_mul_ps(_mm512_castsi512_ps(a), s), f);
+    }
+    const __mmask64 negative =
+        _mm512_kunpackd(_mm512_kunpackw(neg[3], neg[2]), _mm512_kunpackw(neg[1], neg[0]));
+    return finish_codes(codes_of_halves(h, f), negative, f);
+  }
+  const __m512i x0 = _mm512_loadu_si512((const uint16_t *)x + i);
+  const __m512i x1 = _mm512_loadu_si512((const uint16_t *)x + i + 32);
+  const __m512i abs_mask = _mm512_set1_epi16(0x7FFF);
+  const __m512i a0 = _mm512_and_si512(x0, abs_mask), a1 = _mm512_and_si512(x1, abs_mask);
+  *amax = _mm512_max_epu16(*amax, _mm512_max_epu16(a0, a1));
+  const __mmask64 negative = _mm512_kunpackd(_mm512_movepi16_mask(x1), _mm512_movepi16_mask(x0));
+  if (d == TF_BFLOAT16) {
+    const __m512i codes =
+        _mm512_inserti64x4(_mm512_castsi256_si512(bf16_codes32(a0, s, f)), bf16_codes32(a1, s, f), 1);
+    return finish_codes(codes, negative, f);
+  }
+  const __m256i h[4] = {
+      fast_round16(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(a0)), s), f),
+      fast_round16(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(a0, 1)), s), f),
+      fast_round16(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(a1)), s), f),
+      fast_round16(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(a1, 1)), s), f)};
+  return finish_codes(codes_of_halves(h, f), negative, f);
+}
+
+/* ---- The generic encoder (any other scale). ---- */
+
+/* magnitude8 of fp8_quantize_avx2.c on 16 lanes: the codes without sign, less 2^mbits. */
+TF_AVX512_INLINE __m512i magnitude16(__m512 v, uint32_t mbits, uint32_t bias, float max_value) {
+  const uint32_t shift = 23u - mbits;
+  const __m512 abs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF)));
+  const __m512i c = _mm512_castps_si512(_mm512_min_ps(_mm512_set1_ps(max_value), abs));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(c, shift), _mm512_set1_epi32(1));
+  const uint32_t round_rebias = ((1u << (shift - 1u)) - 1u) - ((128u - bias) << 23);
+  const __m512i t = _mm512_add_epi32(_mm512_add_epi32(c, _mm512_set1_epi32((int)round_rebias)), odd);
+  const __m512i normal = _mm512_srai_epi32(t, shift);
+  const uint32_t magic_bits = (127u + 24u - bias - mbits) << 23;
+  const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(c), _mm512_castsi512_ps(_mm512_set1_epi32((int)magic_bits)));
+  const __m512i sub =
+      _mm512_sub_epi32(_mm512_castps_si512(sum), _mm512_set1_epi32((int)(magic_bits + (1u << mbits))));
+  return _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(t, _mm512_setzero_si512()), normal, sub);
+}
+
+/* The 16 codes of v = x * scale: NaN's offset magnitudes are above 0x7F, which the min keeps. */
+TF_AVX512_INLINE __m128i generic_codes16(__m512 v, tf_fp8_format f) {
+  const uint32_t mbits = f == TF_FP8_E4M3 ? 3u : 2u;
+  const __m512i mag = f == TF_FP8_E4M3 ? magnitude16(v, 3u, 7u, TF_FP8_E4M3_MAX)
+                                       : magnitude16(v, 2u, 15u, TF_FP8_E5M2_MAX);
+  const __m512i code = _mm512_min_epu32(_mm512_add_epi32(mag, _mm512_set1_epi32(1 << mbits)), _mm512_set1_epi32(0x7F));
+  const __m512i sign = _mm512_srli_epi32(_mm512_castps_si512(v), 24);
+  return _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(code, sign, _mm512_set1_epi32(0x80), 0xF8)); /* A | B & C */
+}
+
+/* 16 elements from x + i as float32. */
+TF_AVX512_INLINE __m512 load16(const void *x, int64_t i, tf_dtype d) {
+  if (d == TF_FLOAT32) return _mm512_loadu_ps((const float *)x + i);
+  const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+  return d == TF_BFLOAT16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+
+/*
+ * Encodes the 64 elements at x + i and folds their |x| into *amax (16-bit lanes for 16-bit input
+ * under the fast encoder, float32 bits otherwise). s is the scale, or the fast multiplier.
+ */
+TF_AVX512_INLINE __m512i encode64(const void *x, int64_t i, __m512 s, __m512i *amax, tf_dtype d,
+                                  tf_fp8_format f, int mode) {
+  if (mode == FAST) return fast_encode64(x, i, s, amax, d, f);
+  __m128i q[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512 xk = load16(x, i + 16 * k, d);
+    *amax = _mm512_max_epu32(*amax, _mm512_and_si512(_mm512_castps_si512(xk), _mm512_set1_epi32(0x7FFFFFFF)));
+    q[k] = generic_codes16(_mm512_mul_ps(xk, s), f);
+  }
+  const __m512i lo = _mm512_inserti32x4(_mm512_castsi128_si512(q[0]), q[1], 1);
+  return _mm512_inserti32x4(_mm512_inserti32x4(lo, q[2], 2), q[3], 3);
+}
+
+/* The amax bits of an encode64 accumulator, or UINT32_MAX where the caller must recount. */
+TF_AVX512_INLINE uint32_t amax_of(__m512i amax, tf_dtype d, int mode) {
+  if (mode == GENERIC || d == TF_FLOAT32) return _mm512_reduce_max_epu32(amax);
+  const __m512i m = _mm512_max_epu32(_mm512_and_si512(amax, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(amax, 16));
+  return tf_fp8_amax_of_16bit_max(_mm512_reduce_max_epu32(m), d);
+}
+
+enum { PREFETCH_BYTES = 4096 };
+
+TF_AVX512_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end, float scale, uint8_t *y,
+                                         tf_dtype d, tf_fp8_format f, int mode) {
+  const __m512 s = _mm512_set1_ps(mode == FAST ? fast_multiplier(scale, f) : scale);
+  __m512i amax = _mm512_setzero_si512();
+  const int64_t size = tf_dtype_size(d);
+  int64_t i = begin;
+  for (; end - i >= 64; i += 64) {
+    /* x 4 KiB ahead, as on the AVX2 path (a hint: the address may lie past x). */
+    const uintptr_t ahead = (uintptr_t)x + (uintptr_t)(i * size + PREFETCH_BYTES);
+    for (int64_t line = 0; line < 64 * size; line += 64)
+      _mm_prefetch((const char *)(ahead + (uintptr_t)line), _MM_HINT_T0);
+    _mm512_storeu_si512(y + i, encode64(x, i, s, &amax, d, f, mode));
+  }
+  uint32_t head = amax_of(amax, d, mode);
+  if (head == UINT32_MAX) head = tf_fp8_kernels_portable.amax[d](x, begin, i);
+  const uint32_t tail = tf_fp8_kernels_avx2->quantize[d][f](x, i, end, scale, y);
+  return head > tail ? head : tail;
+}
+
+#define DEFINE_QUANTIZE(NAME, DTYPE, FORMAT)                                                       \
+  static TF_TARGET_AVX512 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale,    \
+                                        uint8_t *y) {                                              \
+    return fast_scale(scale, FORMAT) ? quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, FAST) \
+                                     : quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, GENERIC); \
+  }
+
+DEFINE_QUANTIZE(quantize_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
+DEFINE_QUANTIZE(quantize_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
+DEFINE_QUANTIZE(quantize_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
+DEFINE_QUANTIZE(quantize_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+
+/* The table kernels are AVX2's (see the top of the file). */
+static uint32_t quantize_table_bf16(const void *x, int64_t begin, int64_t end, const uint8_t *table, uint8_t *y) {
+  return tf_fp8_kernels_avx2->quantize_table[0](x, begin, end, table, y);
+}
+static uint32_t quantize_table_f16(const void *x, int64_t begin, int64_t end, const uint8_t *table, uint8_t *y) {
+  return tf_fp8_kernels_avx2->quantize_table[1](x, begin, end, table, y);
+}
+
+/* float32: 32 elements a step in float32 bits; bfloat16 and float16: 64 in 16-bit lanes. */
+TF_AVX512_INLINE uint32_t amax_range(const void *x, int64_t begin, int64_t end, tf_dtype d) {
+  __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+  const __m512i abs_mask = _mm512_set1_epi32(d == TF_FLOAT32 ? 0x7FFFFFFF : 0x7FFF7FFF);
+  const int64_t step = d == TF_FLOAT32 ? 32 : 64, half = step / 2;
+  const char *p = (const char *)x;
+  const int64_t size = tf_dtype_size(d);
+  int64_t i = begin;
+  for (; end - i >= step; i += step) {
+    const __m512i v0 = _mm512_and_si512(_mm512_loadu_si512(p + i * size), abs_mask);
+    const __m512i v1 = _mm512_and_si512(_mm512_loadu_si512(p + (i + half) * size), abs_mask);
+    m0 = d == TF_FLOAT32 ? _mm512_max_epu32(m0, v0) : _mm512_max_epu16(m0, v0);
+    m1 = d == TF_FLOAT32 ? _mm512_max_epu32(m1, v1) : _mm512_max_epu16(m1, v1);
+  }
+  uint32_t head = d == TF_FLOAT32 ? amax_of(_mm512_max_epu32(m0, m1), d, GENERIC)
+                                  : amax_of(_mm512_max_epu16(m0, m1), d, FAST);
+  if (head == UINT32_MAX) head = tf_fp8_kernels_portable.amax[d](x, begin, i);
+  const uint32_t tail = tf_fp8_kernels_avx2->amax[d](x, i, end);
+  return head > tail ? head : tail;
+}
+
+#define DEFINE_AMAX(NAME, DTYPE)                                                    \
+  static TF_TARGET_AVX512 uint32_t NAME(const void *x, int64_t begin, int64_t end) { \
+    return amax_range(x, begin, end, DTYPE);                                        \
+  }
+
+DEFINE_AMAX(amax_f32, TF_FLOAT32)
+DEFINE_AMAX(amax_bf16, TF_BFLOAT16)
+DEFINE_AMAX(amax_f16, TF_FLOAT16)
+
+/*
+ * Cast-transpose is AVX2's: a 512-bit version of its tiles (one register a 64-byte row, 16 x 64
+ * transposes) measured no faster on Zen 4, as its time goes to the tiles' stores, not to the encoder.
+ */
+#define DEFINE_CAST_TRANSPOSE(NAME, DTYPE, FORMAT)                                                    \
+  static uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols, float scale, uint8_t *y, \
+                       int64_t ld_y, uint8_t *y_t, int64_t ld_t) {                                      \
+    return tf_fp8_kernels_avx2->cast_transpose[DTYPE][FORMAT](x, ld_x, rows, cols, scale, y, ld_y, y_t, \
+                                                              ld_t);                                    \
+  }
+
+DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
+DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
+DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
+
+static const tf_fp8_kernel_set avx512_kernels = {
+    .quantize = {{quantize_f32_e4m3, quantize_f32_e5m2},
+                 {quantize_bf16_e4m3, quantize_bf16_e5m2},
+                 {quantize_f16_e4m3, quantize_f16_e5m2}},
+    .amax = {amax_f32, amax_bf16, amax_f16},
+    .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
+                       {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
+                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
+    .quantize_table = {quantize_table_bf16, quantize_table_f16}};
+
+const tf_fp8_kernel_set *const tf_fp8_kernels_avx512 = &avx512_kernels;
+
+#else /* not x86-64 */
+
+const tf_fp8_kernel_set *const tf_fp8_kernels_avx512 = 0;
+
+#endif
