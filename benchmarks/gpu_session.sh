@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_session.sh facts cuda_tests bench_gpu      # GPU kernels
 #   bash benchmarks/gpu_session.sh facts cpu_tests c_core bench_cpu  # the CPU tiers the host has
 #   bash benchmarks/gpu_session.sh tests demo                        # the whole suite; the demo on the GPU
+# Other stages: c_attention, bench_fp8_linear. The test stages need pytest-xdist and pytest-timeout
+# (the lent machines' image has both).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -38,7 +40,7 @@ prepare() {
 
 facts() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
-  lscpu | grep -E "Model name|^CPU\(s\)|Flags" | sed 's/Flags:/Flags:/' | cut -c1-2000
+  lscpu | grep -E "Model name|^CPU\(s\)|Flags" | cut -c1-2000
   $PY -c "import torch, te_fuser; from te_fuser.kernels import cpu
 print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
 print('te_fuser cuda kernels:', te_fuser._extension.has_cuda_kernels())
