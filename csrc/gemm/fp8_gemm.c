@@ -75,38 +75,43 @@ static void pack_b_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, 
 }
 
 #if TF_X86
-/* float32 -> bfloat16 bits of values that are bfloat16 values (truncation is exact). */
-static void to_bf16_bits(const float *src, int64_t n, int64_t n_pad, uint16_t *dst) {
-  int64_t i = 0;
-  for (; i < n; ++i) dst[i] = (uint16_t)(tf_f32_bits(src[i]) >> 16);
-  for (; i < n_pad; ++i) dst[i] = 0;
+/* The bf16 bits of every FP8 code of a format: FP8 values are bf16 values, so the table is exact
+ * (what decoding to float32 and keeping the high half gives) and packing is one lookup an element. */
+static void bf16_codes(tf_fp8_format f, uint16_t codes[256]) {
+  for (int c = 0; c < 256; ++c) {
+    const float v = f == TF_FP8_E4M3 ? tf_fp8_e4m3_decode((uint8_t)c) : tf_fp8_e5m2_decode((uint8_t)c);
+    codes[c] = (uint16_t)(tf_f32_bits(v) >> 16);
+  }
 }
 
 /* a block as groups of 16 rows, [group][16][kc_pad] bf16, zero past kc. */
 static void pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
-                        int64_t kc, int64_t kc_pad, tf_fp8_format f, float *row, uint16_t *dst) {
+                        int64_t kc, int64_t kc_pad, const uint16_t *codes, uint16_t *dst) {
   for (int64_t r = 0; r < covered(valid, 96, TF_GEMM_MB); ++r) {
-    block_row(x, ld, r0, r, valid, k0, kc, f, row);
-    to_bf16_bits(row, kc, kc_pad, dst + r * kc_pad);
+    uint16_t *d = dst + r * kc_pad;
+    int64_t i = 0;
+    if (r < valid) {
+      const uint8_t *src = x + (r0 + r) * ld + k0;
+      for (; i < kc; ++i) d[i] = codes[src[i]];
+    }
+    for (; i < kc_pad; ++i) d[i] = 0;
   }
 }
 
-/* b block as groups of 16 columns in the VNNI layout [group][kc_pad / 2][16][2] bf16: a transpose
- * of 32-bit pairs, through `pairs` (16 x kc_pad bf16). */
+/* b block as groups of 16 columns in the VNNI layout [group][kc_pad / 2][16][2] bf16, each column
+ * written straight into its pair slots (element i of column c at (i / 2) * 32 + 2 c + i % 2). */
 static void pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
-                        int64_t kc, int64_t kc_pad, tf_fp8_format f, float *row, uint16_t *pairs,
-                        uint16_t *dst) {
+                        int64_t kc, int64_t kc_pad, const uint16_t *codes, uint16_t *dst) {
   for (int64_t g = 0; g < covered(valid, 32, TF_GEMM_NB); g += 16) {
     for (int64_t c = 0; c < 16; ++c) {
-      block_row(x, ld, r0, g + c, valid, k0, kc, f, row);
-      to_bf16_bits(row, kc, kc_pad, pairs + c * kc_pad);
-    }
-    uint16_t *group = dst + g * kc_pad;
-    for (int64_t p = 0; p < kc_pad / 2; ++p)
-      for (int64_t c = 0; c < 16; ++c) {
-        group[p * 32 + c * 2] = pairs[c * kc_pad + 2 * p];
-        group[p * 32 + c * 2 + 1] = pairs[c * kc_pad + 2 * p + 1];
+      uint16_t *d = dst + g * kc_pad + 2 * c;
+      int64_t i = 0;
+      if (g + c < valid) {
+        const uint8_t *src = x + (r0 + g + c) * ld + k0;
+        for (; i < kc; ++i) d[i / 2 * 32 + i % 2] = codes[src[i]];
       }
+      for (; i < kc_pad; ++i) d[i / 2 * 32 + i % 2] = 0;
+    }
   }
 }
 #endif
@@ -146,7 +151,7 @@ typedef struct {
   void *a_pack;   /* MB x KC floats (the larger of the two layouts) */
   void *b_pack;   /* NB x KC floats */
   float *row;     /* NR x KC floats */
-  uint16_t *pairs; /* 16 x KC bf16 */
+  uint16_t codes_a[256], codes_b[256]; /* bf16 paths: the bf16 bits of a's and b's FP8 codes */
 } scratch;
 
 static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, tf_fp8_format fb,
@@ -160,8 +165,8 @@ static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, t
 #if TF_X86
     if (isa >= TF_ISA_AVX512_BF16) {
       const int64_t kc_pad = (kc + 31) / 32 * 32; /* whole AMX tiles; TF_GEMM_KC is a multiple */
-      pack_a_bf16(a, k, row0, rows, k0, kc, kc_pad, fa, w->row, w->a_pack);
-      pack_b_bf16(b, k, col0, cols, k0, kc, kc_pad, fb, w->row, w->pairs, w->b_pack);
+      pack_a_bf16(a, k, row0, rows, k0, kc, kc_pad, w->codes_a, w->a_pack);
+      pack_b_bf16(b, k, col0, cols, k0, kc, kc_pad, w->codes_b, w->b_pack);
       if (isa == TF_ISA_AMX)
         tf_gemm_block_bf16_amx(kc_pad, w->a_pack, w->b_pack, w->acc, rows, cols);
       else
@@ -199,9 +204,14 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   w.a_pack = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_KC);
   w.b_pack = malloc(sizeof(float) * TF_GEMM_NB * TF_GEMM_KC);
   w.row = malloc(sizeof(float) * TF_GEMM_NR * TF_GEMM_KC);
-  w.pairs = malloc(sizeof(uint16_t) * 16 * TF_GEMM_KC);
+#if TF_X86
+  if (isa >= TF_ISA_AVX512_BF16) {
+    bf16_codes(format_a, w.codes_a);
+    bf16_codes(format_b, w.codes_b);
+  }
+#endif
   tf_status result = TF_OK;
-  if (!w.acc || !w.a_pack || !w.b_pack || !w.row || !w.pairs) {
+  if (!w.acc || !w.a_pack || !w.b_pack || !w.row) {
     result = TF_ERR_BAD_ARGUMENT;
   } else {
     const float scale = scale_inv_a * scale_inv_b;
@@ -218,6 +228,5 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   free(w.a_pack);
   free(w.b_pack);
   free(w.row);
-  free(w.pairs);
   return result;
 }
