@@ -152,11 +152,18 @@ typedef struct {
   void *b_pack;   /* NB x KC floats */
   float *row;     /* NR x KC floats */
   uint16_t codes_a[256], codes_b[256]; /* bf16 paths: the bf16 bits of a's and b's FP8 codes */
+  /* bf16 paths: a's packed blocks of one row of tiles, every k block ([k / KC][MB][KC] bf16), so the
+   * tiles of that row pack a once; NULL (pack per tile) when k makes them too large. */
+  uint16_t *a_row;
+  int64_t a_row0; /* the row of tiles a_row holds, -1 for none */
 } scratch;
+
+/* The most bf16 elements a_row may hold (16 MiB): k up to about 43000. */
+#define A_ROW_MAX_ELEMENTS ((int64_t)8 << 20)
 
 static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, tf_fp8_format fb,
                          int64_t m, int64_t n, int64_t k, tf_isa isa, int64_t row0, int64_t col0,
-                         const scratch *w) {
+                         scratch *w) {
   const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
   const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
   memset(w->acc, 0, sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
@@ -165,12 +172,14 @@ static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, t
 #if TF_X86
     if (isa >= TF_ISA_AVX512_BF16) {
       const int64_t kc_pad = (kc + 31) / 32 * 32; /* whole AMX tiles; TF_GEMM_KC is a multiple */
-      pack_a_bf16(a, k, row0, rows, k0, kc, kc_pad, w->codes_a, w->a_pack);
+      uint16_t *a_block = w->a_row ? w->a_row + k0 / TF_GEMM_KC * TF_GEMM_MB * TF_GEMM_KC : w->a_pack;
+      if (!w->a_row || w->a_row0 != row0) pack_a_bf16(a, k, row0, rows, k0, kc, kc_pad, w->codes_a, a_block);
       pack_b_bf16(b, k, col0, cols, k0, kc, kc_pad, w->codes_b, w->b_pack);
       if (isa == TF_ISA_AMX)
-        tf_gemm_block_bf16_amx(kc_pad, w->a_pack, w->b_pack, w->acc, rows, cols);
+        tf_gemm_block_bf16_amx(kc_pad, a_block, w->b_pack, w->acc, rows, cols);
       else
-        tf_gemm_block_bf16_avx512(kc_pad, w->a_pack, w->b_pack, w->acc, rows, cols);
+        tf_gemm_block_bf16_avx512(kc_pad, a_block, w->b_pack, w->acc, rows, cols);
+      if (k0 + TF_GEMM_KC >= k) w->a_row0 = row0; /* every k block of this row is packed now */
       continue;
     }
 #endif
@@ -204,10 +213,14 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   w.a_pack = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_KC);
   w.b_pack = malloc(sizeof(float) * TF_GEMM_NB * TF_GEMM_KC);
   w.row = malloc(sizeof(float) * TF_GEMM_NR * TF_GEMM_KC);
+  w.a_row = NULL;
+  w.a_row0 = -1;
 #if TF_X86
   if (isa >= TF_ISA_AVX512_BF16) {
     bf16_codes(format_a, w.codes_a);
     bf16_codes(format_b, w.codes_b);
+    const int64_t a_row_elements = (k + TF_GEMM_KC - 1) / TF_GEMM_KC * TF_GEMM_MB * TF_GEMM_KC;
+    if (a_row_elements <= A_ROW_MAX_ELEMENTS) w.a_row = malloc(sizeof(uint16_t) * (size_t)a_row_elements);
   }
 #endif
   tf_status result = TF_OK;
@@ -228,5 +241,6 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   free(w.a_pack);
   free(w.b_pack);
   free(w.row);
+  free(w.a_row);
   return result;
 }
