@@ -9,6 +9,8 @@
 #ifndef TF_FP8_KERNELS_H
 #define TF_FP8_KERNELS_H
 
+#include <float.h>
+
 #include <stdint.h>
 
 #include "../common/tf_dtype.h"
@@ -70,6 +72,21 @@ extern const tf_fp8_kernel_set *const tf_fp8_kernels_avx2;
  * has the avx512 tier; hands its tails to the AVX2 set.
  */
 extern const tf_fp8_kernel_set *const tf_fp8_kernels_avx512;
+
+/*
+ * Whether the SIMD paths' fast encoder applies: scale > 0 and finite, so that |x * scale| =
+ * |x| * scale and sign(x * scale) = sign(x) for every x, NaN included; for E4M3, scale * 2^-8 must
+ * be normal so that |x| * (scale * 2^-8) is |x| * scale scaled exactly wherever the FP8 code is not
+ * zero.
+ */
+static inline int tf_fp8_fast_scale(float scale, tf_fp8_format f) {
+  return scale > 0.0f && scale <= FLT_MAX && (f == TF_FP8_E5M2 || scale >= 0x1p-118f);
+}
+
+/* The multiplier the fast encoder uses: E4M3 works on values scaled by 2^-8. */
+static inline float tf_fp8_fast_multiplier(float scale, tf_fp8_format f) {
+  return f == TF_FP8_E4M3 ? scale * 0x1p-8f : scale;
+}
 
 /* The set for the instruction-set path in force (see common/cpu_features.h). */
 const tf_fp8_kernel_set *tf_fp8_kernels_active(void);

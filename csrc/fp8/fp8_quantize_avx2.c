@@ -137,20 +137,6 @@ TF_AVX2_INLINE uint32_t hmax_u32(__m256i m) {
 enum { GENERIC = 0, FAST = 1, TABLE = 2 };
 
 /*
- * Whether the fast encoder applies: scale > 0 and finite, so that |x * scale| = |x| * scale and
- * sign(x * scale) = sign(x) for every x, NaN included; for E4M3, scale * 2^-8 must be normal so
- * that |x| * (scale * 2^-8) is |x| * scale scaled exactly wherever the FP8 code is not zero.
- */
-static int fast_scale(float scale, tf_fp8_format f) {
-  return scale > 0.0f && scale <= FLT_MAX && (f == TF_FP8_E5M2 || scale >= 0x1p-118f);
-}
-
-/* The multiplier the fast encoder uses: E4M3 works on values scaled by 2^-8. */
-static float fast_multiplier(float scale, tf_fp8_format f) {
-  return f == TF_FP8_E4M3 ? scale * 0x1p-8f : scale;
-}
-
-/*
  * 8 values |v| (non-negative or NaN; for E4M3 scaled by 2^-8) rounded to the FP8 grid, as
  * float16 bits. Both formats' smallest normal value is 2^-14 in these units, float16's own.
  */
@@ -314,7 +300,7 @@ enum { PREFETCH_BYTES = 4096 };
 TF_AVX2_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end, float scale,
                                        const uint8_t *table, uint8_t *y, tf_dtype d, tf_fp8_format f,
                                        int mode) {
-  const __m256 s = _mm256_set1_ps(mode == FAST ? fast_multiplier(scale, f) : scale);
+  const __m256 s = _mm256_set1_ps(mode == FAST ? tf_fp8_fast_multiplier(scale, f) : scale);
   __m256i amax = _mm256_setzero_si256();
   const int64_t size = tf_dtype_size(d);
   int64_t i = begin;
@@ -349,7 +335,7 @@ TF_AVX2_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end
 #define DEFINE_QUANTIZE(NAME, DTYPE, FORMAT)                                                    \
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale,    \
                                       uint8_t *y) {                                             \
-    return fast_scale(scale, FORMAT)                                                            \
+    return tf_fp8_fast_scale(scale, FORMAT)                                                            \
                ? quantize_range(x, begin, end, scale, NULL, y, DTYPE, FORMAT, FAST)             \
                : quantize_range(x, begin, end, scale, NULL, y, DTYPE, FORMAT, GENERIC);         \
   }
@@ -516,7 +502,7 @@ TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_
   const int64_t size = tf_dtype_size(d);
   const int64_t full_rows = rows - rows % TF_FP8_CT_TILE, wide_cols = cols - cols % 64;
   const int64_t full_cols = cols - cols % 32;
-  const __m256 s = _mm256_set1_ps(fast ? fast_multiplier(scale, f) : scale);
+  const __m256 s = _mm256_set1_ps(fast ? tf_fp8_fast_multiplier(scale, f) : scale);
   __m256i amax_v = _mm256_setzero_si256();
   const int stream =
       (uintptr_t)y % 32 == 0 && ld_y % 32 == 0 && (uintptr_t)y_t % 32 == 0 && ld_t % 32 == 0;
@@ -554,7 +540,7 @@ TF_AVX2_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int64_
   static TF_TARGET_AVX2 uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols,      \
                                       float scale, uint8_t *y, int64_t ld_y, uint8_t *y_t,          \
                                       int64_t ld_t) {                                               \
-    return fast_scale(scale, FORMAT)                                                                \
+    return tf_fp8_fast_scale(scale, FORMAT)                                                                \
                ? cast_transpose_block(x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t, DTYPE, FORMAT, FAST) \
                : cast_transpose_block(x, ld_x, rows, cols, scale, y, ld_y, y_t, ld_t, DTYPE, FORMAT,    \
                                       GENERIC);                                                     \

@@ -31,15 +31,6 @@
 
 enum { GENERIC = 0, FAST = 1 };
 
-/* As in fp8_quantize_avx2.c: the fast encoder needs scale > 0 and finite (E4M3: >= 2^-118). */
-static int fast_scale(float scale, tf_fp8_format f) {
-  return scale > 0.0f && scale <= FLT_MAX && (f == TF_FP8_E5M2 || scale >= 0x1p-118f);
-}
-
-static float fast_multiplier(float scale, tf_fp8_format f) {
-  return f == TF_FP8_E4M3 ? scale * 0x1p-8f : scale;
-}
-
 /* ---- The fast encoder. ---- */
 
 /* 16 values |v| (for E4M3 scaled by 2^-8) rounded to the FP8 grid, as float16 bits. */
@@ -192,7 +183,7 @@ enum { PREFETCH_BYTES = 4096 };
 
 TF_AVX512_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t end, float scale, uint8_t *y,
                                          tf_dtype d, tf_fp8_format f, int mode) {
-  const __m512 s = _mm512_set1_ps(mode == FAST ? fast_multiplier(scale, f) : scale);
+  const __m512 s = _mm512_set1_ps(mode == FAST ? tf_fp8_fast_multiplier(scale, f) : scale);
   __m512i amax = _mm512_setzero_si512();
   const int64_t size = tf_dtype_size(d);
   int64_t i = begin;
@@ -212,7 +203,7 @@ TF_AVX512_INLINE uint32_t quantize_range(const void *x, int64_t begin, int64_t e
 #define DEFINE_QUANTIZE(NAME, DTYPE, FORMAT)                                                       \
   static TF_TARGET_AVX512 uint32_t NAME(const void *x, int64_t begin, int64_t end, float scale,    \
                                         uint8_t *y) {                                              \
-    return fast_scale(scale, FORMAT) ? quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, FAST) \
+    return tf_fp8_fast_scale(scale, FORMAT) ? quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, FAST) \
                                      : quantize_range(x, begin, end, scale, y, DTYPE, FORMAT, GENERIC); \
   }
 
