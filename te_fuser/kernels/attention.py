@@ -150,7 +150,8 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
         attention_math.refuse_dropout(q, dropout_p)
         out, lse = attention_math.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
                                                 softmax_scale, bool(causal), (q_descale, k_descale, v_descale))
-        return _in_order_of(out.to(out_dtype or (torch.float32 if fp8 else q.dtype)), q), lse
+        # One pass: the conversion to the output dtype happens in the copy into q's dim order.
+        return _empty_in_order_of(q, out_dtype or (torch.float32 if fp8 else q.dtype)).copy_(out), lse
     return _ops.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
                               bool(causal), float(dropout_p), int(seed), int(offset), q_descale, k_descale,
                               v_descale, out_dtype)
@@ -246,7 +247,7 @@ def attention_bwd(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_kv=N
         attention_math.refuse_dropout(q, dropout_p)
         grads = attention_math.attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q,
                                              seqlens_kv, softmax_scale, bool(causal), (q_descale, k_descale, v_descale))
-        return tuple(_in_order_of(g.to(dout.dtype), like) for g, like in zip(grads, (q, k, v)))
+        return tuple(_empty_in_order_of(like, dout.dtype).copy_(g) for g, like in zip(grads, (q, k, v)))
     return _ops.attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
                               softmax_scale, bool(causal), float(dropout_p), int(seed), int(offset),
                               q_descale, k_descale, v_descale)
