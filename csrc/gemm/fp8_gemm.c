@@ -76,42 +76,12 @@ static void pack_b_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, 
 
 #if TF_X86
 /* The bf16 bits of every FP8 code of a format: FP8 values are bf16 values, so the table is exact
- * (what decoding to float32 and keeping the high half gives) and packing is one lookup an element. */
+ * (what decoding to float32 and keeping the high half gives) and packing is one lookup an element
+ * (gemm_pack_bf16.c). */
 static void bf16_codes(tf_fp8_format f, uint16_t codes[256]) {
   for (int c = 0; c < 256; ++c) {
     const float v = f == TF_FP8_E4M3 ? tf_fp8_e4m3_decode((uint8_t)c) : tf_fp8_e5m2_decode((uint8_t)c);
     codes[c] = (uint16_t)(tf_f32_bits(v) >> 16);
-  }
-}
-
-/* a block as groups of 16 rows, [group][16][kc_pad] bf16, zero past kc. */
-static void pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
-                        int64_t kc, int64_t kc_pad, const uint16_t *codes, uint16_t *dst) {
-  for (int64_t r = 0; r < covered(valid, 96, TF_GEMM_MB); ++r) {
-    uint16_t *d = dst + r * kc_pad;
-    int64_t i = 0;
-    if (r < valid) {
-      const uint8_t *src = x + (r0 + r) * ld + k0;
-      for (; i < kc; ++i) d[i] = codes[src[i]];
-    }
-    for (; i < kc_pad; ++i) d[i] = 0;
-  }
-}
-
-/* b block as groups of 16 columns in the VNNI layout [group][kc_pad / 2][16][2] bf16, each column
- * written straight into its pair slots (element i of column c at (i / 2) * 32 + 2 c + i % 2). */
-static void pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
-                        int64_t kc, int64_t kc_pad, const uint16_t *codes, uint16_t *dst) {
-  for (int64_t g = 0; g < covered(valid, 32, TF_GEMM_NB); g += 16) {
-    for (int64_t c = 0; c < 16; ++c) {
-      uint16_t *d = dst + g * kc_pad + 2 * c;
-      int64_t i = 0;
-      if (g + c < valid) {
-        const uint8_t *src = x + (r0 + g + c) * ld + k0;
-        for (; i < kc; ++i) d[i / 2 * 32 + i % 2] = codes[src[i]];
-      }
-      for (; i < kc_pad; ++i) d[i / 2 * 32 + i % 2] = 0;
-    }
   }
 }
 #endif
@@ -173,8 +143,11 @@ static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, t
     if (isa >= TF_ISA_AVX512_BF16) {
       const int64_t kc_pad = (kc + 31) / 32 * 32; /* whole AMX tiles; TF_GEMM_KC is a multiple */
       uint16_t *a_block = w->a_row ? w->a_row + k0 / TF_GEMM_KC * TF_GEMM_MB * TF_GEMM_KC : w->a_pack;
-      if (!w->a_row || w->a_row0 != row0) pack_a_bf16(a, k, row0, rows, k0, kc, kc_pad, w->codes_a, a_block);
-      pack_b_bf16(b, k, col0, cols, k0, kc, kc_pad, w->codes_b, w->b_pack);
+      if (!w->a_row || w->a_row0 != row0)
+        tf_gemm_pack_a_bf16(a, k, row0, rows, covered(rows, 96, TF_GEMM_MB), k0, kc, kc_pad, w->codes_a,
+                            a_block);
+      tf_gemm_pack_b_bf16(b, k, col0, cols, covered(cols, 32, TF_GEMM_NB), k0, kc, kc_pad, w->codes_b,
+                          w->b_pack);
       if (isa == TF_ISA_AMX)
         tf_gemm_block_bf16_amx(kc_pad, a_block, w->b_pack, w->acc, rows, cols);
       else
@@ -234,6 +207,12 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
       compute_tile(a, format_a, b, format_b, m, n, k, isa, row0, col0, &w);
       const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
       const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
+#if TF_X86
+      if (isa >= TF_ISA_AVX512 && out_dtype != TF_FLOAT16) {
+        tf_gemm_epilogue_avx512(w.acc, rows, cols, scale, bias, bias_dtype, out, out_dtype, n, row0, col0);
+        continue;
+      }
+#endif
       epilogue(w.acc, rows, cols, scale, bias, bias_dtype, out, out_dtype, n, row0, col0);
     }
   }

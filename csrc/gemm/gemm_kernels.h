@@ -38,6 +38,19 @@ void tf_gemm_block_bf16_avx512(int64_t kc_pad, const uint16_t *a_pack, const uin
                                float *acc, int64_t rows, int64_t cols);
 void tf_gemm_block_bf16_amx(int64_t kc_pad, const uint16_t *a_pack, const uint16_t *b_pack,
                             float *acc, int64_t rows, int64_t cols);
+/* The epilogue (fp8_gemm.c) for float32 and bf16 outputs in AVX-512 vectors, bit for bit. */
+void tf_gemm_epilogue_avx512(const float *acc, int64_t rows, int64_t cols, float scale,
+                             const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
+                             int64_t ldo, int64_t row0, int64_t col0);
+/* Packs rows [r0, r0 + rows) of x (FP8 codes, row stride ld; rows past `valid` as zeros), k block
+ * [k0, k0 + kc) zero-padded to kc_pad, into a's layout (pack_a) or b's (pack_b; rows a multiple
+ * of 16), through `codes`, the bf16 bits of each FP8 code. */
+void tf_gemm_pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
+                         int64_t k0, int64_t kc, int64_t kc_pad, const uint16_t codes[256],
+                         uint16_t *dst);
+void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
+                         int64_t k0, int64_t kc, int64_t kc_pad, const uint16_t codes[256],
+                         uint16_t *dst);
 #endif
 
 /* The number of blocks of `size` that cover `extent`. */

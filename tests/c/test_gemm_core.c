@@ -151,6 +151,48 @@ static void test_paths(void) {
 }
 
 /* Tiles computed in several calls equal one call. */
+/* Every path's bf16 output is its float32 output rounded by tf_f32_to_bf16, bit for bit, and a
+ * bf16 or float16 bias gives what the same values in float32 give: subnormal results (a tiny
+ * scale), NaN rows and a ragged last vector of columns included. */
+static void test_epilogue(void) {
+  const int64_t m = 45, n = 37, k = 70;
+  uint8_t *a = malloc((size_t)(m * k)), *b = malloc((size_t)(n * k));
+  float *bias32 = malloc(sizeof(float) * (size_t)n), *ref = malloc(sizeof(float) * (size_t)(m * n));
+  float *got32 = malloc(sizeof(float) * (size_t)(m * n));
+  uint16_t *bias16 = malloc(sizeof(uint16_t) * (size_t)n), *got16 = malloc(sizeof(uint16_t) * (size_t)(m * n));
+  rng_state = 777u;
+  for (int64_t i = 0; i < m * k; ++i) a[i] = random_code(TF_FP8_E4M3);
+  for (int64_t i = 0; i < n * k; ++i) b[i] = random_code(TF_FP8_E5M2);
+  a[3 * k + 5] = 0x7F; /* row 3 is NaN */
+  static const float scales[] = {0.02f, 1e-41f};
+  for (int isa = 0; isa <= (int)tf_cpu_isa_detected(); ++isa) {
+    for (int si = 0; si < 2; ++si) {
+      for (int bd = 0; bd < 3; ++bd) { /* bias: none, bf16, float16 (as float32 in the reference) */
+        for (int64_t j = 0; j < n; ++j) {
+          bias16[j] = bd == 1 ? tf_f32_to_bf16((float)((int)(rnd() % 2001) - 1000) * scales[si])
+                              : tf_f32_to_f16((float)((int)(rnd() % 2001) - 1000) / 256.0f);
+          bias32[j] = bd == 1 ? tf_bf16_to_f32(bias16[j]) : tf_f16_to_f32(bias16[j]);
+        }
+        const tf_dtype bias_dtype = bd == 1 ? TF_BFLOAT16 : TF_FLOAT16;
+        const void *bias = bd ? (const void *)bias16 : NULL;
+        CHECK(tf_fp8_gemm_nt(a, TF_FP8_E4M3, b, TF_FP8_E5M2, m, n, k, scales[si], 1.0f, bd ? bias32 : NULL,
+                             TF_FLOAT32, ref, TF_FLOAT32, (tf_isa)isa, 0, tf_fp8_gemm_tiles(m, n)) == TF_OK &&
+                  tf_fp8_gemm_nt(a, TF_FP8_E4M3, b, TF_FP8_E5M2, m, n, k, scales[si], 1.0f, bias,
+                                 bias_dtype, got32, TF_FLOAT32, (tf_isa)isa, 0, tf_fp8_gemm_tiles(m, n)) == TF_OK &&
+                  tf_fp8_gemm_nt(a, TF_FP8_E4M3, b, TF_FP8_E5M2, m, n, k, scales[si], 1.0f, bias,
+                                 bias_dtype, got16, TF_BFLOAT16, (tf_isa)isa, 0, tf_fp8_gemm_tiles(m, n)) == TF_OK,
+              "epilogue status");
+        int64_t bad = 0;
+        for (int64_t i = 0; i < m * n; ++i)
+          bad += memcmp(&got32[i], &ref[i], sizeof(float)) != 0 || got16[i] != tf_f32_to_bf16(ref[i]);
+        CHECK(bad == 0, "isa %d scale %g bias %d: %lld outputs differ", isa, (double)scales[si], bd,
+              (long long)bad);
+      }
+    }
+  }
+  free(a), free(b), free(bias32), free(ref), free(got32), free(bias16), free(got16);
+}
+
 static void test_tile_ranges(void) {
   const int64_t m = 250, n = 300, k = 40;
   uint8_t *a = malloc((size_t)(m * k)), *b = malloc((size_t)(n * k));
@@ -215,6 +257,7 @@ int main(void) {
   test_cpu_features();
   test_decode();
   test_paths();
+  test_epilogue();
   test_tile_ranges();
   test_bad_arguments();
   return check_report();
