@@ -2,7 +2,7 @@
 
 #include "ops_tile.h"
 
-static void act_forward_tile(tf_activation act, int64_t n, float *restrict v) {
+TF_ISA_INLINE void act_forward_tile(tf_activation act, int64_t n, float *restrict v) {
   if (act == TF_ACT_GELU_TANH) {
     for (int64_t i = 0; i < n; ++i) v[i] = tf_ops_gelu(v[i]);
   } else if (act == TF_ACT_RELU) {
@@ -11,8 +11,8 @@ static void act_forward_tile(tf_activation act, int64_t n, float *restrict v) {
 }
 
 /* g[i] *= act'(x[i]). */
-static void act_backward_tile(tf_activation act, int64_t n, const float *restrict x,
-                              float *restrict g) {
+TF_ISA_INLINE void act_backward_tile(tf_activation act, int64_t n, const float *restrict x,
+                                     float *restrict g) {
   if (act == TF_ACT_GELU_TANH) {
     for (int64_t i = 0; i < n; ++i) g[i] *= tf_ops_dgelu(x[i]);
   } else if (act == TF_ACT_RELU) {
@@ -24,13 +24,34 @@ static int act_ok(tf_activation act) {
   return act == TF_ACT_NONE || act == TF_ACT_GELU_TANH || act == TF_ACT_RELU;
 }
 
-static void add_bias_tile(const void *bias, tf_dtype bias_dtype, int64_t c0, int64_t n,
-                          float *restrict v) {
+TF_ISA_INLINE void add_bias_tile(const void *bias, tf_dtype bias_dtype, int64_t c0, int64_t n,
+                                 float *restrict v) {
   if (!bias) return;
   float b[TF_OPS_TILE];
   tf_ops_load(bias, bias_dtype, c0, n, b);
   for (int64_t i = 0; i < n; ++i) v[i] += b[i];
 }
+
+/* Rows [row_begin, row_end) of tf_bias_act_forward. */
+TF_ISA_INLINE void bias_act_rows_body(const void *x, tf_dtype dtype, const void *bias, tf_dtype bias_dtype,
+                                      int64_t cols, int64_t row_begin, int64_t row_end, tf_activation act,
+                                      const tf_ops_output *y, uint32_t *amax_bits) {
+  float v[TF_OPS_TILE];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
+      const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
+      tf_ops_load(x, dtype, r * cols + c0, n, v);
+      add_bias_tile(bias, bias_dtype, c0, n, v);
+      act_forward_tile(act, n, v);
+      tf_ops_store(y, r * cols + c0, n, v, amax_bits);
+    }
+  }
+}
+TF_ISA_CLONES(bias_act_rows,
+              (const void *x, tf_dtype dtype, const void *bias, tf_dtype bias_dtype, int64_t cols,
+               int64_t row_begin, int64_t row_end, tf_activation act, const tf_ops_output *y,
+               uint32_t *amax_bits),
+              (x, dtype, bias, bias_dtype, cols, row_begin, row_end, act, y, amax_bits))
 
 tf_status tf_bias_act_forward(const void *x, tf_dtype dtype, const void *bias, tf_dtype bias_dtype,
                               int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
@@ -43,32 +64,15 @@ tf_status tf_bias_act_forward(const void *x, tf_dtype dtype, const void *bias, t
   const tf_status s = tf_ops_check_rows(rows, cols, row_begin, row_end);
   if (s != TF_OK) return s;
   if (row_end > row_begin && cols > 0 && (!x || !y->data)) return TF_ERR_NULL_POINTER;
-  float v[TF_OPS_TILE];
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
-      const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
-      tf_ops_load(x, dtype, r * cols + c0, n, v);
-      add_bias_tile(bias, bias_dtype, c0, n, v);
-      act_forward_tile(act, n, v);
-      tf_ops_store(y, r * cols + c0, n, v, amax_bits);
-    }
-  }
+  bias_act_rows(x, dtype, bias, bias_dtype, cols, row_begin, row_end, act, y, amax_bits);
   return TF_OK;
 }
 
-tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
-                               const void *bias, tf_dtype bias_dtype, int64_t rows, int64_t cols,
-                               int64_t row_begin, int64_t row_end, tf_activation act,
-                               const tf_ops_output *dx, float *dbias_partial, uint32_t *amax_bits) {
-  if (!amax_bits) return TF_ERR_NULL_POINTER;
-  *amax_bits = 0;
-  if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(dx))
-    return TF_ERR_BAD_DTYPE;
-  if (bias && !tf_ops_dtype_ok(bias_dtype)) return TF_ERR_BAD_DTYPE;
-  if (!act_ok(act)) return TF_ERR_BAD_ARGUMENT;
-  const tf_status s = tf_ops_check_rows(rows, cols, row_begin, row_end);
-  if (s != TF_OK) return s;
-  if (cols > 0 && ((row_end > row_begin && (!dy || !x || !dx->data)))) return TF_ERR_NULL_POINTER;
+/* Rows [row_begin, row_end) of tf_act_bias_backward. */
+TF_ISA_INLINE void act_bias_rows_body(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                      const void *bias, tf_dtype bias_dtype, int64_t cols,
+                                      int64_t row_begin, int64_t row_end, tf_activation act,
+                                      const tf_ops_output *dx, float *dbias_partial, uint32_t *amax_bits) {
   if (dbias_partial)
     for (int64_t c = 0; c < cols; ++c) dbias_partial[c] = 0.0f;
   float xv[TF_OPS_TILE];
@@ -89,6 +93,29 @@ tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x,
       tf_ops_store(dx, r * cols + c0, n, g, amax_bits);
     }
   }
+}
+TF_ISA_CLONES(act_bias_rows,
+              (const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype, const void *bias,
+               tf_dtype bias_dtype, int64_t cols, int64_t row_begin, int64_t row_end, tf_activation act,
+               const tf_ops_output *dx, float *dbias_partial, uint32_t *amax_bits),
+              (dy, dy_dtype, x, dtype, bias, bias_dtype, cols, row_begin, row_end, act, dx, dbias_partial,
+               amax_bits))
+
+tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                               const void *bias, tf_dtype bias_dtype, int64_t rows, int64_t cols,
+                               int64_t row_begin, int64_t row_end, tf_activation act,
+                               const tf_ops_output *dx, float *dbias_partial, uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  *amax_bits = 0;
+  if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(dx))
+    return TF_ERR_BAD_DTYPE;
+  if (bias && !tf_ops_dtype_ok(bias_dtype)) return TF_ERR_BAD_DTYPE;
+  if (!act_ok(act)) return TF_ERR_BAD_ARGUMENT;
+  const tf_status s = tf_ops_check_rows(rows, cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (cols > 0 && ((row_end > row_begin && (!dy || !x || !dx->data)))) return TF_ERR_NULL_POINTER;
+  act_bias_rows(dy, dy_dtype, x, dtype, bias, bias_dtype, cols, row_begin, row_end, act, dx, dbias_partial,
+                amax_bits);
   return TF_OK;
 }
 

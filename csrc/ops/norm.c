@@ -5,8 +5,8 @@
 #include <math.h>
 
 /* w[i] = gamma[c0 + i] (+ 1 when zero-centered). */
-static void load_weight(const void *gamma, tf_dtype param_dtype, int zero_centered, int64_t c0,
-                        int64_t n, float *restrict w) {
+TF_ISA_INLINE void load_weight(const void *gamma, tf_dtype param_dtype, int zero_centered,
+                               int64_t c0, int64_t n, float *restrict w) {
   tf_ops_load(gamma, param_dtype, c0, n, w);
   if (zero_centered)
     for (int64_t i = 0; i < n; ++i) w[i] += 1.0f;
@@ -22,32 +22,46 @@ static tf_status check_common(const void *x, tf_dtype dtype, const void *gamma,
   return TF_OK;
 }
 
-/* Sum of x (or of x^2 after subtracting `center`) over one row, in double. */
-static double row_sum(const void *x, tf_dtype dtype, int64_t offset, int64_t cols, float center,
-                      int squared) {
+/*
+ * Sums of a tile in TF_ISA_LANES partial sums (lane l takes elements l, l + TF_ISA_LANES, ...),
+ * added in lane order at the end: the same order, so the same bits, at every vector width.
+ */
+TF_ISA_INLINE float lanes_total(const float lane[TF_ISA_LANES]) {
+  float total = 0.0f;
+  for (int l = 0; l < TF_ISA_LANES; ++l) total += lane[l];
+  return total;
+}
+
+/* sum of v[i] (squared, after subtracting center, when `squared`) over [0, n). */
+TF_ISA_INLINE float tile_sum(const float *restrict v, int64_t n, float center, int squared) {
+  float lane[TF_ISA_LANES] = {0};
+  for (int64_t i = 0; i < n; i += TF_ISA_LANES) {
+    const int64_t m = n - i < TF_ISA_LANES ? n - i : TF_ISA_LANES;
+    for (int64_t l = 0; l < m; ++l) {
+      const float d = v[i + l] - center;
+      lane[l] += squared ? d * d : v[i + l];
+    }
+  }
+  return lanes_total(lane);
+}
+
+/* Sum of x (or of (x - center)^2) over one row: per tile in float32, tiles in double. */
+TF_ISA_INLINE double row_sum(const void *x, tf_dtype dtype, int64_t offset, int64_t cols, float center,
+                             int squared) {
   float v[TF_OPS_TILE];
   double sum = 0.0;
   for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
     const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
     tf_ops_load(x, dtype, offset + c0, n, v);
-    float part = 0.0f;
-    if (squared) {
-      for (int64_t i = 0; i < n; ++i) {
-        const float d = v[i] - center;
-        part += d * d;
-      }
-    } else {
-      for (int64_t i = 0; i < n; ++i) part += v[i];
-    }
-    sum += part;
+    sum += squared ? tile_sum(v, n, center, 1) : tile_sum(v, n, 0.0f, 0);
   }
   return sum;
 }
 
 /* y = (x - center) * rstd * w (+ beta) for one row. */
-static void normalize_row(const void *x, tf_dtype dtype, const void *gamma, const void *beta,
-                          tf_dtype param_dtype, int zero_centered, int64_t offset, int64_t cols,
-                          float center, float rstd, const tf_ops_output *y, uint32_t *amax_bits) {
+TF_ISA_INLINE void normalize_row(const void *x, tf_dtype dtype, const void *gamma, const void *beta,
+                                 tf_dtype param_dtype, int zero_centered, int64_t offset, int64_t cols,
+                                 float center, float rstd, const tf_ops_output *y, uint32_t *amax_bits) {
   float v[TF_OPS_TILE];
   float w[TF_OPS_TILE];
   float b[TF_OPS_TILE];
@@ -64,6 +78,28 @@ static void normalize_row(const void *x, tf_dtype dtype, const void *gamma, cons
   }
 }
 
+/* Rows [row_begin, row_end) of either norm: LayerNorm where mean is given, else RMSNorm. */
+TF_ISA_INLINE void norm_rows_body(const void *x, tf_dtype dtype, const void *gamma, const void *beta,
+                                  tf_dtype param_dtype, int zero_centered, float eps, int64_t cols,
+                                  int64_t row_begin, int64_t row_end, const tf_ops_output *y, float *mean,
+                                  float *rstd, uint32_t *amax_bits) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    float mu = 0.0f;
+    if (mean && cols > 0) mu = (float)(row_sum(x, dtype, r * cols, cols, 0.0f, 0) / (double)cols);
+    const double var = cols > 0 ? row_sum(x, dtype, r * cols, cols, mu, 1) / (double)cols : 0.0;
+    const float rs = (float)(1.0 / sqrt(var + (double)eps));
+    if (mean) mean[r] = mu;
+    rstd[r] = rs;
+    normalize_row(x, dtype, gamma, beta, param_dtype, zero_centered, r * cols, cols, mu, rs, y, amax_bits);
+  }
+}
+TF_ISA_CLONES(norm_rows,
+              (const void *x, tf_dtype dtype, const void *gamma, const void *beta, tf_dtype param_dtype,
+               int zero_centered, float eps, int64_t cols, int64_t row_begin, int64_t row_end,
+               const tf_ops_output *y, float *mean, float *rstd, uint32_t *amax_bits),
+              (x, dtype, gamma, beta, param_dtype, zero_centered, eps, cols, row_begin, row_end, y, mean, rstd,
+               amax_bits))
+
 tf_status tf_rmsnorm_forward(const void *x, tf_dtype dtype, const void *gamma, tf_dtype param_dtype,
                              int zero_centered_gamma, float eps, int64_t rows, int64_t cols,
                              int64_t row_begin, int64_t row_end, const tf_ops_output *y,
@@ -75,13 +111,8 @@ tf_status tf_rmsnorm_forward(const void *x, tf_dtype dtype, const void *gamma, t
   if (s != TF_OK) return s;
   if (!(eps >= 0.0f)) return TF_ERR_BAD_ARGUMENT;
   if (row_end > row_begin && (!rstd || (cols > 0 && !y->data))) return TF_ERR_NULL_POINTER;
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    const double ms = cols > 0 ? row_sum(x, dtype, r * cols, cols, 0.0f, 1) / (double)cols : 0.0;
-    const float rs = (float)(1.0 / sqrt(ms + (double)eps));
-    rstd[r] = rs;
-    normalize_row(x, dtype, gamma, NULL, param_dtype, zero_centered_gamma, r * cols, cols, 0.0f, rs,
-                  y, amax_bits);
-  }
+  norm_rows(x, dtype, gamma, NULL, param_dtype, zero_centered_gamma, eps, cols, row_begin, row_end, y, NULL,
+            rstd, amax_bits);
   return TF_OK;
 }
 
@@ -98,16 +129,8 @@ tf_status tf_layernorm_forward(const void *x, tf_dtype dtype, const void *gamma,
   if (!(eps >= 0.0f)) return TF_ERR_BAD_ARGUMENT;
   if (row_end > row_begin && (!mean || !rstd || (cols > 0 && (!y->data || !beta))))
     return TF_ERR_NULL_POINTER;
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    const float mu = cols > 0 ? (float)(row_sum(x, dtype, r * cols, cols, 0.0f, 0) / (double)cols)
-                              : 0.0f;
-    const double var = cols > 0 ? row_sum(x, dtype, r * cols, cols, mu, 1) / (double)cols : 0.0;
-    const float rs = (float)(1.0 / sqrt(var + (double)eps));
-    mean[r] = mu;
-    rstd[r] = rs;
-    normalize_row(x, dtype, gamma, beta, param_dtype, zero_centered_gamma, r * cols, cols, mu, rs, y,
-                  amax_bits);
-  }
+  norm_rows(x, dtype, gamma, beta, param_dtype, zero_centered_gamma, eps, cols, row_begin, row_end, y, mean,
+            rstd, amax_bits);
   return TF_OK;
 }
 
@@ -115,11 +138,12 @@ tf_status tf_layernorm_forward(const void *x, tf_dtype dtype, const void *gamma,
  * Shared backward of both norms for one band. With xhat = (x - mu) * rstd and
  * g = dy * w: dx = rstd * (g - mean(g) * has_mean - xhat * mean(g * xhat)).
  */
-static void norm_backward_band(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
-                               const float *mean, const float *rstd, const void *gamma,
-                               tf_dtype param_dtype, int zero_centered, int64_t cols,
-                               int64_t row_begin, int64_t row_end, void *dx, tf_dtype dx_dtype,
-                               float *restrict dgamma_partial, float *restrict dbeta_partial) {
+TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, const void *x,
+                                           tf_dtype dtype, const float *mean, const float *rstd,
+                                           const void *gamma, tf_dtype param_dtype, int zero_centered,
+                                           int64_t cols, int64_t row_begin, int64_t row_end, void *dx,
+                                           tf_dtype dx_dtype, float *restrict dgamma_partial,
+                                           float *restrict dbeta_partial) {
   float d[TF_OPS_TILE];
   float v[TF_OPS_TILE];
   float w[TF_OPS_TILE];
@@ -136,14 +160,17 @@ static void norm_backward_band(const void *dy, tf_dtype dy_dtype, const void *x,
       tf_ops_load(dy, dy_dtype, offset + c0, n, d);
       tf_ops_load(x, dtype, offset + c0, n, v);
       load_weight(gamma, param_dtype, zero_centered, c0, n, w);
-      float part_g = 0.0f, part_gx = 0.0f;
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = d[i] * w[i];
-        part_g += g;
-        part_gx += g * (v[i] - mu) * rs;
+      float lane_g[TF_ISA_LANES] = {0}, lane_gx[TF_ISA_LANES] = {0};
+      for (int64_t i = 0; i < n; i += TF_ISA_LANES) {
+        const int64_t m = n - i < TF_ISA_LANES ? n - i : TF_ISA_LANES;
+        for (int64_t l = 0; l < m; ++l) {
+          const float g = d[i + l] * w[i + l];
+          lane_g[l] += g;
+          lane_gx[l] += g * (v[i + l] - mu) * rs;
+        }
       }
-      sum_g += part_g;
-      sum_gx += part_gx;
+      sum_g += lanes_total(lane_g);
+      sum_gx += lanes_total(lane_gx);
     }
     const float mean_g = mean ? (float)(sum_g / (double)cols) : 0.0f;
     const float mean_gx = (float)(sum_gx / (double)cols);
@@ -166,6 +193,14 @@ static void norm_backward_band(const void *dy, tf_dtype dy_dtype, const void *x,
     }
   }
 }
+
+TF_ISA_CLONES(norm_backward_band,
+              (const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype, const float *mean,
+               const float *rstd, const void *gamma, tf_dtype param_dtype, int zero_centered, int64_t cols,
+               int64_t row_begin, int64_t row_end, void *dx, tf_dtype dx_dtype, float *restrict dgamma_partial,
+               float *restrict dbeta_partial),
+              (dy, dy_dtype, x, dtype, mean, rstd, gamma, param_dtype, zero_centered, cols, row_begin, row_end,
+               dx, dx_dtype, dgamma_partial, dbeta_partial))
 
 static tf_status check_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
                                 const float *rstd, const void *gamma, tf_dtype param_dtype,

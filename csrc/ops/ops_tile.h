@@ -6,7 +6,8 @@
  * stack, compute in float32, and store the tile in the output's dtype -- or,
  * for an FP8 output, as FP8 codes of value * scale while accumulating the
  * amax of the unscaled values. The dtype switch sits outside each loop so the
- * loops themselves vectorize.
+ * loops themselves vectorize; the kernels build their loops once per x86-64 level
+ * (tf_isa_clones.h), so these helpers are always inlined.
  */
 #ifndef TF_OPS_TILE_H
 #define TF_OPS_TILE_H
@@ -14,6 +15,7 @@
 #include <stdint.h>
 
 #include "../common/tf_checks.h"
+#include "../common/tf_isa_clones.h"
 #include "../common/tf_status.h"
 #include "ops_io.h"
 #include "ops_math.h"
@@ -31,7 +33,7 @@ static inline int tf_ops_output_ok(const tf_ops_output *out) {
 }
 
 /* v[i] = float(x[offset + i]) for i in [0, n). */
-static inline void tf_ops_load(const void *restrict x, tf_dtype dtype, int64_t offset, int64_t n,
+TF_ISA_INLINE void tf_ops_load(const void *restrict x, tf_dtype dtype, int64_t offset, int64_t n,
                                float *restrict v) {
   if (dtype == TF_FLOAT32) {
     const float *p = (const float *)x + offset;
@@ -46,7 +48,7 @@ static inline void tf_ops_load(const void *restrict x, tf_dtype dtype, int64_t o
 }
 
 /* Stores v[0, n) at element offset `offset` of out; raises *amax_bits for an FP8 output. */
-static inline void tf_ops_store(const tf_ops_output *out, int64_t offset, int64_t n,
+TF_ISA_INLINE void tf_ops_store(const tf_ops_output *out, int64_t offset, int64_t n,
                                 const float *restrict v, uint32_t *amax_bits) {
   if (out->fp8) {
     uint8_t *p = (uint8_t *)out->data + offset;
@@ -75,7 +77,7 @@ static inline void tf_ops_store(const tf_ops_output *out, int64_t offset, int64_
 }
 
 /* Stores float32 values in a floating dtype (no FP8). */
-static inline void tf_ops_store_dtype(void *restrict x, tf_dtype dtype, int64_t offset, int64_t n,
+TF_ISA_INLINE void tf_ops_store_dtype(void *restrict x, tf_dtype dtype, int64_t offset, int64_t n,
                                       const float *restrict v) {
   const tf_ops_output out = {x, dtype, 0, TF_FP8_E4M3, 1.0f};
   uint32_t unused = 0;
