@@ -126,10 +126,16 @@ typedef struct {
    * tiles of that row pack a once; NULL (pack per tile) when k makes them too large. */
   uint16_t *a_row;
   int64_t a_row0; /* the row of tiles a_row holds, -1 for none */
+  /* bf16 paths: b's packed blocks of every column of tiles ([n / NB][k / KC][NB][KC] bf16), each
+   * column packed by the first tile that needs it, so a call spanning several rows of tiles packs b
+   * once; NULL (pack per tile) when the call has one row of tiles or b is too large. */
+  uint16_t *b_all;
+  uint8_t *b_packed; /* per column of tiles: whether b_all holds it yet */
 } scratch;
 
-/* The most bf16 elements a_row may hold (16 MiB): k up to about 43000. */
-#define A_ROW_MAX_ELEMENTS ((int64_t)8 << 20)
+/* The most bf16 elements a_row, and b_all, may hold (16 MiB each): k up to about 43000 for a_row,
+ * n * k up to 8 Mi for b_all. */
+#define PACKED_MAX_ELEMENTS ((int64_t)8 << 20)
 
 static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, tf_fp8_format fb,
                          int64_t m, int64_t n, int64_t k, tf_isa isa, int64_t row0, int64_t col0,
@@ -146,13 +152,20 @@ static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, t
       if (!w->a_row || w->a_row0 != row0)
         tf_gemm_pack_a_bf16(a, k, row0, rows, covered(rows, 96, TF_GEMM_MB), k0, kc, kc_pad, w->codes_a,
                             a_block);
-      tf_gemm_pack_b_bf16(b, k, col0, cols, covered(cols, 32, TF_GEMM_NB), k0, kc, kc_pad, w->codes_b,
-                          w->b_pack);
+      const int64_t col_tile = col0 / TF_GEMM_NB, k_blocks = (k + TF_GEMM_KC - 1) / TF_GEMM_KC;
+      uint16_t *b_block =
+          w->b_all ? w->b_all + (col_tile * k_blocks + k0 / TF_GEMM_KC) * TF_GEMM_NB * TF_GEMM_KC : w->b_pack;
+      if (!w->b_all || !w->b_packed[col_tile])
+        tf_gemm_pack_b_bf16(b, k, col0, cols, covered(cols, 32, TF_GEMM_NB), k0, kc, kc_pad, w->codes_b,
+                            b_block);
       if (isa == TF_ISA_AMX)
-        tf_gemm_block_bf16_amx(kc_pad, a_block, w->b_pack, w->acc, rows, cols);
+        tf_gemm_block_bf16_amx(kc_pad, a_block, b_block, w->acc, rows, cols);
       else
-        tf_gemm_block_bf16_avx512(kc_pad, a_block, w->b_pack, w->acc, rows, cols);
-      if (k0 + TF_GEMM_KC >= k) w->a_row0 = row0; /* every k block of this row is packed now */
+        tf_gemm_block_bf16_avx512(kc_pad, a_block, b_block, w->acc, rows, cols);
+      if (k0 + TF_GEMM_KC >= k) { /* every k block of this row of a, and of this column of b, is packed now */
+        w->a_row0 = row0;
+        if (w->b_all) w->b_packed[col_tile] = 1;
+      }
       continue;
     }
 #endif
@@ -188,12 +201,29 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   w.row = malloc(sizeof(float) * TF_GEMM_NR * TF_GEMM_KC);
   w.a_row = NULL;
   w.a_row0 = -1;
+  w.b_all = NULL;
+  w.b_packed = NULL;
+  const int64_t tiles_n = (n + TF_GEMM_NB - 1) / TF_GEMM_NB;
 #if TF_X86
   if (isa >= TF_ISA_AVX512_BF16) {
     bf16_codes(format_a, w.codes_a);
     bf16_codes(format_b, w.codes_b);
-    const int64_t a_row_elements = (k + TF_GEMM_KC - 1) / TF_GEMM_KC * TF_GEMM_MB * TF_GEMM_KC;
-    if (a_row_elements <= A_ROW_MAX_ELEMENTS) w.a_row = malloc(sizeof(uint16_t) * (size_t)a_row_elements);
+    const int64_t k_blocks = (k + TF_GEMM_KC - 1) / TF_GEMM_KC;
+    if (k_blocks * TF_GEMM_MB * TF_GEMM_KC <= PACKED_MAX_ELEMENTS)
+      w.a_row = malloc(sizeof(uint16_t) * (size_t)(k_blocks * TF_GEMM_MB * TF_GEMM_KC));
+    /* k_blocks <= PACKED_MAX_ELEMENTS / NB / KC before the product, so it cannot overflow */
+    const int several_rows = (tile_end - 1) / tiles_n > tile_begin / tiles_n;
+    if (several_rows && k_blocks > 0 && k_blocks <= PACKED_MAX_ELEMENTS / (TF_GEMM_NB * TF_GEMM_KC) &&
+        tiles_n <= PACKED_MAX_ELEMENTS / (k_blocks * TF_GEMM_NB * TF_GEMM_KC)) {
+      w.b_all = malloc(sizeof(uint16_t) * (size_t)(tiles_n * k_blocks * TF_GEMM_NB * TF_GEMM_KC));
+      w.b_packed = calloc((size_t)tiles_n, 1);
+      if (!w.b_all || !w.b_packed) { /* packing per tile needs neither */
+        free(w.b_all);
+        free(w.b_packed);
+        w.b_all = NULL;
+        w.b_packed = NULL;
+      }
+    }
   }
 #endif
   tf_status result = TF_OK;
@@ -201,7 +231,6 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
     result = TF_ERR_BAD_ARGUMENT;
   } else {
     const float scale = scale_inv_a * scale_inv_b;
-    const int64_t tiles_n = (n + TF_GEMM_NB - 1) / TF_GEMM_NB;
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       const int64_t row0 = (t / tiles_n) * TF_GEMM_MB, col0 = (t % tiles_n) * TF_GEMM_NB;
       compute_tile(a, format_a, b, format_b, m, n, k, isa, row0, col0, &w);
@@ -221,5 +250,7 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   free(w.b_pack);
   free(w.row);
   free(w.a_row);
+  free(w.b_all);
+  free(w.b_packed);
   return result;
 }

@@ -193,8 +193,10 @@ static void test_epilogue(void) {
   free(a), free(b), free(bias32), free(ref), free(got32), free(bias16), free(got16);
 }
 
+/* One call for all tiles gives the bits of calls for two tiles at a time: a call spanning several
+ * rows of tiles reuses b packed by its first row (three k blocks here), one within a row packs per tile. */
 static void test_tile_ranges(void) {
-  const int64_t m = 250, n = 300, k = 40;
+  const int64_t m = 450, n = 300, k = 600;
   uint8_t *a = malloc((size_t)(m * k)), *b = malloc((size_t)(n * k));
   float *one = malloc(sizeof(float) * (size_t)(m * n)), *split = malloc(sizeof(float) * (size_t)(m * n));
   for (int64_t i = 0; i < m * k; ++i) a[i] = random_code(TF_FP8_E4M3);
