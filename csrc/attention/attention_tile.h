@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "../common/cpu_features.h"
+#include "../common/tf_isa_clones.h"
 
 #ifndef TF_ATTN_VW
 #define TF_ATTN_VW 16
@@ -64,15 +65,7 @@
     NAME##_body ARGS;                                                          \
   }                                                                            \
   static void NAME##_base PARAMS { NAME##_body ARGS; }                         \
-  static void NAME PARAMS {                                                    \
-    const tf_isa isa_ = tf_cpu_isa();                                          \
-    if (isa_ >= TF_ISA_AVX512)                                                 \
-      NAME##_v4 ARGS;                                                          \
-    else if (isa_ >= TF_ISA_AVX2)                                              \
-      tf_attn_##NAME##_avx2 ARGS;                                              \
-    else                                                                       \
-      NAME##_base ARGS;                                                        \
-  }
+  TF_ISA_DISPATCH(NAME, PARAMS, ARGS, NAME##_v4, tf_attn_##NAME##_avx2, NAME##_base)
 #define TF_ATTN_AVX2_BUILD(NAME, PARAMS, ARGS)                                 \
   void tf_attn_##NAME##_avx2 PARAMS;                                           \
   __attribute__((target("arch=x86-64-v3"))) void tf_attn_##NAME##_avx2 PARAMS { \

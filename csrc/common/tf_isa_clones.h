@@ -21,24 +21,31 @@
 /* Partial sums of a reduction: one 64-byte vector of floats. */
 #define TF_ISA_LANES 16
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TF_ISA_CLONES(NAME, PARAMS, ARGS)                                      \
-  __attribute__((target("arch=x86-64-v4"))) static void NAME##_v4 PARAMS {     \
-    NAME##_body ARGS;                                                          \
-  }                                                                            \
-  __attribute__((target("arch=x86-64-v3"))) static void NAME##_v3 PARAMS {     \
-    NAME##_body ARGS;                                                          \
-  }                                                                            \
-  static void NAME##_base PARAMS { NAME##_body ARGS; }                         \
-  static void NAME PARAMS {                                                    \
-    const tf_isa isa_ = tf_cpu_isa();                                          \
-    if (isa_ >= TF_ISA_AVX512)                                                 \
-      NAME##_v4 ARGS;                                                          \
-    else if (isa_ >= TF_ISA_AVX2)                                              \
-      NAME##_v3 ARGS;                                                          \
-    else                                                                       \
-      NAME##_base ARGS;                                                        \
+/*
+ * `static void NAME(params)` calling V4, V3 or BASE (functions of the same parameters) by the tier:
+ * AVX512 and above, AVX2, below.
+ */
+#define TF_ISA_DISPATCH(NAME, PARAMS, ARGS, V4, V3, BASE) \
+  static void NAME PARAMS {                               \
+    const tf_isa isa_ = tf_cpu_isa();                     \
+    if (isa_ >= TF_ISA_AVX512)                            \
+      V4 ARGS;                                            \
+    else if (isa_ >= TF_ISA_AVX2)                         \
+      V3 ARGS;                                            \
+    else                                                  \
+      BASE ARGS;                                          \
   }
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TF_ISA_CLONES(NAME, PARAMS, ARGS)                                  \
+  __attribute__((target("arch=x86-64-v4"))) static void NAME##_v4 PARAMS { \
+    NAME##_body ARGS;                                                      \
+  }                                                                        \
+  __attribute__((target("arch=x86-64-v3"))) static void NAME##_v3 PARAMS { \
+    NAME##_body ARGS;                                                      \
+  }                                                                        \
+  static void NAME##_base PARAMS { NAME##_body ARGS; }                     \
+  TF_ISA_DISPATCH(NAME, PARAMS, ARGS, NAME##_v4, NAME##_v3, NAME##_base)
 #else
 #define TF_ISA_CLONES(NAME, PARAMS, ARGS) \
   static void NAME PARAMS { NAME##_body ARGS; }
