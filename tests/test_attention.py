@@ -210,6 +210,44 @@ def test_forward_over_several_query_tiles(dtype, causal, threads, cpu_isa):
     assert torch.all(lse[1, :, 270:] == float("-inf")) and torch.isfinite(lse[1, :, :270]).all()
 
 
+@pytest.mark.skipif("avx512_bf16" not in cpu_kernels.available_isa(), reason="this CPU has no avx512_bf16 tier")
+@pytest.mark.parametrize("dim", [17, 40, 72])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("threads", [1, 8])
+def test_vector_path_with_bf16_products(dim, causal, threads):
+    """The vector path's bf16 products (vdpbf16ps, the avx512_bf16 tier; also on an AMX CPU under that cap):
+    GQA, ragged lengths that are no multiple of the tiles, head dims that are no multiple of 32 (odd: a padded
+    pair). 1 thread runs the fused backward, 8 the two-pass split. Against float64 SDPA with the bf16
+    tolerances, and against the float32-product path (the avx512 tier): P (and dS) are rounded to bf16 (relative
+    2^-9, to nearest even) before their products, so out moves by at most 2^-9 sum_j p_j |v_j| / l <= 2^-9 max|v|,
+    and each out is rounded to bf16 (2^-9 of |out|) on both paths; the gradients move by about 2^-8 of their
+    largest magnitude (checked at twice that)."""
+    torch.manual_seed(29)
+    q, k, v = make_inputs("bshd", 2, 203, 150, 4, 2, dim, torch.bfloat16, requires_grad=False)
+    lens_q, lens_kv = torch.tensor([203, 137], dtype=torch.int32), torch.tensor([150, 91], dtype=torch.int32)
+    kwargs = dict(seqlens_q=lens_q, seqlens_kv=lens_kv, causal=causal)
+    dout = torch.randn(q.shape).to(torch.bfloat16)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = {}
+        for isa in ("avx512_bf16", "avx512"):
+            with cpu_kernels.isa(isa):
+                out, lse = attn_kernels.attention_fwd(q, k, v, **kwargs)
+                results[isa] = (out, attn_kernels.attention_bwd(dout, q, k, v, out, lse, **kwargs))
+    finally:
+        torch.set_num_threads(previous)
+    ref, ref_grads = reference(q, k, v, "bshd", causal, 1 / math.sqrt(dim), lens_q, lens_kv, dout=dout)
+    atol, gatol, rtol = TOLERANCES[torch.bfloat16]
+    out, grads = results["avx512_bf16"]
+    out32, grads32 = results["avx512"]
+    assert_close(out, ref, atol, rtol, "out")
+    assert_close(out, out32.double(), 2**-9 * v.abs().max().item(), 2**-8, "out vs float32 products")
+    for name, g, g32, r in zip("qkv", grads, grads32, ref_grads):
+        assert_close(g, r, gatol, rtol, f"d{name}")
+        assert_close(g, g32.double(), 2**-7 * r.abs().max().item(), 0, f"d{name} vs float32 products")
+
+
 def test_edge_values_and_fully_masked_rows():
     """Large scores (no overflow in exp), zero-length kv sequences (output 0, no NaN, zero grads)."""
     torch.manual_seed(5)

@@ -4,9 +4,26 @@
  */
 #include "attention_bwd_body.h"
 
+#include "attention_bf16.h"
+
 TF_ATTN_VECTOR_CLONES(bwd_unit, TF_ATTN_BWD_UNIT_PARAMS, TF_ATTN_BWD_UNIT_ARGS)
 TF_ATTN_VECTOR_CLONES(dkdv_unit, TF_ATTN_DKDV_UNIT_PARAMS, TF_ATTN_DKDV_UNIT_ARGS)
 TF_ATTN_VECTOR_CLONES(dq_unit, TF_ATTN_DQ_UNIT_PARAMS, TF_ATTN_DQ_UNIT_ARGS)
+
+/*
+ * Whether the units take the bf16 products' build (attention_bf16.h): where
+ * it applies and the AMX path, which the other builds lead to, does not.
+ */
+static int bf16_units(const tf_attn_problem *p, const tf_attn_operand *dout,
+                      const tf_attn_operand *q, const tf_attn_operand *k,
+                      const tf_attn_operand *v) {
+#if TF_ATTN_BF16_BUILT
+  return !amx_backward(p, q, dout) && tf_attn_bf16_bwd_applies(p, q, k, v, dout);
+#else
+  (void)p, (void)dout, (void)q, (void)k, (void)v;
+  return 0;
+#endif
+}
 
 /* The operand checks every backward entry point shares. */
 static tf_status check_bwd_inputs(const tf_attn_problem *p, const tf_attn_operand *dout,
@@ -39,8 +56,12 @@ tf_status tf_attn_bwd_dkdv(const tf_attn_problem *p, const tf_attn_operand *dout
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_bwd_dkdv_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !delta || !scratch)) return TF_ERR_NULL_POINTER;
   const int64_t tiles = (tf_attn_max_kv_span(p) + BK - 1) / BK;
+  void (*unit)TF_ATTN_DKDV_UNIT_PARAMS = dkdv_unit;
+#if TF_ATTN_BF16_BUILT
+  if (bf16_units(p, dout, q, k, v)) unit = tf_attn_bf16_dkdv_unit;
+#endif
   for (int64_t u = unit_begin; u < unit_end; ++u)
-    dkdv_unit(p, dout, q, k, v, lse, delta, dk, dv, u, tiles, scratch);
+    unit(p, dout, q, k, v, lse, delta, dk, dv, u, tiles, scratch);
   return TF_OK;
 }
 
@@ -55,8 +76,12 @@ tf_status tf_attn_bwd_dq(const tf_attn_problem *p, const tf_attn_operand *dout,
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_fwd_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !delta || !scratch)) return TF_ERR_NULL_POINTER;
   const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
+  void (*unit)TF_ATTN_DQ_UNIT_PARAMS = dq_unit;
+#if TF_ATTN_BF16_BUILT
+  if (bf16_units(p, dout, q, k, v)) unit = tf_attn_bf16_dq_unit;
+#endif
   for (int64_t u = unit_begin; u < unit_end; ++u)
-    dq_unit(p, dout, q, k, v, lse, delta, dq, u, tiles, scratch);
+    unit(p, dout, q, k, v, lse, delta, dq, u, tiles, scratch);
   return TF_OK;
 }
 
@@ -81,7 +106,11 @@ tf_status tf_attn_bwd(const tf_attn_problem *p, const tf_attn_operand *dout,
     return TF_ERR_BAD_ARGUMENT;
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_bwd_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !delta || !scratch)) return TF_ERR_NULL_POINTER;
+  void (*unit)TF_ATTN_BWD_UNIT_PARAMS = bwd_unit;
+#if TF_ATTN_BF16_BUILT
+  if (bf16_units(p, dout, q, k, v)) unit = tf_attn_bf16_bwd_unit;
+#endif
   for (int64_t u = unit_begin; u < unit_end; ++u)
-    bwd_unit(p, dout, q, k, v, lse, delta, dq_accum, dq, dk, dv, u, scratch);
+    unit(p, dout, q, k, v, lse, delta, dq_accum, dq, dk, dv, u, scratch);
   return TF_OK;
 }

@@ -4,6 +4,8 @@
  */
 #include "attention_fwd_body.h"
 
+#include "attention_bf16.h"
+
 TF_ATTN_VECTOR_CLONES(fwd_block, TF_ATTN_FWD_BLOCK_PARAMS, TF_ATTN_FWD_BLOCK_ARGS)
 
 tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k,
@@ -26,9 +28,13 @@ tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const 
     return TF_OK;
   }
 #endif
+  void (*block)TF_ATTN_FWD_BLOCK_PARAMS = fwd_block;
+#if TF_ATTN_BF16_BUILT
+  if (tf_attn_bf16_applies(p, q, k, v)) block = tf_attn_bf16_fwd_block;
+#endif
   for (int64_t u = unit_begin; u < unit_end;) {
     const int64_t count = u + 1 < unit_end && (u + 1) % tiles != 0 ? 2 : 1;
-    fwd_block(p, q, k, v, out, lse, u, count, tiles, scratch);
+    block(p, q, k, v, out, lse, u, count, tiles, scratch);
     u += count;
   }
   return TF_OK;

@@ -5,7 +5,10 @@
  *
  * One source, built once per vector width (attention_tile.h): included by
  * attention_fwd.c with 16-float vectors (the x86-64-v4 and baseline builds)
- * and by attention_fwd_avx2.c with 8-float vectors (the AVX2 build).
+ * and by attention_fwd_avx2.c with 8-float vectors (the AVX2 build); and with
+ * bf16 products (TF_ATTN_BF16_DOT, attention_bf16.h) by attention_fwd_bf16.c,
+ * where the q, k and v tiles hold bf16 pairs and q is not pre-scaled: the
+ * scores are scaled in float32 (`scale`), and P is rounded to bf16 for P.V.
  */
 #ifndef TF_ATTENTION_FWD_BODY_H
 #define TF_ATTENTION_FWD_BODY_H
@@ -24,6 +27,18 @@
 #include "attention_internal.h"
 #include "attention_tile.h"
 
+#ifndef TF_ATTN_BF16_DOT
+#define TF_ATTN_BF16_DOT 0
+#endif
+#if TF_ATTN_BF16_DOT
+#include "attention_amx_pack.h"
+#include "attention_bf16_tile.h"
+/* Tile elements: bf16, the q^T, v and P tiles as pairs over their product's reduction. */
+typedef uint16_t tile_elem;
+#else
+typedef float tile_elem;
+#endif
+
 #define BQ TF_ATTN_BLOCK_Q
 #define QB TF_ATTN_FWD_ROWS
 #define LD TF_ATTN_FWD_LD
@@ -37,20 +52,28 @@
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
+/*
+ * qt: q^T (dp x LD), k: key rows (BK x dp), v: value rows (BK x dp), st:
+ * scores^T (BK x LD), then m, l, alpha per query. With bf16 products qt is
+ * pairs [dp / 2][LD][2], v pairs [BK / 2][dp][2], and pp holds P^T rounded to
+ * bf16 as pairs [BK / 2][LD][2] (tf_attn_bf16_fwd_scratch_floats).
+ */
 typedef struct fwd_scratch {
-  float *qt, *o, *k, *v, *st, *m, *l, *alpha;
+  tile_elem *qt, *k, *v, *pp;
+  float *o, *st, *m, *l, *alpha;
 } fwd_scratch;
 
 static fwd_scratch split_scratch(float *base, int64_t dp) {
   fwd_scratch t;
-  t.qt = base;
-  t.o = t.qt + dp * LD;
-  t.k = t.o + QB * dp;
+  t.qt = (tile_elem *)base;
+  t.o = (float *)(t.qt + dp * LD);
+  t.k = (tile_elem *)(t.o + QB * dp);
   t.v = t.k + BK * dp;
-  t.st = t.v + BK * dp;
+  t.st = (float *)(t.v + BK * dp);
   t.m = t.st + BK * LD;
   t.l = t.m + QB;
   t.alpha = t.l + QB;
+  t.pp = TF_ATTN_BF16_DOT ? (tile_elem *)(t.alpha + QB) : NULL;
   return t;
 }
 
@@ -109,16 +132,53 @@ static strip make_strip(const tf_attn_problem *p, int64_t i0, int64_t width, int
   return s;
 }
 
+#if TF_ATTN_BF16_DOT
 /*
- * Scores of a strip, transposed: st[j][i0 + i] = k_j . q_{i0 + i} (qt holds q^T,
- * pre-scaled) for keys j < s.rows, with hidden scores set to -inf in the same
+ * x[i][c] = scale (k_{r + i} . q_{i0 + VW c + lane}) for the bf16 key rows kp
+ * and q^T pairs qt, one pair of the head dim per step (D odd: the padding
+ * element is zero in both).
+ */
+TF_ATTN_INLINE void score_product(tf_vf x[TF_ATTN_GEMM_ROWS][2], const uint16_t *restrict kp,
+                                  int64_t ldk, const uint16_t *restrict qt, int64_t D, int64_t r,
+                                  int64_t i0, float scale, const int cols) {
+  for (int64_t d = 0; d < D; d += 2) {
+    tf_vfu b[2];
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_bf16_load(qt + 2 * (d / 2 * LD + i0 + VW * c));
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
+      const uint32_t a = tf_bf16_pair(kp + (r + i) * ldk + d);
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] = tf_bf16_dot(x[i][c], a, b[c]);
+    }
+  }
+  TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] *= scale;
+}
+#else
+/* x[i][c] = k_{r + i} . q_{i0 + VW c + lane} (qt holds q^T, pre-scaled; scale is 1). */
+TF_ATTN_INLINE void score_product(tf_vf x[TF_ATTN_GEMM_ROWS][2], const float *restrict kp,
+                                  int64_t ldk, const float *restrict qt, int64_t D, int64_t r,
+                                  int64_t i0, float scale, const int cols) {
+  (void)scale;
+  for (int64_t d = 0; d < D; ++d) {
+    tf_vf b[2];
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_vf_load(qt + d * LD + i0 + VW * c);
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
+      const float a = kp[(r + i) * ldk + d];
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
+    }
+  }
+}
+#endif
+
+/*
+ * Scores of a strip, transposed: st[j][i0 + i] = k_j . q_{i0 + i} (score_product)
+ * for keys j < s.rows, with hidden scores set to -inf in the same
  * pass (key k0 + j is hidden from query r0 + i when it is later, or when
  * j >= nk). Returns the max over the keys of each query column in mx. With
  * `lazy`, st gets 2^(score - ref) instead, computed while the block is in
  * registers, and their column sums are added to sum (strip_lazy_softmax).
  */
-TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, int64_t ldk,
-                                 const float *restrict qt, int64_t D, strip s,
+TF_ATTN_INLINE void strip_scores(float *restrict st, const tile_elem *restrict kp, int64_t ldk,
+                                 const tile_elem *restrict qt, int64_t D, float scale, strip s,
                                  int causal, int64_t r0, int64_t k0, int64_t nk,
                                  const int masked, const int cols, const int lazy,
                                  const tf_vf ref[2], tf_vf mx[2], tf_vf sum[2]) {
@@ -129,14 +189,7 @@ TF_ATTN_INLINE void strip_scores(float *restrict st, const float *restrict kp, i
     tf_vf x[TF_ATTN_GEMM_ROWS][2];
     TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
       TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] = tf_vf_splat(0.0f);
-    for (int64_t d = 0; d < D; ++d) {
-      tf_vf b[2];
-      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_vf_load(qt + d * LD + s.i0 + VW * c);
-      TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
-        const float a = kp[(r + i) * ldk + d];
-        TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
-      }
-    }
+    score_product(x, kp, ldk, qt, D, r, s.i0, scale, cols);
     TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
       TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) {
         if (masked) {
@@ -237,24 +290,47 @@ TF_ATTN_INLINE int strip_has_max(strip s, const float *m) {
 /* How pv_block starts its o rows: from zero (the first key tile), as they are, or times alpha. */
 enum { TF_ATTN_O_ZERO, TF_ATTN_O_KEEP, TF_ATTN_O_RESCALE };
 
+#if TF_ATTN_BF16_DOT
+/* x[i][c] += sum over keys [0, keys) of P_(key, r + i) v_key[n + VW c + lane], a pair of keys per step. */
+TF_ATTN_INLINE void pv_product(tf_vf x[TF_ATTN_GEMM_ROWS][2], const uint16_t *restrict pp,
+                               const uint16_t *restrict vp, int64_t dp, int64_t r, int64_t n,
+                               int64_t keys, const int cols) {
+  for (int64_t kk = 0; kk < keys; kk += 2) {
+    tf_vfu b[2];
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_bf16_load(vp + 2 * (kk / 2 * dp + n + VW * c));
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
+      const uint32_t a = tf_bf16_pair(pp + 2 * (kk / 2 * LD + r + i));
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] = tf_bf16_dot(x[i][c], a, b[c]);
+    }
+  }
+}
+#else
+/* x[i][c] += sum over keys [0, keys) of P_(key, r + i) v_key[n + VW c + lane] (pp is st, P^T in float32). */
+TF_ATTN_INLINE void pv_product(tf_vf x[TF_ATTN_GEMM_ROWS][2], const float *restrict pp,
+                               const float *restrict vp, int64_t dp, int64_t r, int64_t n,
+                               int64_t keys, const int cols) {
+  for (int64_t kk = 0; kk < keys; ++kk) {
+    tf_vf b[2];
+    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_vf_load(vp + kk * dp + n + VW * c);
+    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
+      const float a = pp[kk * LD + r + i];
+      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
+    }
+  }
+}
+#endif
+
 /* Columns [n, n + VW cols) of the o rows [r, r + TF_ATTN_GEMM_ROWS) below; `cols` is a constant where it is inlined. */
-TF_ATTN_INLINE void pv_block(float *restrict o, const float *restrict st, const float *restrict vp,
-                             const float *alpha, int64_t dp, int64_t r, int64_t n, int64_t keys,
-                             int start, const int cols) {
+TF_ATTN_INLINE void pv_block(float *restrict o, const tile_elem *restrict pp,
+                             const tile_elem *restrict vp, const float *alpha, int64_t dp,
+                             int64_t r, int64_t n, int64_t keys, int start, const int cols) {
   tf_vf x[TF_ATTN_GEMM_ROWS][2];
   TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
     TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) {
       x[i][c] = start == TF_ATTN_O_ZERO ? tf_vf_splat(0.0f) : tf_vf_load(o + (r + i) * dp + n + VW * c);
       if (start == TF_ATTN_O_RESCALE) x[i][c] *= alpha[r + i];
     }
-  for (int64_t kk = 0; kk < keys; ++kk) {
-    tf_vf b[2];
-    TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) b[c] = tf_vf_load(vp + kk * dp + n + VW * c);
-    TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i) {
-      const float a = st[kk * LD + r + i];
-      TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) x[i][c] += a * b[c];
-    }
-  }
+  pv_product(x, pp, vp, dp, r, n, keys, cols);
   TF_ATTN_UNROLL for (int i = 0; i < TF_ATTN_GEMM_ROWS; ++i)
     TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) tf_vf_store(o + (r + i) * dp + n + VW * c, x[i][c]);
 }
@@ -262,22 +338,41 @@ TF_ATTN_INLINE void pv_block(float *restrict o, const float *restrict st, const 
 /*
  * o[i] = (0, o[i] or alpha[i] o[i], as `start` says) + sum_j p[j][i] v_j for
  * the strip's queries, TF_ATTN_GEMM_ROWS rows at a time, each over only the
- * keys its rows may see. Every query sees a key of the first tile (key 0
- * with causality), so TF_ATTN_O_ZERO sets every row; a later row block that
- * sees none of the tile's keys has alpha 1 and is left as is.
+ * keys its rows may see (with bf16 pairs, rounded up to a pair: the extra key
+ * is hidden from the rows, p = 0, or past nk, where pp and v are zero). Every
+ * query sees a key of the first tile (key 0 with causality), so
+ * TF_ATTN_O_ZERO sets every row; a later row block that sees none of the
+ * tile's keys has alpha 1 and is left as is.
  */
-TF_ATTN_INLINE void strip_pv(float *restrict o, const float *restrict st, const float *restrict vp,
-                             const float *alpha, int64_t dp, strip s, int causal, int64_t r0,
-                             int64_t k0, int64_t nk, int start) {
+TF_ATTN_INLINE void strip_pv(float *restrict o, const tile_elem *restrict pp,
+                             const tile_elem *restrict vp, const float *alpha, int64_t dp, strip s,
+                             int causal, int64_t r0, int64_t k0, int64_t nk, int start) {
   for (int64_t r = s.i0; r < s.i0 + VW * s.cols; r += TF_ATTN_GEMM_ROWS) {
     const int64_t keys = causal ? min64(nk, r0 + r + TF_ATTN_GEMM_ROWS - k0) : nk;
     if (keys <= 0) continue;
     int64_t n = 0;
-    for (; n + SW <= dp; n += SW) pv_block(o, st, vp, alpha, dp, r, n, keys, start, 2);
-    if (n < dp) pv_block(o, st, vp, alpha, dp, r, n, keys, start, 1);
+    for (; n + SW <= dp; n += SW) pv_block(o, pp, vp, alpha, dp, r, n, keys, start, 2);
+    if (n < dp) pv_block(o, pp, vp, alpha, dp, r, n, keys, start, 1);
   }
 }
 
+#if TF_ATTN_BF16_DOT
+/*
+ * P^T of the strip's query columns for keys [0, s.seen), rounded to bf16 as
+ * pairs of keys into pp; an odd last key pairs with a zero (st holds the
+ * masked score there).
+ */
+TF_ATTN_INLINE void strip_pairs(uint16_t *restrict pp, const float *restrict st, strip s) {
+  for (int64_t j = 0; j < s.seen; j += 2)
+    for (int64_t c = 0; c < s.cols; ++c) {
+      const int64_t col = s.i0 + VW * c;
+      const tf_vf hi = j + 1 < s.seen ? tf_vf_load(st + (j + 1) * LD + col) : tf_vf_splat(0.0f);
+      tf_bf16_store_pairs(pp + 2 * (j / 2 * LD + col), tf_vf_load(st + j * LD + col), hi);
+    }
+}
+#endif
+
+#if !TF_ATTN_BF16_DOT
 /* Drops probabilities of queries [i_begin, i_end) x keys [0, nk) of the tile (transposed) and scales the kept ones. */
 static void dropout_strip(const tf_attn_problem *p, float *st, int64_t i_begin, int64_t i_end,
                           int64_t nk, int64_t seg, int64_t h, int64_t r0, int64_t k0) {
@@ -291,14 +386,16 @@ static void dropout_strip(const tf_attn_problem *p, float *st, int64_t i_begin, 
       st[j * LD + i] = bits >= threshold ? st[j * LD + i] * keep_scale : 0.0f;
     }
 }
+#endif
 
 /*
  * Scores, softmax, dropout and o update of one strip; `masked` and `cols` are
  * constants where it is inlined. A strip whose queries have all seen keys
  * takes the lazy softmax, with the exponentials computed in the score pass.
+ * The bf16 build (which takes no dropout) rounds P to bf16 pairs for P.V.
  */
-TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, const float *kp,
-                               int64_t ldk, strip s, int64_t D,
+TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, const tile_elem *kp,
+                               int64_t ldk, float scale, strip s, int64_t D,
                                int64_t dp, int64_t rows, int64_t seg, int64_t h, int64_t r0,
                                int64_t k0, int64_t nk, int first, const int masked,
                                const int cols) {
@@ -306,16 +403,121 @@ TF_ATTN_INLINE void strip_step(const tf_attn_problem *p, const fwd_scratch *t, c
   int start = first ? TF_ATTN_O_ZERO : TF_ATTN_O_RESCALE;
   if (!first && strip_has_max(s, t->m)) {
     TF_ATTN_UNROLL for (int c = 0; c < cols; ++c) ref[c] = tf_vf_load(t->m + s.i0 + VW * c);
-    strip_scores(t->st, kp, ldk, t->qt, D, s, p->causal, r0, k0, nk, masked, cols, 1, ref, mx, sum);
+    strip_scores(t->st, kp, ldk, t->qt, D, scale, s, p->causal, r0, k0, nk, masked, cols, 1, ref, mx, sum);
     if (!strip_lazy_softmax(t->st, s, mx, sum, t->m, t->l, t->alpha)) start = TF_ATTN_O_KEEP;
   } else {
-    strip_scores(t->st, kp, ldk, t->qt, D, s, p->causal, r0, k0, nk, masked, cols, 0, ref, mx, sum);
+    strip_scores(t->st, kp, ldk, t->qt, D, scale, s, p->causal, r0, k0, nk, masked, cols, 0, ref, mx, sum);
     strip_softmax(t->st, s, mx, t->m, t->l, t->alpha);
   }
+#if TF_ATTN_BF16_DOT
+  (void)rows, (void)seg, (void)h;
+  strip_pairs(t->pp, t->st, s);
+  strip_pv(t->o, t->pp, t->v, t->alpha, dp, s, p->causal, r0, k0, nk, start);
+#else
   if (p->dropout_p > 0.0f)
     dropout_strip(p, t->st, s.i0, min64(s.i0 + VW * s.cols, rows), s.seen, seg, h, r0, k0);
   strip_pv(t->o, t->st, t->v, t->alpha, dp, s, p->causal, r0, k0, nk, start);
+#endif
 }
+
+#if TF_ATTN_BF16_DOT
+/* The score scale: softmax_scale log2(e) and the descales of E4M3 q and k (q^T holds raw values). */
+static float score_scale(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k) {
+  const float qd = q->elem == TF_ATTN_E4M3 ? q->descale : 1.0f;
+  return p->softmax_scale * LOG2E * qd * (k->elem == TF_ATTN_E4M3 ? k->descale : 1.0f);
+}
+
+/* The output scale: v's descale when it is E4M3. */
+static float v_scale(const tf_attn_operand *v) { return v->elem == TF_ATTN_E4M3 ? v->descale : 1.0f; }
+
+/* The block's query rows [r0, r0 + rows) of head h as q^T pairs over the head dim, zero past `rows`. */
+TF_ATTN_INLINE void pack_q(const tf_attn_problem *p, const tf_attn_operand *q, tf_attn_segment qs,
+                           int64_t h, int64_t r0, int64_t rows, int64_t nq, const fwd_scratch *t) {
+  (void)nq;
+  tf_amx_pack_transposed(q, tf_attn_row_offset(q, qs.batch, qs.start + r0, h), q->stride_s, rows,
+                         LD, p->head_dim, tf_attn_padded_dim(p), t->qt);
+}
+
+/* tf_amx_pack_pairs zeroes v's padding itself. */
+static void clear_v_padding(const fwd_scratch *t, int64_t D, int64_t dp) { (void)t, (void)D, (void)dp; }
+
+/*
+ * Keys [k0, k0 + nk) of kv head hk: v as pairs over the keys (an odd last key
+ * pairs with a zero row), k as bf16 rows, zero up to a whole GEMM row block.
+ * Returns the key rows and their stride in *ldk.
+ */
+TF_ATTN_INLINE const uint16_t *pack_kv_tile(const tf_attn_operand *k, const tf_attn_operand *v,
+                                            tf_attn_segment ks, int64_t hk, int64_t k0, int64_t nk,
+                                            int64_t D, int64_t dp, const fwd_scratch *t,
+                                            int64_t *ldk) {
+  tf_amx_pack_pairs(v, tf_attn_row_offset(v, ks.batch, ks.start + k0, hk), v->stride_s, nk,
+                    (nk + 1) / 2 * 2, D, dp, t->v);
+  const int64_t first = tf_attn_row_offset(k, ks.batch, ks.start + k0, hk);
+  for (int64_t j = 0; j < nk; ++j) tf_amx_pack_row(k, first + j * k->stride_s, D, dp, t->k + j * dp);
+  for (int64_t j = nk; j < (nk + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS; ++j)
+    memset(t->k + j * dp, 0, (size_t)dp * sizeof(uint16_t));
+  *ldk = dp;
+  return t->k;
+}
+#else
+/* q^T is pre-scaled (scores need no scale), out takes no descale (E4M3 is decoded with it). */
+static float score_scale(const tf_attn_problem *p, const tf_attn_operand *q, const tf_attn_operand *k) {
+  (void)p, (void)q, (void)k;
+  return 1.0f;
+}
+
+static float v_scale(const tf_attn_operand *v) {
+  (void)v;
+  return 1.0f;
+}
+
+/*
+ * q^T, pre-scaled, zero past `rows`: the rows are first copied into o
+ * (free until the first key tile sets it), so the strided loads are all
+ * independent, then transposed VW rows at a time.
+ */
+TF_ATTN_INLINE void pack_q(const tf_attn_problem *p, const tf_attn_operand *q, tf_attn_segment qs,
+                           int64_t h, int64_t r0, int64_t rows, int64_t nq, const fwd_scratch *t) {
+  const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
+  for (int64_t i = 0; i < rows; ++i)
+    tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, qs.start + r0 + i, h), D,
+                     p->softmax_scale * LOG2E, t->o + i * dp);
+  for (int64_t i = rows; i < nq; ++i) memset(t->o + i * dp, 0, (size_t)D * sizeof(float));
+  for (int64_t i0 = 0; i0 < nq; i0 += VW)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t i = 0; i < VW; ++i) t->qt[d * LD + i0 + i] = t->o[(i0 + i) * dp + d];
+}
+
+/* v's padding columns stay zero (o's padding columns are never stored, but stay finite). */
+static void clear_v_padding(const fwd_scratch *t, int64_t D, int64_t dp) {
+  if (D < dp)
+    for (int64_t j = 0; j < BK; ++j) memset(t->v + j * dp + D, 0, (size_t)(dp - D) * sizeof(float));
+}
+
+/*
+ * Keys [k0, k0 + nk) of kv head hk: v packed, and k read in place when it is
+ * float32 and the score GEMM's whole row blocks stay inside the tile (only
+ * TF_ATTN_GEMM_ROWS rows are read at a time, so the L1 set aliasing pack_rows
+ * avoids does not matter here); otherwise packed, and keys past nk in the
+ * last row block (masked) are zeros. Returns the key rows and their stride
+ * in *ldk.
+ */
+TF_ATTN_INLINE const float *pack_kv_tile(const tf_attn_operand *k, const tf_attn_operand *v,
+                                         tf_attn_segment ks, int64_t hk, int64_t k0, int64_t nk,
+                                         int64_t D, int64_t dp, const fwd_scratch *t,
+                                         int64_t *ldk) {
+  pack_rows(v, ks, hk, k0, nk, D, dp, t->v);
+  if (k->elem == TF_ATTN_F32 && nk % TF_ATTN_GEMM_ROWS == 0) {
+    *ldk = k->stride_s;
+    return (const float *)k->data + tf_attn_row_offset(k, ks.batch, ks.start + k0, hk);
+  }
+  pack_rows(k, ks, hk, k0, nk, D, dp, t->k);
+  for (int64_t j = nk; j < (nk + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS; ++j)
+    memset(t->k + j * dp, 0, (size_t)D * sizeof(float));
+  *ldk = dp;
+  return t->k;
+}
+#endif
 
 /*
  * Units [unit, unit + count) (count 1 or 2: consecutive query tiles of one
@@ -339,18 +541,8 @@ TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_opera
   const fwd_scratch t = split_scratch(scratch, dp);
   const int64_t nq = (rows + VW - 1) / VW * VW; /* query columns of the score tile */
   const int64_t hk = h / (H / p->heads_kv);
-  /*
-   * q^T, pre-scaled, zero past `rows`: the rows are first copied into o
-   * (free until the first key tile sets it), so the strided loads are all
-   * independent, then transposed VW rows at a time.
-   */
-  for (int64_t i = 0; i < rows; ++i)
-    tf_attn_load_row(q, tf_attn_row_offset(q, qs.batch, qs.start + r0 + i, h), D,
-                     p->softmax_scale * LOG2E, t.o + i * dp);
-  for (int64_t i = rows; i < nq; ++i) memset(t.o + i * dp, 0, (size_t)D * sizeof(float));
-  for (int64_t i0 = 0; i0 < nq; i0 += VW)
-    for (int64_t d = 0; d < D; ++d)
-      for (int64_t i = 0; i < VW; ++i) t.qt[d * LD + i0 + i] = t.o[(i0 + i) * dp + d];
+  pack_q(p, q, qs, h, r0, rows, nq, &t);
+  const float scale = score_scale(p, q, k), vscale = v_scale(v);
   for (int64_t i = 0; i < nq; ++i) {
     t.m[i] = -INFINITY;
     t.l[i] = 0.0f;
@@ -365,29 +557,12 @@ TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_opera
     next_r0 = next % tiles * BQ;
     next_rows = clamp64(next_qs.valid - next_r0, 0, BQ);
   }
-  /* v's padding columns stay zero (o's padding columns are never stored, but stay finite). */
-  if (D < dp)
-    for (int64_t j = 0; j < BK; ++j) memset(t.v + j * dp + D, 0, (size_t)(dp - D) * sizeof(float));
+  clear_v_padding(&t, D, dp);
 
   for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
     const int64_t nk = min64(BK, kv_end - k0);
-    pack_rows(v, ks, hk, k0, nk, D, dp, t.v);
-    /*
-     * float32 keys are read in place when the score GEMM's whole row blocks
-     * stay inside the tile (only TF_ATTN_GEMM_ROWS rows are read at a time, so the L1 set
-     * aliasing pack_rows avoids does not matter here); otherwise they are
-     * packed, and keys past nk in the last row block (masked) are zeros.
-     */
-    const float *kp = t.k;
-    int64_t ldk = dp;
-    if (k->elem == TF_ATTN_F32 && nk % TF_ATTN_GEMM_ROWS == 0) {
-      kp = (const float *)k->data + tf_attn_row_offset(k, ks.batch, ks.start + k0, hk);
-      ldk = k->stride_s;
-    } else {
-      pack_rows(k, ks, hk, k0, nk, D, dp, t.k);
-      for (int64_t j = nk; j < (nk + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS; ++j)
-        memset(t.k + j * dp, 0, (size_t)D * sizeof(float));
-    }
+    int64_t ldk;
+    const tile_elem *kp = pack_kv_tile(k, v, ks, hk, k0, nk, D, dp, &t, &ldk);
     const int first = k0 == 0;
     const int64_t strips = (nq + SW - 1) / SW;
     for (int64_t i0 = 0; i0 < nq; i0 += SW) {
@@ -405,17 +580,17 @@ TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_opera
       const strip s = make_strip(p, i0, width, r0, k0, nk);
       if (s.seen <= 0) continue; /* no query of the strip sees these keys */
       if (width == SW) {
-        if (s.masked) strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 1, 2);
-        else strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 0, 2);
+        if (s.masked) strip_step(p, &t, kp, ldk, scale, s, D, dp, rows, seg, h, r0, k0, nk, first, 1, 2);
+        else strip_step(p, &t, kp, ldk, scale, s, D, dp, rows, seg, h, r0, k0, nk, first, 0, 2);
       } else {
-        strip_step(p, &t, kp, ldk, s, D, dp, rows, seg, h, r0, k0, nk, first, 1, 1);
+        strip_step(p, &t, kp, ldk, scale, s, D, dp, rows, seg, h, r0, k0, nk, first, 1, 1);
       }
     }
   }
 
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = qs.start + r0 + i;
-    tf_attn_store_row(out, tf_attn_row_offset(out, qs.batch, row, h), D, 1.0f / t.l[i],
+    tf_attn_store_row(out, tf_attn_row_offset(out, qs.batch, row, h), D, vscale / t.l[i],
                       t.o + i * dp);
     lse[tf_attn_stat_index(p, qs.batch, h, row)] = (t.m[i] + log2f(t.l[i])) * LN2;
   }

@@ -3,6 +3,7 @@
 
 #include "../common/tf_checks.h"
 #include "attention_amx.h"
+#include "attention_bf16.h"
 #include "attention_internal.h"
 
 static int is_packed(const tf_attn_problem *p) { return p->cu_seqlens_q != NULL; }
@@ -146,7 +147,10 @@ int64_t tf_attn_fwd_scratch_floats(const tf_attn_problem *p) {
   const int64_t dp = tf_attn_padded_dim(p);
   /* For a block of query rows: q^T and o, k and v tiles, transposed scores, max, sum and rescale per query. */
   const int64_t rows = TF_ATTN_FWD_ROWS, ld = TF_ATTN_FWD_LD;
-  const int64_t vector = dp * ld + rows * dp + dp * TF_ATTN_BLOCK_K * 2 + TF_ATTN_BLOCK_K * ld + 3 * rows;
+  const int64_t f32 = dp * ld + rows * dp + dp * TF_ATTN_BLOCK_K * 2 + TF_ATTN_BLOCK_K * ld + 3 * rows;
+  /* The bf16 products' tiles (attention_bf16.h), with P^T in bf16 too. */
+  const int64_t bf16 = tf_attn_bf16_fwd_scratch_floats(p);
+  const int64_t vector = bf16 > f32 ? bf16 : f32;
 #if TF_ATTN_AMX_BUILT
   /* The AMX path's need (attention_amx_fwd.c), for head dims it takes. */
   if (p->head_dim <= TF_ATTN_AMX_MAX_DIM) {
@@ -160,8 +164,11 @@ int64_t tf_attn_fwd_scratch_floats(const tf_attn_problem *p) {
 int64_t tf_attn_bwd_scratch_floats(const tf_attn_problem *p) {
   const int64_t dp = tf_attn_padded_dim(p);
   /* k, k^T, v^T, dk, dv of TF_ATTN_BWD_KEY_TILES key tiles; q, dout, dq tiles; p, dp tiles; lse and delta; one staging row. */
-  const int64_t vector = TF_ATTN_BWD_KEY_TILES * TF_ATTN_BLOCK_K * dp * 5 + TF_ATTN_BLOCK_Q * dp * 3 +
-                         2 * TF_ATTN_BLOCK_Q * TF_ATTN_BLOCK_K + 2 * TF_ATTN_BLOCK_Q + dp;
+  const int64_t f32 = TF_ATTN_BWD_KEY_TILES * TF_ATTN_BLOCK_K * dp * 5 + TF_ATTN_BLOCK_Q * dp * 3 +
+                      2 * TF_ATTN_BLOCK_Q * TF_ATTN_BLOCK_K + 2 * TF_ATTN_BLOCK_Q + dp;
+  /* The bf16 products' tiles (attention_bf16.h). */
+  const int64_t bf16 = tf_attn_bf16_bwd_scratch_floats(p);
+  const int64_t vector = bf16 > f32 ? bf16 : f32;
 #if TF_ATTN_AMX_BUILT
   /* The AMX path's need (attention_amx_bwd.c), for head dims it takes. */
   if (p->head_dim <= TF_ATTN_AMX_MAX_DIM) {

@@ -13,6 +13,7 @@
 
 #include "attention/attention.h"
 #include "attention/attention_amx.h"
+#include "attention/attention_bf16.h"
 #include "attention/attention_dropout.h"
 #include "attention/attention_tile.h"
 #include "common/cpu_features.h"
@@ -253,7 +254,9 @@ static void test_numerics(void) {
  * FP8 E4M3 inputs with descales and a bf16 output, against float32 inputs
  * holding the decoded values. The E4M3 problem takes the AMX path where
  * tf_attn_amx_applies says so (an AMX CPU at the amx tier; in the emulated
- * build, emulate_amx turns the tile model on for its forward), the float32
+ * build, emulate_amx turns the tile model on for its forward), else the
+ * vector path's bf16 products where tf_attn_bf16_applies says so (the
+ * avx512_bf16 tier and above), and both round P to bf16; the float32
  * one always the vector path.
  */
 static void test_fp8_and_bf16(int emulate_amx) {
@@ -286,6 +289,7 @@ static void test_fp8_and_bf16(int emulate_amx) {
   (void)emulate_amx;
 #endif
   const int amx = tf_attn_amx_applies(&p, &o8[0]);
+  const int rounded_p = amx || tf_attn_bf16_applies(&p, &o8[0], &o8[1], &o8[2]);
   CHECK(tf_attn_fwd(&p, &o8[0], &o8[1], &o8[2], &obf, lse, 0, units, scratch) == TF_OK, "fp8 fwd");
 #if defined(TF_ATTN_AMX_EMULATE)
   tf_attn_amx_emulated = 0;
@@ -295,7 +299,7 @@ static void test_fp8_and_bf16(int emulate_amx) {
   /*
    * Vector path: the same values up to float32 rounding (the descale is folded
    * into another multiply), then bf16 rounding of out: relative 1/256.
-   * AMX path: P is rounded to bf16 (relative 2^-8 at most) before P.V, while the
+   * AMX path and bf16 products: P is rounded to bf16 (relative 2^-8 at most) before P.V, while the
    * float32 problem keeps P in float32 and both divide by the float32 row sum
    * l, so out differs by at most 2^-8 sum_j (p_j / l) |v_j| <= 2^-8 max|v| (the
    * largest |v| of the element's kv head); out can be near zero through
@@ -309,17 +313,39 @@ static void test_fp8_and_bf16(int emulate_amx) {
   double out_err = 0.0, lse_err = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     const double diff = fabs(tf_bf16_to_f32(out_bf[i]) - out_f.data[i]), f = fabs(out_f.data[i]);
-    const double e = amx ? diff / (0x1p-8 * vmax[i / 16 % 2] + 0x1p-8 * f) : diff / (f + 1e-3) * 256.0;
+    const double e = rounded_p ? diff / (0x1p-8 * vmax[i / 16 % 2] + 0x1p-8 * f) : diff / (f + 1e-3) * 256.0;
     out_err = e > out_err || isnan(e) ? e : out_err;
   }
   for (int i = 0; i < 66; ++i) lse_err = fabs(lse[i] - lse_f[i]) > lse_err ? fabs(lse[i] - lse_f[i]) : lse_err;
   CHECK(out_err <= 1.0 && lse_err < 1e-5, "fp8 vs decoded float32 (%s path): out %g of the bound, lse %g",
-        amx ? "AMX" : "vector", out_err, lse_err);
+        amx ? "AMX" : rounded_p ? "bf16 products" : "vector", out_err, lse_err);
   free(q8), free(k8), free(v8), free(qf.data), free(kf.data), free(vf.data), free(out_f.data), free(out_bf);
   free(scratch);
 }
 
+/*
+ * The paths that round P (and dS) to bf16: in the emulated build the AMX
+ * kernels on the tile model, otherwise the vector path's bf16 products (the
+ * avx512_bf16 tier, also on an AMX CPU). on = 0 selects the float32 vector
+ * path (at the avx512 tier outside the emulated build).
+ */
+static void select_bf16_path(int on) {
 #if defined(TF_ATTN_AMX_EMULATE)
+  tf_attn_amx_emulated = on;
+#else
+  tf_set_cpu_isa_cap(on ? TF_ISA_AVX512_BF16 : TF_ISA_AVX512);
+#endif
+}
+
+static int bf16_path_applies(const tf_attn_problem *p, const tf_attn_operand *qkv, const tf_attn_operand *dout) {
+#if defined(TF_ATTN_AMX_EMULATE)
+  return dout ? tf_attn_amx_bwd_applies(p, &qkv[0], dout) : tf_attn_amx_applies(p, &qkv[0]);
+#else
+  return dout ? tf_attn_bf16_bwd_applies(p, &qkv[0], &qkv[1], &qkv[2], dout)
+              : tf_attn_bf16_applies(p, &qkv[0], &qkv[1], &qkv[2]);
+#endif
+}
+
 /* x rounded in place to `elem` (bf16, or E4M3 of x / descale times descale); its encoding in a new array. */
 static void *encode_as(buffer *x, int64_t n, tf_attn_elem elem, float descale) {
   if (elem == TF_ATTN_BF16) {
@@ -333,12 +359,12 @@ static void *encode_as(buffer *x, int64_t n, tf_attn_elem elem, float descale) {
 }
 
 /*
- * The AMX path (on the tile model of the emulated build) with bf16 or E4M3
+ * A path that rounds P to bf16 (select_bf16_path) with bf16 or E4M3
  * q/k/v against the double reference of the same values and against the
- * vector path: P is rounded to bf16 for P.V, so out may differ by about
+ * float32 vector path: P is rounded to bf16 for P.V, so out may differ by about
  * 2^-9 of |v|; lse comes from float32 sums of exact products.
  */
-static void check_amx_path(const char *name, tf_attn_problem p, tf_attn_elem elem) {
+static void check_bf16_path(const char *name, tf_attn_problem p, tf_attn_elem elem) {
   const int64_t B = p.batch, Sq = p.seq_q, Skv = p.seq_kv, H = p.heads_q, Hk = p.heads_kv, D = p.head_dim;
   const int64_t nq = B * Sq * H * D, nkv = B * Skv * Hk * D, stats = B * H * Sq;
   const float descale[3] = {elem == TF_ATTN_E4M3 ? 0.01f : 1.0f, elem == TF_ATTN_E4M3 ? 0.02f : 1.0f,
@@ -357,12 +383,12 @@ static void check_amx_path(const char *name, tf_attn_problem p, tf_attn_elem ele
   float *lse = malloc((size_t)stats * sizeof(float)), *lse_vec = malloc((size_t)stats * sizeof(float));
   float *scratch = scratch_for(tf_attn_fwd_scratch_floats(&p));
   const int64_t units = tf_attn_fwd_units(&p);
-  tf_attn_amx_emulated = 1;
-  CHECK(tf_attn_amx_applies(&p, &enc[0]), "%s takes the AMX path", name);
+  select_bf16_path(1);
+  CHECK(bf16_path_applies(&p, enc, NULL), "%s takes the path", name);
   CHECK(tf_attn_fwd(&p, &enc[0], &enc[1], &enc[2], &out.op, lse, 0, units / 2, scratch) == TF_OK &&
             tf_attn_fwd(&p, &enc[0], &enc[1], &enc[2], &out.op, lse, units / 2, units, scratch) == TF_OK,
-        "%s amx fwd", name);
-  tf_attn_amx_emulated = 0;
+        "%s fwd", name);
+  select_bf16_path(0);
   CHECK(tf_attn_fwd(&p, &enc[0], &enc[1], &enc[2], &out_vec.op, lse_vec, 0, units, scratch) == TF_OK,
         "%s vector fwd", name);
   double *r_out = malloc((size_t)nq * sizeof(double)), *r_lse = malloc((size_t)stats * sizeof(double));
@@ -381,12 +407,12 @@ static void check_amx_path(const char *name, tf_attn_problem p, tf_attn_elem ele
     vec_out = e > vec_out || isnan(e) ? e : vec_out;
   }
   /* |v| <= 1, so 4e-3 is twice the bound of P's bf16 rounding. */
-  CHECK(max_error(&out, r_out, B, Sq, H, D) < 4e-3, "%s amx out error %g", name, max_error(&out, r_out, B, Sq, H, D));
-  CHECK(lse_err < 1e-4, "%s amx lse error %g", name, lse_err);
-  CHECK(vec_out < 4e-3 && vec_lse < 1e-4, "%s amx vs vector path: out %g, lse %g", name, vec_out, vec_lse);
+  CHECK(max_error(&out, r_out, B, Sq, H, D) < 4e-3, "%s out error %g", name, max_error(&out, r_out, B, Sq, H, D));
+  CHECK(lse_err < 1e-4, "%s lse error %g", name, lse_err);
+  CHECK(vec_out < 4e-3 && vec_lse < 1e-4, "%s vs vector path: out %g, lse %g", name, vec_out, vec_lse);
 
   /*
-   * Backward with a bf16 dout, fused and split, on the AMX path: P and dS are
+   * Backward with a bf16 dout, fused and split, on the same path: P and dS are
    * rounded to bf16 for the tile products, so the gradients may differ by
    * about 2^-8 of their largest magnitude.
    */
@@ -403,16 +429,16 @@ static void check_amx_path(const char *name, tf_attn_problem p, tf_attn_elem ele
     for (int64_t e = 0; e < (kv ? nkv : nq); ++e) g[i].data[e] = NAN;
   }
   const int64_t bunits = tf_attn_bwd_units(&p), kunits = tf_attn_bwd_dkdv_units(&p);
-  tf_attn_amx_emulated = 1;
-  CHECK(tf_attn_amx_bwd_applies(&p, &enc[0], &dout_bf), "%s backward takes the AMX path", name);
+  select_bf16_path(1);
+  CHECK(bf16_path_applies(&p, enc, &dout_bf), "%s backward takes the path", name);
   CHECK(tf_attn_bwd_rowdot(&p, &dout_bf, &out.op, delta, 0, units) == TF_OK, "%s rowdot", name);
   CHECK(tf_attn_bwd(&p, &dout_bf, &enc[0], &enc[1], &enc[2], lse, delta, &g[0].op, &g[0].op, &g[1].op, &g[2].op, 0,
-                    bunits, bscratch) == TF_OK, "%s amx bwd", name);
+                    bunits, bscratch) == TF_OK, "%s bwd", name);
   CHECK(tf_attn_bwd_dkdv(&p, &dout_bf, &enc[0], &enc[1], &enc[2], lse, delta, &g[4].op, &g[5].op, 0, kunits,
                          bscratch) == TF_OK &&
             tf_attn_bwd_dq(&p, &dout_bf, &enc[0], &enc[1], &enc[2], lse, delta, &g[3].op, 0, units, bscratch) == TF_OK,
-        "%s amx split bwd", name);
-  tf_attn_amx_emulated = 0;
+        "%s split bwd", name);
+  select_bf16_path(0);
   const double *refs[3] = {r_dq, r_dk, r_dv};
   const char *names[3] = {"dq", "dk", "dv"};
   for (int i = 0; i < 6; ++i) {
@@ -421,7 +447,7 @@ static void check_amx_path(const char *name, tf_attn_problem p, tf_attn_elem ele
     double big = 0.0;
     for (int64_t e = 0; e < (kv ? nkv : nq); ++e) big = fabs(r[e]) > big ? fabs(r[e]) : big;
     const double err = max_error(&g[i], r, B, kv ? Skv : Sq, kv ? Hk : H, D);
-    CHECK(err <= 8e-3 * (big > 1.0 ? big : 1.0), "%s amx %s%s error %g (largest %g)", name, i < 3 ? "" : "split ",
+    CHECK(err <= 8e-3 * (big > 1.0 ? big : 1.0), "%s %s%s error %g (largest %g)", name, i < 3 ? "" : "split ",
           names[i % 3], err, big);
   }
   for (int i = 0; i < 6; ++i) free(g[i].data);
@@ -432,27 +458,26 @@ static void check_amx_path(const char *name, tf_attn_problem p, tf_attn_elem ele
   free(lse), free(lse_vec), free(scratch);
 }
 
-static void test_amx_path(void) {
+static void test_bf16_paths(void) {
   const tf_attn_elem elems[2] = {TF_ATTN_BF16, TF_ATTN_E4M3};
   for (int e = 0; e < 2; ++e) {
     const tf_attn_elem el = elems[e];
-    check_amx_path("amx no mask", problem(2, 70, 70, 2, 2, 16, 0), el);
-    check_amx_path("amx causal gqa tiles", problem(1, 150, 150, 4, 2, 17, 1), el);
-    check_amx_path("amx cross causal d1", problem(2, 131, 67, 2, 1, 1, 1), el);
-    check_amx_path("amx head dim 100", problem(1, 40, 90, 2, 2, 100, 0), el);
+    check_bf16_path("no mask", problem(2, 70, 70, 2, 2, 16, 0), el);
+    check_bf16_path("causal gqa tiles", problem(1, 150, 150, 4, 2, 17, 1), el);
+    check_bf16_path("cross causal d1", problem(2, 131, 67, 2, 1, 1, 1), el);
+    check_bf16_path("head dim 100", problem(1, 40, 90, 2, 2, 100, 0), el);
     tf_attn_problem pad = problem(3, 45, 50, 2, 1, 8, 1);
     const int32_t lq[3] = {45, 0, 13}, lkv[3] = {50, 7, 0};
     pad.seqlens_q = lq, pad.seqlens_kv = lkv;
-    check_amx_path("amx padding causal, empty rows", pad, el);
+    check_bf16_path("padding causal, empty rows", pad, el);
     tf_attn_problem packed = problem(1, 160, 140, 3, 3, 9, 1);
     const int32_t cu_q[4] = {0, 1, 130, 150}, cu_kv[4] = {0, 5, 5, 140};
     packed.cu_seqlens_q = cu_q, packed.cu_seqlens_kv = cu_kv, packed.num_seqs = 3;
-    check_amx_path("amx packed with tail", packed, el);
-    check_amx_path("amx query tiles d64 causal", problem(1, 300, 300, 2, 2, 64, 1), el);
+    check_bf16_path("packed with tail", packed, el);
+    check_bf16_path("query tiles d64 causal", problem(1, 300, 300, 2, 2, 64, 1), el);
   }
-  check_amx_path("amx head dim 256", problem(1, 40, 33, 1, 1, 256, 1), TF_ATTN_BF16);
+  check_bf16_path("head dim 256", problem(1, 40, 33, 1, 1, 256, 1), TF_ATTN_BF16);
 }
-#endif
 
 /* The softmax's 2^x (attention_tile.h) against exp2 in double, on a sweep and its edge values. */
 static void test_exp2(void) {
@@ -578,7 +603,14 @@ int main(void) {
   }
 #if defined(TF_ATTN_AMX_EMULATE)
   test_fp8_and_bf16(1);
-  test_amx_path();
+  printf("AMX kernels on the tile model\n");
+  test_bf16_paths();
+#else
+  if (tf_cpu_isa_detected() >= TF_ISA_AVX512_BF16) {
+    printf("vector path with bf16 products\n");
+    test_bf16_paths();
+    tf_set_cpu_isa_cap(-1);
+  }
 #endif
   test_exp2();
   test_dropout_rng();
