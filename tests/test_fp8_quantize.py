@@ -165,9 +165,11 @@ def test_dequantize_matches_reference(device, generator, dtype, fp8_dtype):
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 # (1000, 160) and (517, 200): tall (128-row) and 64-row tiles and ragged edges in one band;
-# (320, 96): the same with 32-byte aligned rows, which the AVX2 path writes with streaming stores.
+# (320, 96): the same with 32-byte aligned rows, which the AVX2 path writes with streaming stores;
+# (256, 4160) and (130, 4165): rows wider than one AVX-512 panel (4096 columns), the first with
+# y and y_t streamed, the second with a ragged edge and bottom rows.
 @pytest.mark.parametrize("shape", [(1, 1), (33, 65), (64, 512), (3, 70, 31), (2049, 7), (1000, 160), (517, 200),
-                                   (320, 96)])
+                                   (320, 96), (256, 4160), (130, 4165)])
 def test_cast_transpose(device, generator, dtype, fp8_dtype, shape):
     x = (torch.randn(shape, generator=generator) * 50).to(dtype).to(device)
     x.view(-1)[0] = float("inf")

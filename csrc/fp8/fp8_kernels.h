@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "../common/tf_dtype.h"
+#include "../common/cpu_features.h"
 #include "fp8_format.h"
 
 /* y[i] = fp8(x[i] * scale) for i in [begin, end); returns the bits of max |x[i]|. */
@@ -72,6 +73,19 @@ extern const tf_fp8_kernel_set *const tf_fp8_kernels_avx2;
  * has the avx512 tier; hands its tails to the AVX2 set.
  */
 extern const tf_fp8_kernel_set *const tf_fp8_kernels_avx512;
+
+#if TF_X86
+/* The AVX-512 set's cast-transpose kernels (fp8_cast_transpose_avx512.c). */
+#define TF_FP8_DECLARE_CAST_TRANSPOSE(NAME)                                                            \
+  uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols, float scale, uint8_t *y,     \
+                int64_t ld_y, uint8_t *y_t, int64_t ld_t)
+TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_f32_e4m3);
+TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_f32_e5m2);
+TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_bf16_e4m3);
+TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_bf16_e5m2);
+TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_f16_e4m3);
+TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_f16_e5m2);
+#endif
 
 /*
  * Whether the SIMD paths' fast encoder applies: scale > 0 and finite, so that |x * scale| =

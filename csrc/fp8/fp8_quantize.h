@@ -44,7 +44,7 @@ tf_status tf_fp8_cast_transpose(const void *x, tf_dtype dtype, int64_t rows, int
 /* Row band height that tf_fp8_cast_transpose works in; callers split rows at multiples of it. */
 #define TF_FP8_CT_TILE 64
 /* Callers that split rows at multiples of this (a multiple of TF_FP8_CT_TILE) keep the AVX2
- * path's taller tiles whole. */
+ * path's taller tiles and the AVX-512 path's panels whole. */
 #define TF_FP8_CT_BAND 128
 
 /*

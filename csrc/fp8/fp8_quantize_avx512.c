@@ -11,8 +11,8 @@
  *     masked byte add;
  *   - the generic encoder narrows its 32-bit codes with vpmovdb.
  * No table kernels of their own: on this tier the fast encoder is quicker than a lookup, so
- * tf_fp8_table_pays turns the table path off, and the table kernels, still callable, are AVX2's;
- * so is cast-transpose (see below).
+ * tf_fp8_table_pays turns the table path off, and the table kernels, still callable, are AVX2's.
+ * Cast-transpose is fp8_cast_transpose_avx512.c's.
  *
  * Only whole steps are done here; the elements past them are handed to the AVX2 kernels (which
  * hand their own remainder to the portable ones): the same bytes.
@@ -252,32 +252,14 @@ DEFINE_AMAX(amax_f32, TF_FLOAT32)
 DEFINE_AMAX(amax_bf16, TF_BFLOAT16)
 DEFINE_AMAX(amax_f16, TF_FLOAT16)
 
-/*
- * Cast-transpose is AVX2's: a 512-bit version of its tiles (one register a 64-byte row, 16 x 64
- * transposes) measured no faster on Zen 4, as its time goes to the tiles' stores, not to the encoder.
- */
-#define DEFINE_CAST_TRANSPOSE(NAME, DTYPE, FORMAT)                                                    \
-  static uint32_t NAME(const void *x, int64_t ld_x, int64_t rows, int64_t cols, float scale, uint8_t *y, \
-                       int64_t ld_y, uint8_t *y_t, int64_t ld_t) {                                      \
-    return tf_fp8_kernels_avx2->cast_transpose[DTYPE][FORMAT](x, ld_x, rows, cols, scale, y, ld_y, y_t, \
-                                                              ld_t);                                    \
-  }
-
-DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, TF_FLOAT32, TF_FP8_E4M3)
-DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e5m2, TF_FLOAT32, TF_FP8_E5M2)
-DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e4m3, TF_BFLOAT16, TF_FP8_E4M3)
-DEFINE_CAST_TRANSPOSE(cast_transpose_bf16_e5m2, TF_BFLOAT16, TF_FP8_E5M2)
-DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e4m3, TF_FLOAT16, TF_FP8_E4M3)
-DEFINE_CAST_TRANSPOSE(cast_transpose_f16_e5m2, TF_FLOAT16, TF_FP8_E5M2)
-
 static const tf_fp8_kernel_set avx512_kernels = {
     .quantize = {{quantize_f32_e4m3, quantize_f32_e5m2},
                  {quantize_bf16_e4m3, quantize_bf16_e5m2},
                  {quantize_f16_e4m3, quantize_f16_e5m2}},
     .amax = {amax_f32, amax_bf16, amax_f16},
-    .cast_transpose = {{cast_transpose_f32_e4m3, cast_transpose_f32_e5m2},
-                       {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
-                       {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
+    .cast_transpose = {{tf_fp8_cast_transpose_avx512_f32_e4m3, tf_fp8_cast_transpose_avx512_f32_e5m2},
+                       {tf_fp8_cast_transpose_avx512_bf16_e4m3, tf_fp8_cast_transpose_avx512_bf16_e5m2},
+                       {tf_fp8_cast_transpose_avx512_f16_e4m3, tf_fp8_cast_transpose_avx512_f16_e5m2}},
     .quantize_table = {quantize_table_bf16, quantize_table_f16}};
 
 const tf_fp8_kernel_set *const tf_fp8_kernels_avx512 = &avx512_kernels;

@@ -524,12 +524,16 @@ static void test_paths_amax_every_position(const isa_path *path) {
   CHECK(bad == 0, "%s: amax with the maximum at every position: %d wrong", path->name, bad);
 }
 
-/* Cast-transpose blocks of whole and ragged tiles, with a row stride, against the portable set. */
+/*
+ * Cast-transpose blocks of whole and ragged tiles, with a row stride, against the portable set.
+ * The last shape is wider than one AVX-512 panel (4096 columns): two panels across, then a ragged
+ * right edge and two bottom rows.
+ */
 static void test_paths_cast_transpose(const isa_path *path) {
   static const int64_t shapes[][3] = {{64, 64, 64}, {96, 130, 135}, {37, 70, 75}, {33, 31, 31},
                                        {1, 1, 1},    {128, 32, 40},  {32, 96, 97}, {65, 33, 33},
-                                       {192, 96, 100}, {130, 64, 64}, {128, 128, 128}};
-  enum { MAX_X = 192 * 135, MAX_Y = 192 * 135 };
+                                       {192, 96, 100}, {130, 64, 64}, {128, 128, 128}, {130, 4165, 4181}};
+  enum { MAX_X = 130 * 4181, MAX_Y = 130 * 4165 };
   static uint32_t x32[MAX_X];
   static uint16_t x16[MAX_X];
   /* 64-byte aligned: shapes whose rows and columns are multiples of 32 take the streaming stores. */
