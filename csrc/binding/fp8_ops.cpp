@@ -7,6 +7,7 @@
 extern "C" {
 #include "../fp8/fp8_quantize.h"
 #include "../fp8/fp8_scaling.h"
+#include "../fp8/fp8_transpose.h"
 }
 
 namespace te_fuser {
@@ -135,6 +136,28 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cpu(Tensor input, Tensor scale, Te
   return std::make_tuple(out, out_t);
 }
 
+// data is viewed as a matrix of (product of the leading dims) rows by its last dim; the result is
+// that matrix transposed, in bands of whole 64-row tiles on the thread pool.
+Tensor fp8_transpose_cpu(Tensor data) {
+  check_contiguous(data, "data");
+  to_tf_fp8_format(data.scalar_type(), "data");
+  STD_TORCH_CHECK(data.dim() >= 1, "data must have at least 1 dimension");
+  const int64_t cols = data.size(data.dim() - 1);
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < data.dim(); ++d)
+    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, data.size(d), &rows), "data's leading dims overflow int64");
+  Tensor out = torch::stable::new_empty(data, {cols, rows}, data.scalar_type());
+  const uint8_t* x = static_cast<const uint8_t*>(data.const_data_ptr());
+  uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
+  const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / TF_FP8_TRANSPOSE_BAND + 1) * TF_FP8_TRANSPOSE_BAND;
+  parallel_chunks((rows + band - 1) / band, "fp8_transpose", [&](int64_t c, uint32_t*) {
+    const int64_t r0 = c * band;
+    const int64_t r1 = rows - r0 < band ? rows : r0 + band;
+    return tf_fp8_transpose(x, rows, cols, r0, r1, y);
+  });
+  return out;
+}
+
 void fp8_delayed_scaling_update_cpu(Tensor amax_history, Tensor amax, Tensor scale,
                                     Tensor scale_inv, double fp8_max, int64_t margin,
                                     int64_t amax_compute_algo) {
@@ -166,6 +189,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
   m.def("fp8_quantize(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType fp8_dtype) -> Tensor");
   m.def("fp8_amax(Tensor input) -> Tensor");
   m.def("fp8_dequantize(Tensor data, Tensor scale_inv, ScalarType out_dtype) -> Tensor");
+  m.def("fp8_transpose(Tensor data) -> Tensor");
   m.def(
       "fp8_cast_transpose(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType fp8_dtype)"
       " -> (Tensor, Tensor)");
@@ -181,6 +205,7 @@ STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
   m.impl("fp8_quantize", TORCH_BOX(&te_fuser::fp8_quantize_cpu));
   m.impl("fp8_amax", TORCH_BOX(&te_fuser::fp8_amax_cpu));
   m.impl("fp8_dequantize", TORCH_BOX(&te_fuser::fp8_dequantize_cpu));
+  m.impl("fp8_transpose", TORCH_BOX(&te_fuser::fp8_transpose_cpu));
   m.impl("fp8_cast_transpose", TORCH_BOX(&te_fuser::fp8_cast_transpose_cpu));
   m.impl("fp8_delayed_scaling_update", TORCH_BOX(&te_fuser::fp8_delayed_scaling_update_cpu));
   m.impl("fp8_current_scale", TORCH_BOX(&te_fuser::fp8_current_scale_cpu));

@@ -41,10 +41,17 @@ typedef void (*dequantize_fn)(const uint8_t *, int64_t, int64_t, float, void *);
     return amax;                                                             \
   }
 
-#define DEFINE_DEQUANTIZE(NAME, DECODE, STORE)                                             \
+/*
+ * Each output is one of 256 values, the code's decoded value times scale_inv rounded to the output
+ * dtype T: a call computes them once and then copies one per element.
+ */
+#define DEFINE_DEQUANTIZE(NAME, DECODE, STORE, T)                                          \
   static void NAME(const uint8_t *restrict y, int64_t begin, int64_t end, float scale_inv, \
                    void *restrict x) {                                                     \
-    for (int64_t i = begin; i < end; ++i) STORE(x, i, DECODE(y[i]) * scale_inv);           \
+    T table[256];                                                                          \
+    for (int c = 0; c < 256; ++c) STORE(table, c, DECODE((uint8_t)c) * scale_inv);         \
+    T *restrict out = (T *)x;                                                              \
+    for (int64_t i = begin; i < end; ++i) out[i] = table[y[i]];                            \
   }
 
 /*
@@ -121,12 +128,12 @@ DEFINE_AMAX(amax_f32, TF_LOAD_F32)
 DEFINE_AMAX(amax_bf16, TF_LOAD_BF16)
 DEFINE_AMAX(amax_f16, TF_LOAD_F16)
 
-DEFINE_DEQUANTIZE(dequantize_e4m3_f32, tf_fp8_e4m3_decode, TF_STORE_F32)
-DEFINE_DEQUANTIZE(dequantize_e5m2_f32, tf_fp8_e5m2_decode, TF_STORE_F32)
-DEFINE_DEQUANTIZE(dequantize_e4m3_bf16, tf_fp8_e4m3_decode, TF_STORE_BF16)
-DEFINE_DEQUANTIZE(dequantize_e5m2_bf16, tf_fp8_e5m2_decode, TF_STORE_BF16)
-DEFINE_DEQUANTIZE(dequantize_e4m3_f16, tf_fp8_e4m3_decode, TF_STORE_F16)
-DEFINE_DEQUANTIZE(dequantize_e5m2_f16, tf_fp8_e5m2_decode, TF_STORE_F16)
+DEFINE_DEQUANTIZE(dequantize_e4m3_f32, tf_fp8_e4m3_decode, TF_STORE_F32, float)
+DEFINE_DEQUANTIZE(dequantize_e5m2_f32, tf_fp8_e5m2_decode, TF_STORE_F32, float)
+DEFINE_DEQUANTIZE(dequantize_e4m3_bf16, tf_fp8_e4m3_decode, TF_STORE_BF16, uint16_t)
+DEFINE_DEQUANTIZE(dequantize_e5m2_bf16, tf_fp8_e5m2_decode, TF_STORE_BF16, uint16_t)
+DEFINE_DEQUANTIZE(dequantize_e4m3_f16, tf_fp8_e4m3_decode, TF_STORE_F16, uint16_t)
+DEFINE_DEQUANTIZE(dequantize_e5m2_f16, tf_fp8_e5m2_decode, TF_STORE_F16, uint16_t)
 
 DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, TF_LOAD_F32, tf_fp8_e4m3_encode)
 DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e5m2, TF_LOAD_F32, tf_fp8_e5m2_encode)

@@ -68,6 +68,19 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype =
     return _ops.fp8_dequantize(data, scale_inv, dtype)
 
 
+def transpose(data: torch.Tensor) -> torch.Tensor:
+    """FP8 data viewed as (product of the leading dims, last dim), transposed: a contiguous
+    (last dim, rows) tensor of the same bytes. CPU only (te_fuser's kernel; torch's byte transpose
+    runs about four times slower there)."""
+    check_dtype(data, "data", FP8_DTYPES)
+    check_contiguous(data, "data")
+    if data.dim() < 1:
+        raise ValueError("data must have at least 1 dimension, got a 0-d tensor")
+    if data.device.type != "cpu":
+        raise ValueError(f"data must be on the CPU, got {data.device}")
+    return _ops.fp8_transpose(data)
+
+
 def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: float, margin: int,
                            amax_compute_algo: str = "max") -> None:
     """Roll amax into the history, reduce it, and update scale/scale_inv in place (see csrc/fp8/fp8_scaling.h)."""
@@ -132,6 +145,11 @@ def _(x):
 def _(data, scale_inv, out_dtype):
     _one_device(data=data, scale_inv=scale_inv)
     return torch.empty_like(data, dtype=out_dtype)
+
+
+@torch.library.register_fake("te_fuser::fp8_transpose")
+def _(data):
+    return data.new_empty((data.shape[-1], math.prod(data.shape[:-1])))
 
 
 @torch.library.register_fake("te_fuser::fp8_delayed_scaling_update")

@@ -18,6 +18,7 @@
 #include "fp8/fp8_kernels.h"
 #include "fp8/fp8_quantize.h"
 #include "fp8/fp8_scaling.h"
+#include "fp8/fp8_transpose.h"
 
 #include "check.h"
 
@@ -829,6 +830,32 @@ static void test_current_scaling(void) {
   CHECK(tf_fp8_current_scale(0.75f, 57344.0f, 0.0f, 1) == 65536.0f, "pow2 rounds 76458.7 down to 65536");
 }
 
+/* The FP8 byte transpose against the definition: shapes with ragged 8 x 8 and 64 x 64 edges, the
+ * rows split into bands (each writes only its own bytes), and the size and pointer checks. */
+static void test_fp8_transpose(void) {
+  static const int64_t shapes[][2] = {{1, 1}, {8, 8}, {64, 64}, {67, 131}, {130, 7}, {3, 200}, {0, 5}, {5, 0}};
+  static uint8_t x[200 * 200], y[200 * 200];
+  uint32_t state = 99u;
+  for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); ++i) {
+    const int64_t rows = shapes[i][0], cols = shapes[i][1];
+    for (int64_t e = 0; e < rows * cols; ++e) x[e] = (uint8_t)((state = state * 1664525u + 1013904223u) >> 24);
+    memset(y, 0xA5, sizeof y);
+    const int64_t cut = rows > 64 ? 64 : rows; /* two bands where there are enough rows */
+    CHECK(tf_fp8_transpose(x, rows, cols, 0, cut, y) == TF_OK && tf_fp8_transpose(x, rows, cols, cut, rows, y) == TF_OK,
+          "transpose %lld x %lld", (long long)rows, (long long)cols);
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) bad += y[c * rows + r] != x[r * cols + c];
+    for (int64_t e = rows * cols; e < (int64_t)sizeof y; ++e) bad += y[e] != 0xA5; /* nothing past the end */
+    CHECK(bad == 0, "transpose %lld x %lld: %lld bytes wrong", (long long)rows, (long long)cols, (long long)bad);
+  }
+  CHECK(tf_fp8_transpose(x, -1, 2, 0, 0, y) == TF_ERR_BAD_SIZE, "negative rows");
+  CHECK(tf_fp8_transpose(x, 4, 4, 2, 5, y) == TF_ERR_BAD_SIZE, "band past the end");
+  CHECK(tf_fp8_transpose(x, INT64_MAX / 2, 4, 0, 1, y) == TF_ERR_OVERFLOW, "rows * cols overflows");
+  CHECK(tf_fp8_transpose(NULL, 4, 4, 0, 4, y) == TF_ERR_NULL_POINTER, "null x");
+  CHECK(tf_fp8_transpose(NULL, 4, 4, 2, 2, NULL) == TF_OK, "an empty band needs no data");
+}
+
 int main(void) {
   test_decode_and_round_trip(&E4M3);
   test_decode_and_round_trip(&E5M2);
@@ -843,6 +870,7 @@ int main(void) {
   test_quantize_kernels();
   test_amax_special_values();
   test_cast_transpose();
+  test_fp8_transpose();
   test_size_checks();
   test_isa_paths();
   test_delayed_scaling();
