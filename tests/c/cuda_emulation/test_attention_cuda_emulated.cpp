@@ -25,8 +25,10 @@
 // So out gets sum_j z_j |v_j| (perr(p_j) + p_j eS_ij) / l + |M| (u_out + (S + D) u32)
 // where M = sum_j p_j z_j |v_j| / l, and the gradients the same kind of sums
 // over |p| (|dP| + |delta|) and |q|, |k|, |dO| with (3 u16 + u_out + eS) each.
-// The CPU core computes in float32 without those 16-bit roundings, so it meets
-// the same bounds. Rows past a sequence's length and rows that see no key must
+// The CPU core's float32-product path computes without those 16-bit roundings,
+// so it meets the same bounds (run_cpu keeps it there: from the avx512_bf16
+// tier up, bf16 and E4M3 inputs take paths that round P to bf16, which the
+// attention core's own tests check). Rows past a sequence's length and rows that see no key must
 // be exactly 0 (lse -inf), and packed tokens outside every sequence untouched.
 //
 // Mutations of the kernel sources tried by hand (each reverted), all caught:
@@ -54,6 +56,7 @@
 #include "cuda/attention/attention_cuda.h"
 extern "C" {
 #include "attention/attention.h"
+#include "common/cpu_features.h"
 #include "attention/attention_dropout.h"
 }
 
@@ -519,7 +522,7 @@ struct CpuResult {
 
 // The CPU core on the same inputs (float32 outputs); the backward uses the
 // emulated forward's out and the given dout.
-void run_cpu(Problem &P, CpuResult &R, Tensor *out, Tensor *dout) {
+void run_cpu_float32_products(Problem &P, CpuResult &R, Tensor *out, Tensor *dout) {
   const tf_attn_problem p = P.cpu_problem();
   tf_attn_operand q = P.q.op(P.descale[0]), k = P.k.op(P.descale[1]), v = P.v.op(P.descale[2]), o = R.out.op();
   std::vector<float> scratch(static_cast<size_t>(std::max(tf_attn_fwd_scratch_floats(&p), tf_attn_bwd_scratch_floats(&p))));
@@ -535,6 +538,14 @@ void run_cpu(Problem &P, CpuResult &R, Tensor *out, Tensor *dout) {
   CHECK(tf_attn_bwd(&p, &od, &q, &k, &v, R.lse.data(), delta.data(), &oacc, &dq, &dk, &dv, 0, tf_attn_bwd_units(&p),
                     scratch.data()) == TF_OK,
         "%s: CPU bwd", P.c.name.c_str());
+}
+
+// run_cpu_float32_products at a tier no higher than avx512 (see the header comment).
+void run_cpu(Problem &P, CpuResult &R, Tensor *out, Tensor *dout) {
+  const int cap = tf_cpu_isa_cap();
+  if (tf_cpu_isa() > TF_ISA_AVX512) CHECK(tf_set_cpu_isa_cap(TF_ISA_AVX512) == TF_OK, "cap the CPU tier");
+  run_cpu_float32_products(P, R, out, dout);
+  CHECK(tf_set_cpu_isa_cap(cap) == TF_OK, "restore the CPU tier cap");
 }
 
 // Forward and backward of one case through the emulated kernels, the CPU core
