@@ -109,17 +109,48 @@ static bwd_scratch split_scratch(float *base, const tf_attn_problem *p, const tf
   return t;
 }
 
-/* The scratch with key tile `tile`'s tiles (the query side is shared). */
+#else
+/* k, kt, vt, dk and dv hold KT key tiles, BK * dp floats apart (key_tile(): one of them). */
+typedef struct bwd_scratch {
+  float *k, *kt, *vt, *dk, *dv, *q, *dout, *dq, *p, *dp, *lse, *delta, *row;
+} bwd_scratch;
+
+static bwd_scratch split_scratch(float *base, const tf_attn_problem *p, const tf_attn_operand *q,
+                                 const tf_attn_operand *k, const tf_attn_operand *v) {
+  (void)q, (void)k, (void)v; /* decoded with their descales */
+  const int64_t dp = tf_attn_padded_dim(p);
+  bwd_scratch t;
+  t.k = base;
+  t.kt = t.k + KT * BK * dp;
+  t.vt = t.kt + KT * BK * dp;
+  t.dk = t.vt + KT * BK * dp;
+  t.dv = t.dk + KT * BK * dp;
+  t.q = t.dv + KT * BK * dp;
+  t.dout = t.q + BQ * dp;
+  t.dq = t.dout + BQ * dp;
+  t.p = t.dq + BQ * dp;
+  t.dp = t.p + BQ * BK;
+  t.lse = t.dp + BQ * BK;
+  t.delta = t.lse + BQ;
+  t.row = t.delta + BQ;
+  return t;
+}
+
+#endif
+
+/* The scratch with key tile `tile`'s k, kt, vt, dk and dv (the query side is shared): each holds
+ * KT key tiles, BK * dp elements apart, in either build. */
 static bwd_scratch key_tile(const bwd_scratch *t, int64_t tile, int64_t dp) {
   bwd_scratch s = *t;
+  s.k += tile * BK * dp;
   s.kt += tile * BK * dp;
   s.vt += tile * BK * dp;
-  s.k += tile * BK * dp;
   s.dk += tile * BK * dp;
   s.dv += tile * BK * dp;
   return s;
 }
 
+#if TF_ATTN_BF16_DOT
 /* Keys [k0, k0 + nk): kt, vt (zero past nk) and kp (zero past nk, padded to BK). */
 TF_ATTN_INLINE void load_kv_tile(const tf_attn_operand *k, const tf_attn_operand *v,
                                  tf_attn_segment ks, int64_t hk, int64_t k0, int64_t nk,
@@ -246,43 +277,6 @@ static void store_key_grads(const tf_attn_problem *p, const tf_attn_operand *q, 
 static void clear_padding(const bwd_scratch *t, int64_t dp) { (void)t, (void)dp; }
 
 #else
-/* k, kt, vt, dk and dv hold KT key tiles, BK * dp floats apart (key_tile(): one of them). */
-typedef struct bwd_scratch {
-  float *k, *kt, *vt, *dk, *dv, *q, *dout, *dq, *p, *dp, *lse, *delta, *row;
-} bwd_scratch;
-
-static bwd_scratch split_scratch(float *base, const tf_attn_problem *p, const tf_attn_operand *q,
-                                 const tf_attn_operand *k, const tf_attn_operand *v) {
-  (void)q, (void)k, (void)v; /* decoded with their descales */
-  const int64_t dp = tf_attn_padded_dim(p);
-  bwd_scratch t;
-  t.k = base;
-  t.kt = t.k + KT * BK * dp;
-  t.vt = t.kt + KT * BK * dp;
-  t.dk = t.vt + KT * BK * dp;
-  t.dv = t.dk + KT * BK * dp;
-  t.q = t.dv + KT * BK * dp;
-  t.dout = t.q + BQ * dp;
-  t.dq = t.dout + BQ * dp;
-  t.p = t.dq + BQ * dp;
-  t.dp = t.p + BQ * BK;
-  t.lse = t.dp + BQ * BK;
-  t.delta = t.lse + BQ;
-  t.row = t.delta + BQ;
-  return t;
-}
-
-/* The scratch with key tile `tile`'s k, kt, vt, dk and dv (the query side is shared). */
-static bwd_scratch key_tile(const bwd_scratch *t, int64_t tile, int64_t dp) {
-  bwd_scratch s = *t;
-  s.k += tile * BK * dp;
-  s.kt += tile * BK * dp;
-  s.vt += tile * BK * dp;
-  s.dk += tile * BK * dp;
-  s.dv += tile * BK * dp;
-  return s;
-}
-
 /* Keys [k0, k0 + nk): k (nk x dp), k^T and v^T (D x BK, zero past nk). */
 TF_ATTN_INLINE void load_kv_tile(const tf_attn_operand *k, const tf_attn_operand *v,
                                  tf_attn_segment ks, int64_t hk, int64_t k0, int64_t nk,
