@@ -42,6 +42,17 @@ uint32_t parallel_elements(int64_t n, const char* what, const F& fn) {
                          });
 }
 
+// The same over the rows [0, rows) of a rows x cols matrix, in bands of whole multiples of `unit`
+// rows of about kGrainElements elements each: fn(row_begin, row_end, &amax_bits).
+template <class F>
+uint32_t parallel_row_bands(int64_t rows, int64_t cols, int64_t unit, const char* what, const F& fn) {
+  const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / unit + 1) * unit;
+  return parallel_chunks((rows + band - 1) / band, what, [&](int64_t c, uint32_t* amax_bits) {
+    const int64_t r0 = c * band;
+    return fn(r0, rows - r0 < band ? rows : r0 + band, amax_bits);
+  });
+}
+
 // The FP8 codes of every bit pattern of a 16-bit dtype at this scale (see
 // tf_fp8_table_build), built on the calling thread: a second parallel region
 // costs more than the build when other processes share the cores.
@@ -124,14 +135,11 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cpu(Tensor input, Tensor scale, Te
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
   uint8_t* y_t = static_cast<uint8_t*>(out_t.mutable_data_ptr());
   const float s = *scale.const_data_ptr<float>();
-  // Bands of whole tall tiles of about kGrainElements elements each.
-  const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / TF_FP8_CT_BAND + 1) * TF_FP8_CT_BAND;
-  const uint32_t bits = parallel_chunks(
-      (rows + band - 1) / band, "fp8_cast_transpose", [&](int64_t c, uint32_t* a) {
-        const int64_t r0 = c * band;
-        const int64_t r1 = rows - r0 < band ? rows : r0 + band;
-        return tf_fp8_cast_transpose(x, dtype, rows, cols, cols, r0, r1, s, format, y, y_t, a);
-      });
+  const uint32_t bits = parallel_row_bands(rows, cols, TF_FP8_CT_BAND, "fp8_cast_transpose",
+                                           [&](int64_t r0, int64_t r1, uint32_t* a) {
+                                             return tf_fp8_cast_transpose(x, dtype, rows, cols, cols, r0, r1, s,
+                                                                          format, y, y_t, a);
+                                           });
   accumulate_amax(amax, bits);
   return std::make_tuple(out, out_t);
 }
@@ -149,12 +157,8 @@ Tensor fp8_transpose_cpu(Tensor data) {
   Tensor out = torch::stable::new_empty(data, {cols, rows}, data.scalar_type());
   const uint8_t* x = static_cast<const uint8_t*>(data.const_data_ptr());
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
-  const int64_t band = (kGrainElements / (cols > 0 ? cols : 1) / TF_FP8_TRANSPOSE_BAND + 1) * TF_FP8_TRANSPOSE_BAND;
-  parallel_chunks((rows + band - 1) / band, "fp8_transpose", [&](int64_t c, uint32_t*) {
-    const int64_t r0 = c * band;
-    const int64_t r1 = rows - r0 < band ? rows : r0 + band;
-    return tf_fp8_transpose(x, rows, cols, r0, r1, y);
-  });
+  parallel_row_bands(rows, cols, TF_FP8_TRANSPOSE_BAND, "fp8_transpose",
+                     [&](int64_t r0, int64_t r1, uint32_t*) { return tf_fp8_transpose(x, rows, cols, r0, r1, y); });
   return out;
 }
 
