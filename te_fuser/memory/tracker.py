@@ -129,7 +129,9 @@ class MemoryTracker(contextlib.ContextDecorator):
     device: None (CPU, plus the current CUDA device when available), "cpu", "cuda",
     "cuda:N", or a list of those. gc_collect: run ``gc.collect()`` before the entry and
     exit readings, so that garbage in reference cycles is not counted as retained, nor
-    garbage from before the block as freed by it.
+    garbage from before the block as freed by it. A full collection walks every Python object
+    (about 0.1 s once torch's compiler stack is imported); a training loop that tracks every step
+    can freeze the objects its setup left alive (gc.freeze, as te_fuser.examples.train does).
 
     CPU tracking runs torch's profiler (see cpu_allocations): it sees the thread that
     entered the tracker and the threads torch hands its work to, costs some speed while

@@ -4,7 +4,10 @@ The limits are plugin markers; each is shown to catch the bug it guards against
 by running the buggy pattern under the same measurement.
 """
 
+import gc
+
 import pytest
+import torch
 
 from te_fuser.examples import train
 from te_fuser.ops import fuser
@@ -33,6 +36,7 @@ def test_flat_across_100_steps():
     held = [h["current"] for h in history[1:]]  # the first step allocates the optimizer's state
     assert max(held) - min(held) <= 16 * 2**10, held
     assert all(h["retained"] <= 16 * 2**10 for h in history[1:])
+    assert gc.get_freeze_count() == 0  # train's gc_frozen block gave its objects back to the collector
 
 
 @pytest.mark.limit_peak_memory(PEAK_LIMIT, device="cpu")
@@ -55,3 +59,30 @@ def test_the_measurement_catches_graph_keeping_loss_logs(monkeypatch):
     assert _peak_of_128_microbatches() < PEAK_LIMIT
     monkeypatch.setattr(fuser, "_CLEAR_CTX_AFTER_BACKWARD", False)
     assert _peak_of_128_microbatches() > 3 * PEAK_LIMIT
+
+
+def _cycle_holding_one_mib():
+    cycle = [torch.ones(2**18)]
+    cycle.append(cycle)
+
+
+def test_gc_frozen_still_collects_the_steps_cycles():
+    """train freezes setup's objects so the trackers' collections stay cheap; garbage cycles made
+    inside the block must still be collected, or steps would report them as retained."""
+    was_enabled = gc.isenabled()
+    gc.disable()  # no automatic collection between the statements below
+    try:
+        with train.gc_frozen():
+            assert gc.get_freeze_count() > 0
+            with MemoryTracker(device="cpu") as mem:
+                _cycle_holding_one_mib()
+            assert mem.retained_bytes < 64 * 2**10
+            # The measurement sees the cycle when nothing collects it.
+            with MemoryTracker(device="cpu", gc_collect=False) as mem:
+                _cycle_holding_one_mib()
+            assert mem.retained_bytes >= 2**20
+            gc.collect()
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert gc.get_freeze_count() == 0
