@@ -156,17 +156,20 @@ def test_bias_dtypes_and_output_rounding(generator):
             assert_within(out, ref, tol, out_dtype)
 
 
-def test_results_do_not_depend_on_the_thread_count(generator):
-    a = random_fp8((300, 260), torch.float8_e4m3fn, generator)
-    b = random_fp8((270, 260), torch.float8_e5m2, generator)
-    threads = torch.get_num_threads()
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_results_do_not_depend_on_the_thread_count(generator, threads):
+    """Threads take runs of tiles of equal output area; partial last rows and columns of tiles
+    (500 = 2 * 192 + 116 rows, 400 = 3 * 128 + 16 columns) make those runs uneven in count."""
+    a = random_fp8((500, 260), torch.float8_e4m3fn, generator)
+    b = random_fp8((400, 260), torch.float8_e5m2, generator)
+    before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = fp8_gemm(a, scalar(1.0), b, scalar(1.0), torch.float32)
-        torch.set_num_threads(max(2, threads))
+        torch.set_num_threads(threads)
         many = fp8_gemm(a, scalar(1.0), b, scalar(1.0), torch.float32)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     assert torch.equal(one, many)
 
 
