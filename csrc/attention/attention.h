@@ -95,8 +95,10 @@ typedef struct tf_attn_problem {
  */
 tf_status tf_attn_check(const tf_attn_problem *p);
 
-/* Units of the forward pass and of the backward row-dot pre-pass. */
+/* Units of the forward pass. */
 int64_t tf_attn_fwd_units(const tf_attn_problem *p);
+/* Units of the backward row-dot pre-pass: (sequence, query tile), every head. */
+int64_t tf_attn_rowdot_units(const tf_attn_problem *p);
 /* Units of the backward pass. */
 int64_t tf_attn_bwd_units(const tf_attn_problem *p);
 /* Float scratch one unit needs. */
@@ -111,7 +113,7 @@ tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const 
                       const tf_attn_operand *v, const tf_attn_operand *out, float *lse,
                       int64_t unit_begin, int64_t unit_end, float *scratch);
 
-/* Backward pre-pass for forward units [unit_begin, unit_end): delta = rowsum(dout * out), lse-shaped. */
+/* Backward pre-pass for row-dot units [unit_begin, unit_end): delta = rowsum(dout * out), lse-shaped. */
 tf_status tf_attn_bwd_rowdot(const tf_attn_problem *p, const tf_attn_operand *dout,
                              const tf_attn_operand *out, float *delta, int64_t unit_begin,
                              int64_t unit_end);

@@ -136,6 +136,10 @@ int64_t tf_attn_fwd_units(const tf_attn_problem *p) {
   return tf_attn_num_segments(p) * p->heads_q * tiles;
 }
 
+int64_t tf_attn_rowdot_units(const tf_attn_problem *p) {
+  return tf_attn_num_segments(p) * ((tf_attn_max_q_span(p) + TF_ATTN_BLOCK_Q - 1) / TF_ATTN_BLOCK_Q);
+}
+
 int64_t tf_attn_bwd_units(const tf_attn_problem *p) {
   return tf_attn_num_segments(p) * p->heads_kv;
 }

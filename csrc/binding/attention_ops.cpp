@@ -256,7 +256,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cpu(
   const tf_attn_operand odq = operand(dq, "dq"), odk = operand(dk, "dk"), odv = operand(dv, "dv");
   float* delta_data = delta.mutable_data_ptr<float>();
   const float* lse_data = lse.const_data_ptr<float>();
-  parallel_units(q, tf_attn_fwd_units(&r.p), 0, false, "attention_bwd",
+  parallel_units(q, tf_attn_rowdot_units(&r.p), 0, false, "attention_bwd",
                  [&](int64_t u0, int64_t u1, float*) {
                    return tf_attn_bwd_rowdot(&r.p, &odo, &oout, delta_data, u0, u1);
                  });

@@ -178,7 +178,9 @@ static void check_against_reference(const char *name, tf_attn_problem p) {
   const int64_t units = tf_attn_fwd_units(&p);
   CHECK(tf_attn_fwd(&p, &q.op, &k.op, &v.op, &out.op, lse, 0, units / 2, scratch) == TF_OK, "%s fwd", name);
   CHECK(tf_attn_fwd(&p, &q.op, &k.op, &v.op, &out.op, lse, units / 2, units, scratch) == TF_OK, "%s fwd", name);
-  CHECK(tf_attn_bwd_rowdot(&p, &dout.op, &out.op, delta, 0, units) == TF_OK, "%s rowdot", name);
+  const int64_t runits = tf_attn_rowdot_units(&p);
+  CHECK(tf_attn_bwd_rowdot(&p, &dout.op, &out.op, delta, 0, runits / 2) == TF_OK, "%s rowdot", name);
+  CHECK(tf_attn_bwd_rowdot(&p, &dout.op, &out.op, delta, runits / 2, runits) == TF_OK, "%s rowdot", name);
   const int64_t bunits = tf_attn_bwd_units(&p);
   CHECK(tf_attn_bwd(&p, &dout.op, &q.op, &k.op, &v.op, lse, delta, &dq.op, &dq.op, &dk.op, &dv.op, 0, bunits,
                     scratch) == TF_OK, "%s bwd", name);
@@ -431,7 +433,7 @@ static void check_bf16_path(const char *name, tf_attn_problem p, tf_attn_elem el
   const int64_t bunits = tf_attn_bwd_units(&p), kunits = tf_attn_bwd_dkdv_units(&p);
   select_bf16_path(1);
   CHECK(bf16_path_applies(&p, enc, &dout_bf), "%s backward takes the path", name);
-  CHECK(tf_attn_bwd_rowdot(&p, &dout_bf, &out.op, delta, 0, units) == TF_OK, "%s rowdot", name);
+  CHECK(tf_attn_bwd_rowdot(&p, &dout_bf, &out.op, delta, 0, tf_attn_rowdot_units(&p)) == TF_OK, "%s rowdot", name);
   CHECK(tf_attn_bwd(&p, &dout_bf, &enc[0], &enc[1], &enc[2], lse, delta, &g[0].op, &g[0].op, &g[1].op, &g[2].op, 0,
                     bunits, bscratch) == TF_OK, "%s bwd", name);
   CHECK(tf_attn_bwd_dkdv(&p, &dout_bf, &enc[0], &enc[1], &enc[2], lse, delta, &g[4].op, &g[5].op, 0, kunits,

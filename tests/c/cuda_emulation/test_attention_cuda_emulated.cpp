@@ -533,7 +533,7 @@ void run_cpu_float32_products(Problem &P, CpuResult &R, Tensor *out, Tensor *dou
   Tensor acc(P.c.batch, P.c.sq, P.c.hq, P.c.d, Elem::kF32, Layout::kBshd);
   std::memset(acc.data, 0, static_cast<size_t>(P.c.batch * P.c.sq * P.c.hq * P.c.d) * 4);
   tf_attn_operand od = dout->op(), oo = out->op(), oacc = acc.op(), dq = R.dq.op(), dk = R.dk.op(), dv = R.dv.op();
-  CHECK(tf_attn_bwd_rowdot(&p, &od, &oo, delta.data(), 0, tf_attn_fwd_units(&p)) == TF_OK, "%s: CPU rowdot",
+  CHECK(tf_attn_bwd_rowdot(&p, &od, &oo, delta.data(), 0, tf_attn_rowdot_units(&p)) == TF_OK, "%s: CPU rowdot",
         P.c.name.c_str());
   CHECK(tf_attn_bwd(&p, &od, &q, &k, &v, R.lse.data(), delta.data(), &oacc, &dq, &dk, &dv, 0, tf_attn_bwd_units(&p),
                     scratch.data()) == TF_OK,
