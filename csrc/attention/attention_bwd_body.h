@@ -190,10 +190,12 @@ TF_ATTN_INLINE void load_q_tile(const tf_attn_problem *p, const tf_attn_operand 
     t->delta[i] = 0.0f;
   }
   if (!with_kv) return;
-  for (int64_t d = 0; d < dp; ++d)
-    for (int64_t i = 0; i < mp; ++i) {
-      t->qt[d * BQ + i] = t->q[i * dp + d];
-      t->doutt[d * BQ + i] = t->dout[i * dp + d];
+  /* Blocks of 32 queries (queries past mp come out zero) by 16 dims. */
+  _Static_assert(BQ % 32 == 0, "q^T is written in blocks of 32 queries");
+  for (int64_t i = 0; i < mp; i += 32)
+    for (int64_t d = 0; d < dp; d += 16) {
+      tf_bf16_transpose_pairs(t->q + i * dp + d, dp, mp - i, t->qt + d * BQ + i, BQ);
+      tf_bf16_transpose_pairs(t->dout + i * dp + d, dp, mp - i, t->doutt + d * BQ + i, BQ);
     }
 }
 
@@ -262,14 +264,20 @@ static void store_key_grads(const tf_attn_problem *p, const tf_attn_operand *q, 
                             const tf_attn_operand *dv, tf_attn_segment ks, int64_t hk, int64_t k0,
                             int64_t nk, const bwd_scratch *t) {
   const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
-  float *row = t->dq; /* free after the walk, and at least dp floats */
-  for (int64_t j = 0; j < nk; ++j) {
-    const float *dkt = t->dk + j / BK * BK * dp, *dvt = t->dv + j / BK * BK * dp;
-    const int64_t offset = tf_attn_row_offset(dk, ks.batch, ks.start + k0 + j, hk);
-    for (int64_t d = 0; d < D; ++d) row[d] = dkt[d * BK + j % BK];
-    tf_attn_store_row(dk, offset, D, dk_scale(p, q), row);
-    for (int64_t d = 0; d < D; ++d) row[d] = dvt[d * BK + j % BK];
-    tf_attn_store_row(dv, tf_attn_row_offset(dv, ks.batch, ks.start + k0 + j, hk), D, 1.0f, row);
+  /* Blocks of 16 keys (BK is a multiple of 16) transposed into rows, dK's then dV's in dq (free after the walk). */
+  float *dkr = t->dq, *dvr = t->dq + 16 * dp;
+  for (int64_t j0 = 0; j0 < nk; j0 += 16) {
+    const int64_t at = j0 / BK * BK * dp + j0 % BK;
+    for (int64_t d = 0; d < dp; d += 16) {
+      tf_f32_transpose16(t->dk + at + d * BK, BK, dkr + d, dp);
+      tf_f32_transpose16(t->dv + at + d * BK, BK, dvr + d, dp);
+    }
+    for (int64_t j = j0; j < min64(j0 + 16, nk); ++j) {
+      const int64_t row = ks.start + k0 + j;
+      tf_attn_store_row(dk, tf_attn_row_offset(dk, ks.batch, row, hk), D, dk_scale(p, q),
+                        dkr + (j - j0) * dp);
+      tf_attn_store_row(dv, tf_attn_row_offset(dv, ks.batch, row, hk), D, 1.0f, dvr + (j - j0) * dp);
+    }
   }
 }
 
