@@ -830,10 +830,11 @@ static void test_current_scaling(void) {
   CHECK(tf_fp8_current_scale(0.75f, 57344.0f, 0.0f, 1) == 65536.0f, "pow2 rounds 76458.7 down to 65536");
 }
 
-/* The FP8 byte transpose against the definition: shapes with ragged 8 x 8 and 64 x 64 edges, the
+/* The FP8 byte transpose against the definition: shapes with ragged 8 x 8, 16 x 16 and 64 x 64 edges, the
  * rows split into bands (each writes only its own bytes), and the size and pointer checks. */
 static void test_fp8_transpose(void) {
-  static const int64_t shapes[][2] = {{1, 1}, {8, 8}, {64, 64}, {67, 131}, {130, 7}, {3, 200}, {0, 5}, {5, 0}};
+  static const int64_t shapes[][2] = {{1, 1}, {8, 8}, {16, 16}, {17, 33}, {48, 80}, {64, 64}, {67, 131},
+                                       {129, 200}, {130, 7}, {3, 200}, {0, 5}, {5, 0}};
   static uint8_t x[200 * 200], y[200 * 200];
   uint32_t state = 99u;
   for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); ++i) {
