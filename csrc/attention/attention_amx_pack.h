@@ -16,6 +16,13 @@
 #error "the AMX attention kernels need TF_ATTN_VW == 16"
 #endif
 
+/*
+ * The rows a packer reads lie a sequence stride apart, which the hardware
+ * prefetchers do not follow: tf_amx_pack_transposed asks for each row this
+ * many rows before it packs it.
+ */
+#define TF_AMX_PACK_AHEAD 8
+
 typedef uint16_t tf_v16h __attribute__((vector_size(32)));
 
 /* 16 floats rounded to bf16 bits as tf_f32_to_bf16 does (nearest even, NaN kept quiet), in vector lanes. */
@@ -56,6 +63,7 @@ static inline void tf_amx_pack_transposed(const tf_attn_operand *op, int64_t fir
                                           uint16_t *restrict dst) {
   /* Each pair is one 32-bit word: a transpose of words, column j from row j. */
   for (int64_t j = 0; j < cols; ++j) {
+    if (j + TF_AMX_PACK_AHEAD < n) tf_attn_prefetch_row(op, first + (j + TF_AMX_PACK_AHEAD) * stride, D, 0);
     uint16_t pair[2];
     for (int64_t r = 0; r < width / 2; ++r) {
       const int64_t d = 2 * r;
