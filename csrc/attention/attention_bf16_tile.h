@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 
+#include "../common/tf_transpose16.h"
 #include "attention_tile.h"
 
 #if TF_ATTN_VW != 16
@@ -55,42 +56,11 @@ TF_ATTN_INLINE void tf_bf16_store_row(uint16_t *p, tf_vf lo, tf_vf hi) {
   memcpy(p, &v, sizeof v);
 }
 
-/* The 16 x 16 matrix of 32-bit words with rows r, transposed in place. */
-TF_ATTN_INLINE void tf_transpose16(__m512i r[16]) {
-  __m512i t[16];
-  /*
-   * Words, then word pairs, interleaved within each 128-bit lane: r[4g + c]
-   * then holds in lane l rows 4g..4g + 3 of column 4l + c.
-   */
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int g = 0; g < 16; g += 4) {
-    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-  }
-  /* Then whole lanes: column 4l + c gathers lane l of r[c], r[4 + c], r[8 + c] and r[12 + c]. */
-  for (int c = 0; c < 4; ++c) {
-    const __m512i s0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
-    const __m512i s1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
-    const __m512i s2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-    const __m512i s3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
-    t[c] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-    t[8 + c] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
-    t[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 /* dst[c * ldd + r] = src[r * lds + c] for r, c < 16 (floats). */
 TF_ATTN_INLINE void tf_f32_transpose16(const float *src, int64_t lds, float *dst, int64_t ldd) {
   __m512i r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * lds);
-  tf_transpose16(r);
+  tf_transpose16_epi32(r);
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * ldd, r[i]);
 }
 
@@ -111,7 +81,7 @@ TF_ATTN_INLINE void tf_bf16_transpose_pairs(const uint16_t *src, int64_t lds, in
     const __m256i b = 2 * i + 1 < n ? _mm256_loadu_si256((const void *)(src + (2 * i + 1) * lds)) : zero;
     r[i] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(a), order, _mm512_castsi256_si512(b));
   }
-  tf_transpose16(r);
+  tf_transpose16_epi32(r);
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * ldd, r[i]);
 }
 

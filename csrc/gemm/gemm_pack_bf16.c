@@ -3,6 +3,8 @@
  * (exact: FP8 values are bf16 values), held in eight registers and read with word permutes. */
 #include "gemm_kernels.h"
 
+#include "../common/tf_transpose16.h"
+
 #if TF_X86
 #include <immintrin.h>
 #include <string.h>
@@ -50,33 +52,6 @@ TF_TARGET_AVX512_BF16 void tf_gemm_pack_a_bf16(const uint8_t *x, int64_t ld, int
   }
 }
 
-/* Transposes 16 rows of 16 dwords in place (4 x 4 blocks of 128-bit lanes, then the lanes). */
-TF_TARGET_AVX512_BF16 static inline void transpose_16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  /* u[4 g + j], lane l: column 4 l + j of rows 4 g .. 4 g + 3 */
-  for (int g = 0; g < 4; ++g) {
-    const __m512i *s = t + 4 * g;
-    u[4 * g + 0] = _mm512_unpacklo_epi64(s[0], s[2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(s[0], s[2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(s[1], s[3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(s[1], s[3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
-    r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[8 + j] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
-}
-
 TF_TARGET_AVX512_BF16 void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0,
                                                int64_t valid, int64_t cols, int64_t k0, int64_t kc,
                                                int64_t kc_pad, const uint16_t codes[256],
@@ -89,7 +64,7 @@ TF_TARGET_AVX512_BF16 void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int
       __m512i r[16];
       for (int j = 0; j < 16; ++j)
         r[j] = g + j < valid ? decode32(x + (r0 + g + j) * ld + k0 + i, kc - i, &c) : _mm512_setzero_si512();
-      transpose_16x16(r);
+      tf_transpose16_epi32(r);
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512((void *)(group + (i / 2 + p) * 32), r[p]);
     }
   }
