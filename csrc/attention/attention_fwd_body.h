@@ -430,12 +430,34 @@ static float score_scale(const tf_attn_problem *p, const tf_attn_operand *q, con
 /* The output scale: v's descale when it is E4M3. */
 static float v_scale(const tf_attn_operand *v) { return v->elem == TF_ATTN_E4M3 ? v->descale : 1.0f; }
 
-/* The block's query rows [r0, r0 + rows) of head h as q^T pairs over the head dim, zero past `rows`. */
+/*
+ * The block's query rows [r0, r0 + rows) of head h as q^T pairs over the head
+ * dim, zero past `rows`. A pair is a word: bf16 q is transposed as 16 x 16
+ * blocks of words in registers (each row's 32 bf16 one masked load, zero past
+ * D) instead of one word at a time; E4M3 q is decoded by the packer.
+ */
 TF_ATTN_INLINE void pack_q(const tf_attn_problem *p, const tf_attn_operand *q, tf_attn_segment qs,
                            int64_t h, int64_t r0, int64_t rows, int64_t nq, const fwd_scratch *t) {
   (void)nq;
-  tf_amx_pack_transposed(q, tf_attn_row_offset(q, qs.batch, qs.start + r0, h), q->stride_s, rows,
-                         LD, p->head_dim, tf_attn_padded_dim(p), t->qt);
+  const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
+  const int64_t first = tf_attn_row_offset(q, qs.batch, qs.start + r0, h);
+  if (q->elem != TF_ATTN_BF16) {
+    tf_amx_pack_transposed(q, first, q->stride_s, rows, LD, D, dp, t->qt);
+    return;
+  }
+  const uint16_t *src = (const uint16_t *)q->data + first;
+  for (int64_t j0 = 0; j0 < LD; j0 += 16)
+    for (int64_t d0 = 0; d0 < dp; d0 += 32) {
+      const int64_t n = min64(D - d0, 32);
+      const __mmask32 in_d = n <= 0 ? 0 : (__mmask32)(0xFFFFFFFFu >> (32 - n));
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < rows ? _mm512_maskz_loadu_epi16(in_d, src + (j0 + i) * q->stride_s + d0)
+                             : _mm512_setzero_si512();
+      tf_transpose16_epi32(r);
+      for (int64_t c = 0; c < min64(16, (dp - d0) / 2); ++c)
+        _mm512_storeu_si512(t->qt + 2 * ((d0 / 2 + c) * LD + j0), r[c]);
+    }
 }
 
 /* tf_amx_pack_pairs zeroes v's padding itself. */
@@ -547,16 +569,19 @@ TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_opera
     t.m[i] = -INFINITY;
     t.l[i] = 0.0f;
   }
-  /* The query rows of the next unit, which is usually this thread's next one. */
+  /* The query rows and first key tile of the next unit, which is usually this thread's next one. */
   const int64_t next = unit + count;
-  tf_attn_segment next_qs = qs;
-  int64_t next_h = 0, next_r0 = 0, next_rows = 0;
+  tf_attn_segment next_qs = qs, next_ks = ks;
+  int64_t next_h = 0, next_r0 = 0, next_rows = 0, next_keys = 0;
   if (next < tf_attn_num_segments(p) * H * tiles) {
     next_qs = tf_attn_q_segment(p, next / (H * tiles));
+    next_ks = tf_attn_kv_segment(p, next / (H * tiles));
     next_h = next / tiles % H;
     next_r0 = next % tiles * BQ;
     next_rows = clamp64(next_qs.valid - next_r0, 0, BQ);
+    next_keys = next_rows > 0 ? min64(BK, next_ks.valid) : 0;
   }
+  const int64_t next_hk = next_h / (H / p->heads_kv);
   clear_v_padding(&t, D, dp);
 
   for (int64_t k0 = 0; k0 < kv_end; k0 += BK) {
@@ -566,7 +591,11 @@ TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_opera
     const int first = k0 == 0;
     const int64_t strips = (nq + SW - 1) / SW;
     for (int64_t i0 = 0; i0 < nq; i0 += SW) {
-      /* Each strip asks for a share of what comes next: the next key tile, or after the last one, this unit's output rows and the next unit's query rows. */
+      /*
+       * Each strip asks for a share of what comes next: the next key tile, or
+       * after the last one, this unit's output rows and the next unit's query
+       * rows and first key tile.
+       */
       const int64_t part = i0 / SW;
       if (k0 + BK < kv_end) {
         const int64_t end = min64(k0 + 2 * BK, kv_end);
@@ -575,6 +604,8 @@ TF_ATTN_INLINE void fwd_block_body(const tf_attn_problem *p, const tf_attn_opera
       } else {
         prefetch_share(out, qs, h, r0, r0 + rows, part, strips, D, 1);
         prefetch_share(q, next_qs, next_h, next_r0, next_r0 + next_rows, part, strips, D, 0);
+        prefetch_share(k, next_ks, next_hk, 0, next_keys, part, strips, D, 0);
+        prefetch_share(v, next_ks, next_hk, 0, next_keys, part, strips, D, 0);
       }
       const int64_t width = min64(SW, nq - i0);
       const strip s = make_strip(p, i0, width, r0, k0, nk);
