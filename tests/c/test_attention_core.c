@@ -559,6 +559,10 @@ static void test_checks(void) {
   CHECK(tf_attn_fwd(&p, &op, &op, &op, &op, lse, 0, tf_attn_fwd_units(&p), scratch) == TF_OK, "valid call");
   CHECK(tf_attn_fwd(&p, &op, &op, &op, &op, lse, 0, tf_attn_fwd_units(&p) + 1, scratch) == TF_ERR_BAD_SIZE,
         "unit range past the end");
+  /* The row-dot pass takes every head of a (sequence, query tile) in one unit. */
+  CHECK(tf_attn_rowdot_units(&p) == 1, "row-dot units: %lld", (long long)tf_attn_rowdot_units(&p));
+  CHECK(tf_attn_bwd_rowdot(&p, &op, &op, lse, 0, 2) == TF_ERR_BAD_SIZE, "row-dot range past the end");
+  CHECK(tf_attn_bwd_rowdot(&p, &op, &op, NULL, 0, 1) == TF_ERR_NULL_POINTER, "null delta");
   CHECK(tf_attn_fwd(&p, &op, &op, &op, &op, NULL, 0, 1, scratch) == TF_ERR_NULL_POINTER, "null lse");
   CHECK(tf_attn_fwd(&p, NULL, &op, &op, &op, lse, 0, 1, scratch) == TF_ERR_NULL_POINTER, "null operand");
   tf_attn_operand o = op;
