@@ -127,13 +127,16 @@ def main(argv=None):
 @contextlib.contextmanager
 def gc_frozen():
     """Collects garbage, then moves every object alive into the collector's permanent generation
-    (gc.freeze) until the block ends, so collections inside it look only at objects made since."""
+    (gc.freeze) until the block ends, so collections inside it look only at objects made since.
+    At the end, what setup made and the block dropped is collected there and then, before the caller
+    tears down its process group, not at some later allocation."""
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()
+        gc.collect()
 
 
 def train(args, device, rank, world):
