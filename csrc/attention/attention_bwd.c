@@ -75,7 +75,7 @@ tf_status tf_attn_bwd_dq(const tf_attn_problem *p, const tf_attn_operand *dout,
   if ((st = tf_attn_check_operand(p, dq, p->seq_q, p->heads_q, 1)) != TF_OK) return st;
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_fwd_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !delta || !scratch)) return TF_ERR_NULL_POINTER;
-  const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
+  const int64_t tiles = tf_attn_q_tiles(p);
   void (*unit)TF_ATTN_DQ_UNIT_PARAMS = dq_unit;
 #if TF_ATTN_BF16_BUILT
   if (bf16_units(p, dout, q, k, v)) unit = tf_attn_bf16_dq_unit;

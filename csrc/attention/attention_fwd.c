@@ -20,7 +20,7 @@ tf_status tf_attn_fwd(const tf_attn_problem *p, const tf_attn_operand *q, const 
     return st;
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_fwd_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && (!lse || !scratch)) return TF_ERR_NULL_POINTER;
-  const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
+  const int64_t tiles = tf_attn_q_tiles(p);
 #if TF_ATTN_AMX_BUILT
   if (tf_attn_amx_applies(p, q)) {
     for (int64_t u = unit_begin; u < unit_end; ++u)
@@ -51,7 +51,7 @@ tf_status tf_attn_bwd_rowdot(const tf_attn_problem *p, const tf_attn_operand *do
   if (!tf_range_ok(unit_begin, unit_end, tf_attn_rowdot_units(p))) return TF_ERR_BAD_SIZE;
   if (unit_end > unit_begin && !delta) return TF_ERR_NULL_POINTER;
   const int64_t H = p->heads_q, D = p->head_dim;
-  const int64_t tiles = (tf_attn_max_q_span(p) + BQ - 1) / BQ;
+  const int64_t tiles = tf_attn_q_tiles(p);
   float a[16], b[16];
   /* Every head of a row, then the next row: in the [s, b, h, d] and [b, s, h, d] layouts a row's heads
    * are one run of memory, while one head's rows lie a sequence stride apart, which the hardware

@@ -45,6 +45,8 @@ tf_attn_segment tf_attn_q_segment(const tf_attn_problem *p, int64_t seg);
 tf_attn_segment tf_attn_kv_segment(const tf_attn_problem *p, int64_t seg);
 /* Longest query segment, which sets the number of query tiles per (segment, head). */
 int64_t tf_attn_max_q_span(const tf_attn_problem *p);
+/* Query tiles (TF_ATTN_BLOCK_Q rows) per (segment, head): those of the longest query segment. */
+int64_t tf_attn_q_tiles(const tf_attn_problem *p);
 /* Longest kv segment, which sets the number of key tiles of the split backward. */
 int64_t tf_attn_max_kv_span(const tf_attn_problem *p);
 

@@ -131,14 +131,15 @@ int64_t tf_attn_max_kv_span(const tf_attn_problem *p) {
   return m;
 }
 
-int64_t tf_attn_fwd_units(const tf_attn_problem *p) {
-  const int64_t tiles = (tf_attn_max_q_span(p) + TF_ATTN_BLOCK_Q - 1) / TF_ATTN_BLOCK_Q;
-  return tf_attn_num_segments(p) * p->heads_q * tiles;
+int64_t tf_attn_q_tiles(const tf_attn_problem *p) {
+  return (tf_attn_max_q_span(p) + TF_ATTN_BLOCK_Q - 1) / TF_ATTN_BLOCK_Q;
 }
 
-int64_t tf_attn_rowdot_units(const tf_attn_problem *p) {
-  return tf_attn_num_segments(p) * ((tf_attn_max_q_span(p) + TF_ATTN_BLOCK_Q - 1) / TF_ATTN_BLOCK_Q);
+int64_t tf_attn_fwd_units(const tf_attn_problem *p) {
+  return tf_attn_num_segments(p) * p->heads_q * tf_attn_q_tiles(p);
 }
+
+int64_t tf_attn_rowdot_units(const tf_attn_problem *p) { return tf_attn_num_segments(p) * tf_attn_q_tiles(p); }
 
 int64_t tf_attn_bwd_units(const tf_attn_problem *p) {
   return tf_attn_num_segments(p) * p->heads_kv;
