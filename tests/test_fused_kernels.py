@@ -71,6 +71,39 @@ def test_gelu_matches_torch_tanh_gelu_exactly_enough():
     assert (y - F.gelu(x)).abs().max() > 1e-4
 
 
+def test_gelu_special_values_are_torchs():
+    # Infinities, NaN, overflowing x^3 and the far negative tail, where the kernel's form
+    # x / (1 + exp(-2u)) must give torch's -0 / NaN rather than a tiny value or an infinity.
+    x = torch.tensor([float("-inf"), float("inf"), float("nan"), -1e30, 1e30, -3e12, 3e12, -20.0, -12.0,
+                      -9.9, 20.0, 0.0, -0.0, 1e-30, -1e-30, 1e-45, -1e-45])
+    y = fused.bias_activation(x, None, "gelu")
+    ref = F.gelu(x, approximate="tanh")
+    assert torch.equal(y.isnan(), ref.isnan())
+    finite = ~ref.isnan()
+    assert torch.equal(y[finite].signbit(), ref[finite].signbit())
+    assert torch.equal(y.isinf(), ref.isinf()) and torch.equal(y[ref.isinf()], ref[ref.isinf()])
+    finite &= ~ref.isinf()
+    assert ((y[finite] - ref[finite]).abs() <= 1e-6 * ref[finite].abs().clamp(min=1.0)).all()
+    dx, _ = fused.activation_bias_backward(torch.ones_like(x), x, None, "gelu")
+    dref = torch.ops.aten.gelu_backward(torch.ones_like(x), x, approximate="tanh")
+    assert torch.equal(dx.isnan(), dref.isnan())
+    assert torch.allclose(dx[~dref.isnan()], dref[~dref.isnan()], rtol=0, atol=2e-6)
+
+
+def test_gelu_float64_accuracy_over_its_range():
+    # The tanh approximation evaluated in float64 is the reference; float32 inputs drawn over the
+    # range where GELU and its gradient change, both tails included.
+    x = torch.cat([torch.randn(20000) * 4, torch.empty(2000).uniform_(-60, 60)])
+    xd = x.double()
+    u = 0.7978845608028654 * (xd + 0.044715 * xd ** 3)
+    y = fused.bias_activation(x, None, "gelu")
+    assert (y.double() - 0.5 * xd * (1 + torch.tanh(u))).abs().max() < 2e-6 * xd.abs().clamp(min=1).max()
+    dx, _ = fused.activation_bias_backward(torch.ones_like(x), x, None, "gelu")
+    t = torch.tanh(u)
+    dref = 0.5 * (1 + t) + 0.5 * xd * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * xd * xd)
+    assert (dx.double() - dref).abs().max() < 2e-6
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu(dtype):
     x = _rand(7, 3, 130, dtype=dtype)

@@ -31,26 +31,41 @@ TF_HD float tf_ops_expf(float x) {
   return p * tf_f32_from_bits((uint32_t)((int32_t)n + 127) << 23);
 }
 
-/* tanh(u) = sign(u) (1 - 2 / (exp(2|u|) + 1)); absolute error ~1e-7. */
-TF_HD float tf_ops_tanhf(float u) {
-  const float a = u < 0.0f ? -u : u;
-  const float t = 1.0f - 2.0f / (tf_ops_expf(2.0f * a) + 1.0f);
-  return u < 0.0f ? -t : t;
-}
-
 #define TF_GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
 #define TF_GELU_K1 0.044715f
 
-/* GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
-TF_HD float tf_ops_gelu(float x) {
-  return 0.5f * x * (1.0f + tf_ops_tanhf(TF_GELU_K0 * (x + TF_GELU_K1 * x * x * x)));
+/*
+ * GELU, tanh approximation: 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), computed
+ * as x s with s = 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)): one exp and one division, and no
+ * cancellation in 1 + tanh(u) for negative u. Where exp(-2u) would pass the clamp of tf_ops_expf
+ * (s < 2^-125), s is 0, so GELU keeps torch's values at the edges: -0 for very negative x, NaN for
+ * -inf.
+ */
+#define TF_GELU_EXP_LIMIT 87.0f
+
+/* -2u of the tanh approximation. */
+TF_HD float tf_ops_gelu_minus_2u(float x) {
+  return (-2.0f * TF_GELU_K0) * x - (2.0f * TF_GELU_K0 * TF_GELU_K1) * (x * x * x);
 }
 
-/* d gelu / dx of the tanh approximation. */
+TF_HD float tf_ops_gelu(float x) {
+  const float z = tf_ops_gelu_minus_2u(x);
+  const float s = z > TF_GELU_EXP_LIMIT ? 0.0f : 1.0f / (1.0f + tf_ops_expf(z));
+  return x * s;
+}
+
+/*
+ * d gelu / dx = s + x s (1 - s) d(2u)/dx, with s (1 - s) = exp(-2u) s^2 (again no cancellation).
+ * That term is 0 where exp(-2u) is clamped, so, as in torch, the gradient is NaN at +-inf and for
+ * |x| so large that d(2u)/dx overflows.
+ */
 TF_HD float tf_ops_dgelu(float x) {
-  const float t = tf_ops_tanhf(TF_GELU_K0 * (x + TF_GELU_K1 * x * x * x));
-  const float du = TF_GELU_K0 * (1.0f + 3.0f * TF_GELU_K1 * x * x);
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+  const float z = tf_ops_gelu_minus_2u(x);
+  const float e = tf_ops_expf(z);
+  const float s = z > TF_GELU_EXP_LIMIT ? 0.0f : 1.0f / (1.0f + e);
+  const float ds = z > TF_GELU_EXP_LIMIT || z < -TF_GELU_EXP_LIMIT ? 0.0f : e * s * s;
+  const float du2 = (2.0f * TF_GELU_K0) * (1.0f + (3.0f * TF_GELU_K1) * (x * x));
+  return s + x * du2 * ds;
 }
 
 TF_HD float tf_ops_sigmoid(float a) { return 1.0f / (1.0f + tf_ops_expf(-a)); }
