@@ -119,19 +119,20 @@ def test_swiglu(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("zero_centered", [False, True])
 @pytest.mark.parametrize("kind", ["rms", "ln"])
-def test_norms(dtype, zero_centered, kind):
-    x = _rand(300, 96, dtype=dtype) + 0.5
-    w = _rand(96, dtype=dtype, scale=0.5)
-    b = _rand(96, dtype=dtype, scale=0.5)
-    g = _rand(300, 96, dtype=dtype, scale=1.0)
+@pytest.mark.parametrize("cols", [96, 512, 1100])  # rows of one tile (loaded once) and of several
+def test_norms(dtype, zero_centered, kind, cols):
+    x = _rand(300, cols, dtype=dtype) + 0.5
+    w = _rand(cols, dtype=dtype, scale=0.5)
+    b = _rand(cols, dtype=dtype, scale=0.5)
+    g = _rand(300, cols, dtype=dtype, scale=1.0)
     x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
     w_eff = w64 + 1 if zero_centered else w64
     if kind == "rms":
-        ref = F.rms_norm(x64, (96,), w_eff, 1e-5)
+        ref = F.rms_norm(x64, (cols,), w_eff, 1e-5)
         y, rstd = fused.rmsnorm(x, w, 1e-5, zero_centered)
         dx, dw = fused.rmsnorm_backward(g, x, rstd, w, zero_centered)
     else:
-        ref = F.layer_norm(x64, (96,), w_eff, b64, 1e-5)
+        ref = F.layer_norm(x64, (cols,), w_eff, b64, 1e-5)
         y, mean, rstd = fused.layernorm(x, w, b, 1e-5, zero_centered)
         dx, dw, db = fused.layernorm_backward(g, x, mean, rstd, w, zero_centered)
         _close(mean, x64.detach().mean(-1), torch.float32)

@@ -78,11 +78,44 @@ TF_ISA_INLINE void normalize_row(const void *x, tf_dtype dtype, const void *gamm
   }
 }
 
+/*
+ * norm_rows_body for rows of one tile (the common hidden sizes up to TF_OPS_TILE): each row is
+ * converted once rather than three times, and gamma and beta once per band. The same operations
+ * in the same order as the general loop, so the same bits.
+ */
+TF_ISA_INLINE void norm_short_rows(const void *x, tf_dtype dtype, const void *gamma, const void *beta,
+                                   tf_dtype param_dtype, int zero_centered, float eps, int64_t cols,
+                                   int64_t row_begin, int64_t row_end, const tf_ops_output *y, float *mean,
+                                   float *rstd, uint32_t *amax_bits) {
+  float v[TF_OPS_TILE];
+  float w[TF_OPS_TILE];
+  float b[TF_OPS_TILE];
+  load_weight(gamma, param_dtype, zero_centered, 0, cols, w);
+  if (beta) tf_ops_load(beta, param_dtype, 0, cols, b);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    tf_ops_load(x, dtype, r * cols, cols, v);
+    const float mu = mean ? (float)((double)tile_sum(v, cols, 0.0f, 0) / (double)cols) : 0.0f;
+    const double var = (double)tile_sum(v, cols, mu, 1) / (double)cols;
+    const float rs = (float)(1.0 / sqrt(var + (double)eps));
+    if (mean) mean[r] = mu;
+    rstd[r] = rs;
+    for (int64_t i = 0; i < cols; ++i) v[i] = (v[i] - mu) * rs * w[i];
+    if (beta)
+      for (int64_t i = 0; i < cols; ++i) v[i] += b[i];
+    tf_ops_store(y, r * cols, cols, v, amax_bits);
+  }
+}
+
 /* Rows [row_begin, row_end) of either norm: LayerNorm where mean is given, else RMSNorm. */
 TF_ISA_INLINE void norm_rows_body(const void *x, tf_dtype dtype, const void *gamma, const void *beta,
                                   tf_dtype param_dtype, int zero_centered, float eps, int64_t cols,
                                   int64_t row_begin, int64_t row_end, const tf_ops_output *y, float *mean,
                                   float *rstd, uint32_t *amax_bits) {
+  if (cols > 0 && cols <= TF_OPS_TILE) {
+    norm_short_rows(x, dtype, gamma, beta, param_dtype, zero_centered, eps, cols, row_begin, row_end, y, mean,
+                    rstd, amax_bits);
+    return;
+  }
   for (int64_t r = row_begin; r < row_end; ++r) {
     float mu = 0.0f;
     if (mean && cols > 0) mu = (float)(row_sum(x, dtype, r * cols, cols, 0.0f, 0) / (double)cols);

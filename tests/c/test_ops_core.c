@@ -147,48 +147,54 @@ static void test_layernorm(void) {
 /*
  * Each x86-64 level's build of the kernels (common/tf_isa_clones.h) gives the baseline build's bits:
  * bias+GELU forward and backward with dbias, and LayerNorm and RMSNorm forward and backward, from
- * bf16 inputs, on rows longer than a tile and not a multiple of any vector width.
+ * bf16 inputs, on rows longer than a tile and rows of one tile (the norms' short-row loop), neither a
+ * multiple of any vector width.
  */
-enum { IR = 5, IC = 1043, IOUT = 5 * IR * IC + 4 * IC + 4 * IR };
+enum { IR = 5, IC_MAX = 1043, IOUT_MAX = 5 * IR * IC_MAX + 4 * IC_MAX + 4 * IR };
 
-/* Every output of the kernels, packed one after another into out (IOUT floats). */
-static void run_all_ops(const uint16_t *x, const uint16_t *dy, const uint16_t *w, const uint16_t *b,
+/* The number of outputs of run_all_ops for rows of `cols` columns. */
+static int64_t outputs(int64_t cols) { return 5 * IR * cols + 4 * cols + 4 * IR; }
+
+/* Every output of the kernels on IR x cols inputs, packed one after another into out. */
+static void run_all_ops(const uint16_t *x, const uint16_t *dy, const uint16_t *w, const uint16_t *b, int64_t cols,
                         float *out) {
-  float *y = out, *dx = y + IR * IC, *ln_y = dx + IR * IC, *ln_dx = ln_y + IR * IC, *rms_dx = ln_dx + IR * IC;
-  float *dbias = rms_dx + IR * IC, *dgamma = dbias + IC, *dbeta = dgamma + IC, *rms_dgamma = dbeta + IC;
-  float *mean = rms_dgamma + IC, *rstd = mean + IR, *rms_y = rstd + IR, *rms_rstd = rms_y + IR;
-  static float rms_full[IR * IC];
+  float *y = out, *dx = y + IR * cols, *ln_y = dx + IR * cols, *ln_dx = ln_y + IR * cols;
+  float *rms_dx = ln_dx + IR * cols;
+  float *dbias = rms_dx + IR * cols, *dgamma = dbias + cols, *dbeta = dgamma + cols, *rms_dgamma = dbeta + cols;
+  float *mean = rms_dgamma + cols, *rstd = mean + IR, *rms_y = rstd + IR, *rms_rstd = rms_y + IR;
+  static float rms_full[IR * IC_MAX];
   uint32_t amax = 0;
   const tf_ops_output o_y = f32_out(y), o_dx = f32_out(dx), o_ln = f32_out(ln_y), o_rms = f32_out(rms_full);
-  CHECK(tf_bias_act_forward(x, TF_BFLOAT16, b, TF_BFLOAT16, IR, IC, 0, IR, TF_ACT_GELU_TANH, &o_y, &amax) ==
+  CHECK(tf_bias_act_forward(x, TF_BFLOAT16, b, TF_BFLOAT16, IR, cols, 0, IR, TF_ACT_GELU_TANH, &o_y, &amax) ==
             TF_OK &&
-        tf_act_bias_backward(dy, TF_BFLOAT16, x, TF_BFLOAT16, b, TF_BFLOAT16, IR, IC, 0, IR, TF_ACT_GELU_TANH,
+        tf_act_bias_backward(dy, TF_BFLOAT16, x, TF_BFLOAT16, b, TF_BFLOAT16, IR, cols, 0, IR, TF_ACT_GELU_TANH,
                              &o_dx, dbias, &amax) == TF_OK &&
-        tf_layernorm_forward(x, TF_BFLOAT16, w, b, TF_BFLOAT16, 0, 1e-5f, IR, IC, 0, IR, &o_ln, mean, rstd,
+        tf_layernorm_forward(x, TF_BFLOAT16, w, b, TF_BFLOAT16, 0, 1e-5f, IR, cols, 0, IR, &o_ln, mean, rstd,
                              &amax) == TF_OK &&
-        tf_layernorm_backward(dy, TF_BFLOAT16, x, TF_BFLOAT16, mean, rstd, w, TF_BFLOAT16, 0, IR, IC, 0, IR,
+        tf_layernorm_backward(dy, TF_BFLOAT16, x, TF_BFLOAT16, mean, rstd, w, TF_BFLOAT16, 0, IR, cols, 0, IR,
                               ln_dx, TF_FLOAT32, dgamma, dbeta) == TF_OK &&
-        tf_rmsnorm_forward(x, TF_BFLOAT16, w, TF_BFLOAT16, 1, 1e-5f, IR, IC, 0, IR, &o_rms, rms_rstd, &amax) ==
+        tf_rmsnorm_forward(x, TF_BFLOAT16, w, TF_BFLOAT16, 1, 1e-5f, IR, cols, 0, IR, &o_rms, rms_rstd, &amax) ==
             TF_OK &&
-        tf_rmsnorm_backward(dy, TF_BFLOAT16, x, TF_BFLOAT16, rms_rstd, w, TF_BFLOAT16, 1, IR, IC, 0, IR, rms_dx,
+        tf_rmsnorm_backward(dy, TF_BFLOAT16, x, TF_BFLOAT16, rms_rstd, w, TF_BFLOAT16, 1, IR, cols, 0, IR, rms_dx,
                             TF_FLOAT32, rms_dgamma) == TF_OK,
         "isa %d: kernel status", (int)tf_cpu_isa());
-  for (int r = 0; r < IR; ++r) rms_y[r] = rms_full[r * IC + IC - 1];
+  for (int r = 0; r < IR; ++r) rms_y[r] = rms_full[r * cols + cols - 1];
 }
 
-static void test_isa_builds_agree(void) {
-  static uint16_t x[IR * IC], dy[IR * IC], w[IC], b[IC];
-  static float base[IOUT], got[IOUT];
-  for (int i = 0; i < IR * IC; ++i) x[i] = tf_f32_to_bf16(rand_f(4.0f) + 1.0f), dy[i] = tf_f32_to_bf16(rand_f(1.0f));
-  for (int c = 0; c < IC; ++c) w[c] = tf_f32_to_bf16(rand_f(1.0f)), b[c] = tf_f32_to_bf16(rand_f(1.0f));
+static void test_isa_builds_agree(int64_t cols) {
+  static uint16_t x[IR * IC_MAX], dy[IR * IC_MAX], w[IC_MAX], b[IC_MAX];
+  static float base[IOUT_MAX], got[IOUT_MAX];
+  for (int i = 0; i < IR * cols; ++i) x[i] = tf_f32_to_bf16(rand_f(4.0f) + 1.0f), dy[i] = tf_f32_to_bf16(rand_f(1.0f));
+  for (int c = 0; c < cols; ++c) w[c] = tf_f32_to_bf16(rand_f(1.0f)), b[c] = tf_f32_to_bf16(rand_f(1.0f));
   CHECK(tf_set_cpu_isa_cap(TF_ISA_PORTABLE) == TF_OK, "cap");
-  run_all_ops(x, dy, w, b, base);
+  run_all_ops(x, dy, w, b, cols, base);
   for (int isa = 1; isa <= (int)tf_cpu_isa_detected(); ++isa) {
     CHECK(tf_set_cpu_isa_cap(isa) == TF_OK, "cap %d", isa);
-    run_all_ops(x, dy, w, b, got);
+    run_all_ops(x, dy, w, b, cols, got);
     int64_t differ = 0;
-    for (int64_t i = 0; i < IOUT; ++i) differ += memcmp(&got[i], &base[i], sizeof(float)) != 0;
-    CHECK(differ == 0, "isa %d: %lld of %d outputs differ from the baseline build", isa, (long long)differ, IOUT);
+    for (int64_t i = 0; i < outputs(cols); ++i) differ += memcmp(&got[i], &base[i], sizeof(float)) != 0;
+    CHECK(differ == 0, "isa %d, %lld columns: %lld of %lld outputs differ from the baseline build", isa,
+          (long long)cols, (long long)differ, (long long)outputs(cols));
   }
   CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "uncap");
 }
@@ -234,7 +240,8 @@ int main(void) {
   test_fp8_output();
   test_swiglu();
   test_layernorm();
-  test_isa_builds_agree();
+  test_isa_builds_agree(IC_MAX);
+  test_isa_builds_agree(333);
   test_checks();
   return check_report();
 }
