@@ -32,15 +32,23 @@ TF_ISA_INLINE float lanes_total(const float lane[TF_ISA_LANES]) {
   return total;
 }
 
-/* sum of v[i] (squared, after subtracting center, when `squared`) over [0, n). */
+/*
+ * sum of v[i] (squared, after subtracting center, when `squared`) over [0, n). Whole groups of
+ * TF_ISA_LANES first, in a loop of fixed trip count so the partial sums stay in registers, then the
+ * tail: the same additions in the same order as one loop over i.
+ */
 TF_ISA_INLINE float tile_sum(const float *restrict v, int64_t n, float center, int squared) {
   float lane[TF_ISA_LANES] = {0};
-  for (int64_t i = 0; i < n; i += TF_ISA_LANES) {
-    const int64_t m = n - i < TF_ISA_LANES ? n - i : TF_ISA_LANES;
-    for (int64_t l = 0; l < m; ++l) {
+  int64_t i = 0;
+  for (; i + TF_ISA_LANES <= n; i += TF_ISA_LANES) {
+    for (int l = 0; l < TF_ISA_LANES; ++l) {
       const float d = v[i + l] - center;
       lane[l] += squared ? d * d : v[i + l];
     }
+  }
+  for (int l = 0; i + l < n; ++l) {
+    const float d = v[i + l] - center;
+    lane[l] += squared ? d * d : v[i + l];
   }
   return lanes_total(lane);
 }
@@ -194,13 +202,17 @@ TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, co
       tf_ops_load(x, dtype, offset + c0, n, v);
       load_weight(gamma, param_dtype, zero_centered, c0, n, w);
       float lane_g[TF_ISA_LANES] = {0}, lane_gx[TF_ISA_LANES] = {0};
-      for (int64_t i = 0; i < n; i += TF_ISA_LANES) {
-        const int64_t m = n - i < TF_ISA_LANES ? n - i : TF_ISA_LANES;
-        for (int64_t l = 0; l < m; ++l) {
+      int64_t i = 0;
+      for (; i + TF_ISA_LANES <= n; i += TF_ISA_LANES) /* as in tile_sum: whole groups, then the tail */
+        for (int l = 0; l < TF_ISA_LANES; ++l) {
           const float g = d[i + l] * w[i + l];
           lane_g[l] += g;
           lane_gx[l] += g * (v[i + l] - mu) * rs;
         }
+      for (int l = 0; i + l < n; ++l) {
+        const float g = d[i + l] * w[i + l];
+        lane_g[l] += g;
+        lane_gx[l] += g * (v[i + l] - mu) * rs;
       }
       sum_g += lanes_total(lane_g);
       sum_gx += lanes_total(lane_gx);
