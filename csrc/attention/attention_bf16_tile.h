@@ -85,6 +85,57 @@ TF_ATTN_INLINE void tf_bf16_transpose_pairs(const uint16_t *src, int64_t lds, in
   for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * ldd, r[i]);
 }
 
+/* Mask of the elements [d0, d0 + 32) of a row of D that lie before D. */
+TF_ATTN_INLINE __mmask32 tf_bf16_row_mask(int64_t D, int64_t d0) {
+  const int64_t n = D - d0 < 32 ? D - d0 : 32;
+  return n <= 0 ? 0 : (__mmask32)(0xFFFFFFFFu >> (32 - n));
+}
+
+/*
+ * Rows j in [0, n) of D bf16 (src[j * stride + d]) as pairs over the row's
+ * elements, x^T: dst[(r * cols + j) * 2 + e] = src[j * stride + 2 r + e] for
+ * r < dp / 2, zero for j in [n, cols) or 2 r + e >= D (tf_amx_pack_transposed
+ * for a bf16 operand). cols and dp are multiples of 16. A pair is a word: 16 x
+ * 16 blocks of words are transposed in registers.
+ */
+TF_ATTN_INLINE void tf_bf16_pack_transposed(const uint16_t *src, int64_t stride, int64_t n,
+                                            int64_t cols, int64_t D, int64_t dp, uint16_t *dst) {
+  for (int64_t j0 = 0; j0 < cols; j0 += 16)
+    for (int64_t d0 = 0; d0 < dp; d0 += 32) {
+      const __mmask32 in_d = tf_bf16_row_mask(D, d0);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < n ? _mm512_maskz_loadu_epi16(in_d, src + (j0 + i) * stride + d0)
+                          : _mm512_setzero_si512();
+      tf_transpose16_epi32(r);
+      for (int64_t c = 0; c < 16 && d0 / 2 + c < dp / 2; ++c)
+        _mm512_storeu_si512(dst + 2 * ((d0 / 2 + c) * cols + j0), r[c]);
+    }
+}
+
+/*
+ * Rows j in [0, n) of D bf16 as pairs over the rows: dst[((j / 2) * dp + d) *
+ * 2 + j % 2] = src[j * stride + d], zero for j in [n, rows) or d >= D
+ * (tf_amx_pack_pairs for a bf16 operand). rows is even, dp a multiple of 16.
+ */
+TF_ATTN_INLINE void tf_bf16_pack_pairs(const uint16_t *src, int64_t stride, int64_t n, int64_t rows,
+                                       int64_t D, int64_t dp, uint16_t *dst) {
+  /* Halfwords 0..15 (lo) or 16..31 (hi) of a and of b (32 + i), alternating. */
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < rows; j += 2)
+    for (int64_t d0 = 0; d0 < dp; d0 += 32) {
+      const __mmask32 in_d = tf_bf16_row_mask(D, d0);
+      const __m512i a = j < n ? _mm512_maskz_loadu_epi16(in_d, src + j * stride + d0) : _mm512_setzero_si512();
+      const __m512i b =
+          j + 1 < n ? _mm512_maskz_loadu_epi16(in_d, src + (j + 1) * stride + d0) : _mm512_setzero_si512();
+      uint16_t *out = dst + 2 * (j / 2 * dp + d0);
+      _mm512_storeu_si512(out, _mm512_permutex2var_epi16(a, lo, b));
+      if (d0 + 16 < dp) _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+}
+
 /*
  * C[M x N] (row stride ldc) = (accumulate ? C : 0) + A B over K (even), where
  * A[r][kk] is A[r * lda + kk] (bf16, pairs of kk adjacent) and B is pairs

@@ -432,9 +432,8 @@ static float v_scale(const tf_attn_operand *v) { return v->elem == TF_ATTN_E4M3 
 
 /*
  * The block's query rows [r0, r0 + rows) of head h as q^T pairs over the head
- * dim, zero past `rows`. A pair is a word: bf16 q is transposed as 16 x 16
- * blocks of words in registers (each row's 32 bf16 one masked load, zero past
- * D) instead of one word at a time; E4M3 q is decoded by the packer.
+ * dim, zero past `rows`: bf16 q by the vector transpose, E4M3 q decoded by the
+ * packer.
  */
 TF_ATTN_INLINE void pack_q(const tf_attn_problem *p, const tf_attn_operand *q, tf_attn_segment qs,
                            int64_t h, int64_t r0, int64_t rows, int64_t nq, const fwd_scratch *t) {
@@ -445,19 +444,7 @@ TF_ATTN_INLINE void pack_q(const tf_attn_problem *p, const tf_attn_operand *q, t
     tf_amx_pack_transposed(q, first, q->stride_s, rows, LD, D, dp, t->qt);
     return;
   }
-  const uint16_t *src = (const uint16_t *)q->data + first;
-  for (int64_t j0 = 0; j0 < LD; j0 += 16)
-    for (int64_t d0 = 0; d0 < dp; d0 += 32) {
-      const int64_t n = min64(D - d0, 32);
-      const __mmask32 in_d = n <= 0 ? 0 : (__mmask32)(0xFFFFFFFFu >> (32 - n));
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = j0 + i < rows ? _mm512_maskz_loadu_epi16(in_d, src + (j0 + i) * q->stride_s + d0)
-                             : _mm512_setzero_si512();
-      tf_transpose16_epi32(r);
-      for (int64_t c = 0; c < min64(16, (dp - d0) / 2); ++c)
-        _mm512_storeu_si512(t->qt + 2 * ((d0 / 2 + c) * LD + j0), r[c]);
-    }
+  tf_bf16_pack_transposed((const uint16_t *)q->data + first, q->stride_s, rows, LD, D, dp, t->qt);
 }
 
 /* tf_amx_pack_pairs zeroes v's padding itself. */
@@ -472,8 +459,11 @@ TF_ATTN_INLINE const uint16_t *pack_kv_tile(const tf_attn_operand *k, const tf_a
                                             tf_attn_segment ks, int64_t hk, int64_t k0, int64_t nk,
                                             int64_t D, int64_t dp, const fwd_scratch *t,
                                             int64_t *ldk) {
-  tf_amx_pack_pairs(v, tf_attn_row_offset(v, ks.batch, ks.start + k0, hk), v->stride_s, nk,
-                    (nk + 1) / 2 * 2, D, dp, t->v);
+  const int64_t vo = tf_attn_row_offset(v, ks.batch, ks.start + k0, hk);
+  if (v->elem == TF_ATTN_BF16)
+    tf_bf16_pack_pairs((const uint16_t *)v->data + vo, v->stride_s, nk, (nk + 1) / 2 * 2, D, dp, t->v);
+  else
+    tf_amx_pack_pairs(v, vo, v->stride_s, nk, (nk + 1) / 2 * 2, D, dp, t->v);
   const int64_t first = tf_attn_row_offset(k, ks.batch, ks.start + k0, hk);
   for (int64_t j = 0; j < nk; ++j) tf_amx_pack_row(k, first + j * k->stride_s, D, dp, t->k + j * dp);
   for (int64_t j = nk; j < (nk + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS; ++j)
