@@ -45,12 +45,15 @@
 #define BK TF_ATTN_BLOCK_K
 /*
  * Key tiles one walk over the query tiles serves (see key_tile_grads): two in
- * the AVX2 build, where it was measured, and in the bf16 build, whose query
+ * the AVX2 build, where it was measured; four in the bf16 build, whose query
  * tiles take longer to pack; one in the x86-64-v4 and baseline builds, which
  * keep the order of their dQ sums (they could not be measured on the
  * AVX2-only machine this was written on).
  */
-#define KT (TF_ATTN_VW == 8 || TF_ATTN_BF16_DOT ? TF_ATTN_BWD_KEY_TILES : 1)
+#define KT                                   \
+  (TF_ATTN_BF16_DOT ? TF_ATTN_BF16_BWD_KEY_TILES \
+   : TF_ATTN_VW == 8 ? TF_ATTN_BWD_KEY_TILES     \
+                     : 1)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 /*
@@ -430,7 +433,8 @@ static void store_key_grads(const tf_attn_problem *p, const tf_attn_operand *q, 
  * dK and dV of keys [k0, k0 + nk) of kv head hk, nk <= KT * BK, summed over
  * the query heads sharing it and the query tiles that see the keys; stores
  * them. When acc is not NULL, also adds dS k of every block into acc's rows
- * (unscaled dQ). The keys are taken as up to KT key tiles in one walk over the
+ * (unscaled dQ), or with `direct` (the keys are all the segment's) stores it
+ * there as dQ. The keys are taken as up to KT key tiles in one walk over the
  * query tiles, so that each query tile's q and dout rows are loaded, and its
  * acc rows updated, once for all of them.
  */
@@ -439,7 +443,7 @@ TF_ATTN_INLINE void key_tile_grads(const tf_attn_problem *p, const tf_attn_opera
                                    const tf_attn_operand *v, const float *lse, const float *delta,
                                    const tf_attn_operand *acc, const tf_attn_operand *dk,
                                    const tf_attn_operand *dv, int64_t seg, int64_t hk, int64_t k0,
-                                   int64_t nk, const bwd_scratch *t) {
+                                   int64_t nk, int direct, const bwd_scratch *t) {
   const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
   const int64_t group = p->heads_q / p->heads_kv;
   const int64_t tiles = (nk + BK - 1) / BK;
@@ -477,8 +481,12 @@ TF_ATTN_INLINE void key_tile_grads(const tf_attn_problem *p, const tf_attn_opera
       for (int64_t i = 0; i < nv; ++i) {
         if (i + AHEAD < nv)
           tf_attn_prefetch_row(acc, tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i + AHEAD, h), D, 1);
-        float *restrict a =
-            (float *)acc->data + tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i, h);
+        const int64_t at = tf_attn_row_offset(acc, qs.batch, qs.start + r0 + i, h);
+        if (direct) {
+          tf_attn_store_row(acc, at, D, p->softmax_scale * kd, t->dq + i * dp);
+          continue;
+        }
+        float *restrict a = (float *)acc->data + at;
         const float *restrict g = t->dq + i * dp;
         for (int64_t d = 0; d < D; ++d) a[d] += kd * g[d];
       }
@@ -549,24 +557,28 @@ TF_ATTN_INLINE void bwd_unit_body(const tf_attn_problem *p, const tf_attn_operan
   const int64_t seg = unit / p->heads_kv, hk = unit % p->heads_kv;
   const tf_attn_segment qs = tf_attn_q_segment(p, seg), ks = tf_attn_kv_segment(p, seg);
   const bwd_scratch t = split_scratch(scratch, p, q, k, v);
+  const int amx = amx_backward(p, q, dout);
+  /* One walk takes every key, and stores each query tile's dQ rows whole: acc is not needed. */
+  const int direct = !amx && ks.valid > 0 && ks.valid <= KT * BK;
 
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
-    for (int64_t i = 0; i < qs.span; ++i)
-      memset((float *)acc->data + tf_attn_row_offset(acc, qs.batch, qs.start + i, h), 0,
-             (size_t)D * sizeof(float));
+    for (int64_t i = direct ? qs.valid : 0; i < qs.span; ++i) {
+      const tf_attn_operand *rows = direct ? dq : acc;
+      tf_attn_zero_row(rows, tf_attn_row_offset(rows, qs.batch, qs.start + i, h), D);
+    }
   zero_key_rows(dk, dv, ks, hk, ks.valid, ks.span, D);
   clear_padding(&t, dp);
-  const int amx = amx_backward(p, q, dout);
   for (int64_t k0 = 0; k0 < ks.valid; k0 += KT * BK) {
     const int64_t nk = min64(KT * BK, ks.valid - k0);
     if (!amx) {
-      key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, k0, nk, &t);
+      key_tile_grads(p, dout, q, k, v, lse, delta, direct ? dq : acc, dk, dv, seg, hk, k0, nk, direct, &t);
       continue;
     }
     for (int64_t j0 = k0; j0 < k0 + nk; j0 += BK)
       amx_key_tile_grads(p, dout, q, k, v, lse, delta, acc, dk, dv, seg, hk, j0,
                          min64(BK, k0 + nk - j0), scratch);
   }
+  if (direct) return;
 
   for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
     for (int64_t i = 0; i < qs.span; ++i) {
@@ -600,7 +612,7 @@ TF_ATTN_INLINE void dkdv_unit_body(const tf_attn_problem *p, const tf_attn_opera
   }
   const bwd_scratch t = split_scratch(scratch, p, q, k, v);
   clear_padding(&t, dp);
-  key_tile_grads(p, dout, q, k, v, lse, delta, NULL, dk, dv, seg, hk, k0, nk, &t);
+  key_tile_grads(p, dout, q, k, v, lse, delta, NULL, dk, dv, seg, hk, k0, nk, 0, &t);
 }
 
 /* Split backward, second pass: dQ of one (sequence, query head, query tile), summed over its key tiles. */

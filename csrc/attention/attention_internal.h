@@ -30,6 +30,11 @@
  * then loaded, and its dQ rows updated, once for that many key tiles.
  */
 #define TF_ATTN_BWD_KEY_TILES 2
+/*
+ * Its bf16 products' build takes four: the example GPT's 256 keys in one walk,
+ * whose dQ rows are then stored once, without the float32 accumulator.
+ */
+#define TF_ATTN_BF16_BWD_KEY_TILES 4
 
 /*
  * One sequence's rows: rows [start, start + span) of dim 1 of batch entry
