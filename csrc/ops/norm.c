@@ -191,6 +191,9 @@ TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, co
   for (int64_t c = 0; c < cols; ++c) dgamma_partial[c] = 0.0f;
   if (dbeta_partial)
     for (int64_t c = 0; c < cols; ++c) dbeta_partial[c] = 0.0f;
+  /* Rows of one tile stay in d and v for both passes, and gamma in w for the whole band. */
+  const int one_tile = cols <= TF_OPS_TILE;
+  if (one_tile) load_weight(gamma, param_dtype, zero_centered, 0, cols, w);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const int64_t offset = r * cols;
     const float mu = mean ? mean[r] : 0.0f;
@@ -200,19 +203,15 @@ TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, co
       const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
       tf_ops_load(dy, dy_dtype, offset + c0, n, d);
       tf_ops_load(x, dtype, offset + c0, n, v);
-      load_weight(gamma, param_dtype, zero_centered, c0, n, w);
+      if (!one_tile) load_weight(gamma, param_dtype, zero_centered, c0, n, w);
       float lane_g[TF_ISA_LANES] = {0}, lane_gx[TF_ISA_LANES] = {0};
-      int64_t i = 0;
-      for (; i + TF_ISA_LANES <= n; i += TF_ISA_LANES) /* as in tile_sum: whole groups, then the tail */
-        for (int l = 0; l < TF_ISA_LANES; ++l) {
+      for (int64_t i = 0; i < n; i += TF_ISA_LANES) {
+        const int64_t m = n - i < TF_ISA_LANES ? n - i : TF_ISA_LANES;
+        for (int64_t l = 0; l < m; ++l) {
           const float g = d[i + l] * w[i + l];
           lane_g[l] += g;
           lane_gx[l] += g * (v[i + l] - mu) * rs;
         }
-      for (int l = 0; i + l < n; ++l) {
-        const float g = d[i + l] * w[i + l];
-        lane_g[l] += g;
-        lane_gx[l] += g * (v[i + l] - mu) * rs;
       }
       sum_g += lanes_total(lane_g);
       sum_gx += lanes_total(lane_gx);
@@ -221,9 +220,11 @@ TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, co
     const float mean_gx = (float)(sum_gx / (double)cols);
     for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
       const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
-      tf_ops_load(dy, dy_dtype, offset + c0, n, d);
-      tf_ops_load(x, dtype, offset + c0, n, v);
-      load_weight(gamma, param_dtype, zero_centered, c0, n, w);
+      if (!one_tile) {
+        tf_ops_load(dy, dy_dtype, offset + c0, n, d);
+        tf_ops_load(x, dtype, offset + c0, n, v);
+        load_weight(gamma, param_dtype, zero_centered, c0, n, w);
+      }
       float *restrict dg = dgamma_partial + c0;
       for (int64_t i = 0; i < n; ++i) {
         const float xhat = (v[i] - mu) * rs;
