@@ -48,10 +48,12 @@ TF_HD float tf_ops_gelu_minus_2u(float x) {
   return (-2.0f * TF_GELU_K0) * x - (2.0f * TF_GELU_K0 * TF_GELU_K1) * (x * x * x);
 }
 
+/* The division runs unconditionally and the limit only selects: a division under the condition
+ * made GCC's AVX2 build of the loops twice as slow. */
 TF_HD float tf_ops_gelu(float x) {
   const float z = tf_ops_gelu_minus_2u(x);
-  const float s = z > TF_GELU_EXP_LIMIT ? 0.0f : 1.0f / (1.0f + tf_ops_expf(z));
-  return x * s;
+  const float sigmoid = 1.0f / (1.0f + tf_ops_expf(z));
+  return x * (z > TF_GELU_EXP_LIMIT ? 0.0f : sigmoid);
 }
 
 /*
@@ -62,7 +64,8 @@ TF_HD float tf_ops_gelu(float x) {
 TF_HD float tf_ops_dgelu(float x) {
   const float z = tf_ops_gelu_minus_2u(x);
   const float e = tf_ops_expf(z);
-  const float s = z > TF_GELU_EXP_LIMIT ? 0.0f : 1.0f / (1.0f + e);
+  const float sigmoid = 1.0f / (1.0f + e);
+  const float s = z > TF_GELU_EXP_LIMIT ? 0.0f : sigmoid;
   const float ds = z > TF_GELU_EXP_LIMIT || z < -TF_GELU_EXP_LIMIT ? 0.0f : e * s * s;
   const float du2 = (2.0f * TF_GELU_K0) * (1.0f + (3.0f * TF_GELU_K1) * (x * x));
   return s + x * du2 * ds;
