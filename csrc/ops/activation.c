@@ -119,16 +119,9 @@ tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x,
   return TF_OK;
 }
 
-tf_status tf_swiglu_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
-                            int64_t row_begin, int64_t row_end, const tf_ops_output *y,
-                            uint32_t *amax_bits) {
-  if (!amax_bits) return TF_ERR_NULL_POINTER;
-  *amax_bits = 0;
-  if (!tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(y)) return TF_ERR_BAD_DTYPE;
-  if (!tf_mul_fits(cols, 2)) return TF_ERR_OVERFLOW;
-  const tf_status s = tf_ops_check_rows(rows, 2 * cols, row_begin, row_end);
-  if (s != TF_OK) return s;
-  if (row_end > row_begin && cols > 0 && (!x || !y->data)) return TF_ERR_NULL_POINTER;
+/* Rows [row_begin, row_end) of tf_swiglu_forward. */
+TF_ISA_INLINE void swiglu_rows_body(const void *x, tf_dtype dtype, int64_t cols, int64_t row_begin,
+                                    int64_t row_end, const tf_ops_output *y, uint32_t *amax_bits) {
   float a[TF_OPS_TILE];
   float g[TF_OPS_TILE];
   for (int64_t r = row_begin; r < row_end; ++r) {
@@ -140,20 +133,30 @@ tf_status tf_swiglu_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t
       tf_ops_store(y, r * cols + c0, n, a, amax_bits);
     }
   }
-  return TF_OK;
 }
+TF_ISA_CLONES(swiglu_rows,
+              (const void *x, tf_dtype dtype, int64_t cols, int64_t row_begin, int64_t row_end,
+               const tf_ops_output *y, uint32_t *amax_bits),
+              (x, dtype, cols, row_begin, row_end, y, amax_bits))
 
-tf_status tf_swiglu_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
-                             int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
-                             const tf_ops_output *dx, uint32_t *amax_bits) {
+tf_status tf_swiglu_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
+                            int64_t row_begin, int64_t row_end, const tf_ops_output *y,
+                            uint32_t *amax_bits) {
   if (!amax_bits) return TF_ERR_NULL_POINTER;
   *amax_bits = 0;
-  if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(dx))
-    return TF_ERR_BAD_DTYPE;
+  if (!tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(y)) return TF_ERR_BAD_DTYPE;
   if (!tf_mul_fits(cols, 2)) return TF_ERR_OVERFLOW;
   const tf_status s = tf_ops_check_rows(rows, 2 * cols, row_begin, row_end);
   if (s != TF_OK) return s;
-  if (row_end > row_begin && cols > 0 && (!dy || !x || !dx->data)) return TF_ERR_NULL_POINTER;
+  if (row_end > row_begin && cols > 0 && (!x || !y->data)) return TF_ERR_NULL_POINTER;
+  swiglu_rows(x, dtype, cols, row_begin, row_end, y, amax_bits);
+  return TF_OK;
+}
+
+/* Rows [row_begin, row_end) of tf_swiglu_backward. */
+TF_ISA_INLINE void swiglu_grad_rows_body(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                         int64_t cols, int64_t row_begin, int64_t row_end,
+                                         const tf_ops_output *dx, uint32_t *amax_bits) {
   float a[TF_OPS_TILE];
   float g[TF_OPS_TILE];
   float d[TF_OPS_TILE];
@@ -174,6 +177,24 @@ tf_status tf_swiglu_backward(const void *dy, tf_dtype dy_dtype, const void *x, t
       tf_ops_store(dx, 2 * r * cols + cols + c0, n, g, amax_bits);
     }
   }
+}
+TF_ISA_CLONES(swiglu_grad_rows,
+              (const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype, int64_t cols, int64_t row_begin,
+               int64_t row_end, const tf_ops_output *dx, uint32_t *amax_bits),
+              (dy, dy_dtype, x, dtype, cols, row_begin, row_end, dx, amax_bits))
+
+tf_status tf_swiglu_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                             int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                             const tf_ops_output *dx, uint32_t *amax_bits) {
+  if (!amax_bits) return TF_ERR_NULL_POINTER;
+  *amax_bits = 0;
+  if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(dx))
+    return TF_ERR_BAD_DTYPE;
+  if (!tf_mul_fits(cols, 2)) return TF_ERR_OVERFLOW;
+  const tf_status s = tf_ops_check_rows(rows, 2 * cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (row_end > row_begin && cols > 0 && (!dy || !x || !dx->data)) return TF_ERR_NULL_POINTER;
+  swiglu_grad_rows(dy, dy_dtype, x, dtype, cols, row_begin, row_end, dx, amax_bits);
   return TF_OK;
 }
 

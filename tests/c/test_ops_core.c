@@ -199,6 +199,33 @@ static void test_isa_builds_agree(int64_t cols) {
   CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "uncap");
 }
 
+/* The same for SwiGLU forward and backward: x is IR x (2 * cols), y and dy IR x cols. */
+static void run_swiglu(const uint16_t *x, const uint16_t *dy, int64_t cols, float *out) {
+  uint32_t amax = 0;
+  const tf_ops_output o_y = f32_out(out), o_dx = f32_out(out + IR * cols);
+  CHECK(tf_swiglu_forward(x, TF_BFLOAT16, IR, cols, 0, IR, &o_y, &amax) == TF_OK &&
+            tf_swiglu_backward(dy, TF_BFLOAT16, x, TF_BFLOAT16, IR, cols, 0, IR, &o_dx, &amax) == TF_OK,
+        "isa %d: swiglu status", (int)tf_cpu_isa());
+}
+
+static void test_swiglu_isa_builds_agree(int64_t cols) {
+  static uint16_t x[2 * IR * IC_MAX], dy[IR * IC_MAX];
+  static float base[3 * IR * IC_MAX], got[3 * IR * IC_MAX];
+  for (int i = 0; i < 2 * IR * cols; ++i) x[i] = tf_f32_to_bf16(rand_f(6.0f));
+  for (int i = 0; i < IR * cols; ++i) dy[i] = tf_f32_to_bf16(rand_f(1.0f));
+  CHECK(tf_set_cpu_isa_cap(TF_ISA_PORTABLE) == TF_OK, "cap");
+  run_swiglu(x, dy, cols, base);
+  for (int isa = 1; isa <= (int)tf_cpu_isa_detected(); ++isa) {
+    CHECK(tf_set_cpu_isa_cap(isa) == TF_OK, "cap %d", isa);
+    run_swiglu(x, dy, cols, got);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < 3 * IR * cols; ++i) differ += memcmp(&got[i], &base[i], sizeof(float)) != 0;
+    CHECK(differ == 0, "isa %d, %lld columns: %lld swiglu outputs differ from the baseline build", isa,
+          (long long)cols, (long long)differ);
+  }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "uncap");
+}
+
 static void test_checks(void) {
   float x[4] = {0}, y[4], part[2];
   uint32_t amax = 0;
@@ -242,6 +269,8 @@ int main(void) {
   test_layernorm();
   test_isa_builds_agree(IC_MAX);
   test_isa_builds_agree(333);
+  test_swiglu_isa_builds_agree(IC_MAX);
+  test_swiglu_isa_builds_agree(333);
   test_checks();
   return check_report();
 }
