@@ -66,6 +66,17 @@ TF_ISA_INLINE double row_sum(const void *x, tf_dtype dtype, int64_t offset, int6
   return sum;
 }
 
+/* v[i] = (v[i] - center) * rstd * w[i] (+ b[i] when b is not NULL) over [0, n). */
+TF_ISA_INLINE void normalize_tile(float *restrict v, int64_t n, float center, float rstd, const float *restrict w,
+                                  const float *restrict b) {
+  for (int64_t i = 0; i < n; ++i) v[i] = (v[i] - center) * rstd * w[i];
+  if (b)
+    for (int64_t i = 0; i < n; ++i) v[i] += b[i];
+}
+
+/* 1 / sqrt(var + eps), rounded once to float32. */
+static inline float rstd_of(double var, float eps) { return (float)(1.0 / sqrt(var + (double)eps)); }
+
 /* y = (x - center) * rstd * w (+ beta) for one row. */
 TF_ISA_INLINE void normalize_row(const void *x, tf_dtype dtype, const void *gamma, const void *beta,
                                  tf_dtype param_dtype, int zero_centered, int64_t offset, int64_t cols,
@@ -77,11 +88,8 @@ TF_ISA_INLINE void normalize_row(const void *x, tf_dtype dtype, const void *gamm
     const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
     tf_ops_load(x, dtype, offset + c0, n, v);
     load_weight(gamma, param_dtype, zero_centered, c0, n, w);
-    for (int64_t i = 0; i < n; ++i) v[i] = (v[i] - center) * rstd * w[i];
-    if (beta) {
-      tf_ops_load(beta, param_dtype, c0, n, b);
-      for (int64_t i = 0; i < n; ++i) v[i] += b[i];
-    }
+    if (beta) tf_ops_load(beta, param_dtype, c0, n, b);
+    normalize_tile(v, n, center, rstd, w, beta ? b : NULL);
     tf_ops_store(y, offset + c0, n, v, amax_bits);
   }
 }
@@ -104,12 +112,10 @@ TF_ISA_INLINE void norm_short_rows(const void *x, tf_dtype dtype, const void *ga
     tf_ops_load(x, dtype, r * cols, cols, v);
     const float mu = mean ? (float)((double)tile_sum(v, cols, 0.0f, 0) / (double)cols) : 0.0f;
     const double var = (double)tile_sum(v, cols, mu, 1) / (double)cols;
-    const float rs = (float)(1.0 / sqrt(var + (double)eps));
+    const float rs = rstd_of(var, eps);
     if (mean) mean[r] = mu;
     rstd[r] = rs;
-    for (int64_t i = 0; i < cols; ++i) v[i] = (v[i] - mu) * rs * w[i];
-    if (beta)
-      for (int64_t i = 0; i < cols; ++i) v[i] += b[i];
+    normalize_tile(v, cols, mu, rs, w, beta ? b : NULL);
     tf_ops_store(y, r * cols, cols, v, amax_bits);
   }
 }
@@ -128,7 +134,7 @@ TF_ISA_INLINE void norm_rows_body(const void *x, tf_dtype dtype, const void *gam
     float mu = 0.0f;
     if (mean && cols > 0) mu = (float)(row_sum(x, dtype, r * cols, cols, 0.0f, 0) / (double)cols);
     const double var = cols > 0 ? row_sum(x, dtype, r * cols, cols, mu, 1) / (double)cols : 0.0;
-    const float rs = (float)(1.0 / sqrt(var + (double)eps));
+    const float rs = rstd_of(var, eps);
     if (mean) mean[r] = mu;
     rstd[r] = rs;
     normalize_row(x, dtype, gamma, beta, param_dtype, zero_centered, r * cols, cols, mu, rs, y, amax_bits);

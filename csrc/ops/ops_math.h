@@ -31,6 +31,8 @@ TF_HD float tf_ops_expf(float x) {
   return p * tf_f32_from_bits((uint32_t)((int32_t)n + 127) << 23);
 }
 
+TF_HD float tf_ops_sigmoid(float a) { return 1.0f / (1.0f + tf_ops_expf(-a)); }
+
 #define TF_GELU_K0 0.7978845608028654f /* sqrt(2 / pi) */
 #define TF_GELU_K1 0.044715f
 
@@ -52,7 +54,7 @@ TF_HD float tf_ops_gelu_minus_2u(float x) {
  * made GCC's AVX2 build of the loops twice as slow. */
 TF_HD float tf_ops_gelu(float x) {
   const float z = tf_ops_gelu_minus_2u(x);
-  const float sigmoid = 1.0f / (1.0f + tf_ops_expf(z));
+  const float sigmoid = tf_ops_sigmoid(-z);
   return x * (z > TF_GELU_EXP_LIMIT ? 0.0f : sigmoid);
 }
 
@@ -70,7 +72,5 @@ TF_HD float tf_ops_dgelu(float x) {
   const float du2 = (2.0f * TF_GELU_K0) * (1.0f + (3.0f * TF_GELU_K1) * (x * x));
   return s + x * du2 * ds;
 }
-
-TF_HD float tf_ops_sigmoid(float a) { return 1.0f / (1.0f + tf_ops_expf(-a)); }
 
 #endif /* TF_OPS_MATH_H */

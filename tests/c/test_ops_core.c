@@ -152,12 +152,15 @@ static void test_layernorm(void) {
  */
 enum { IR = 5, IC_MAX = 1043, IOUT_MAX = 5 * IR * IC_MAX + 4 * IC_MAX + 4 * IR };
 
+/* The inputs of both runners below (bf16): x holds up to IR x (2 * IC_MAX) for SwiGLU. */
+static uint16_t in_x[2 * IR * IC_MAX], in_dy[IR * IC_MAX], in_w[IC_MAX], in_b[IC_MAX];
+
 /* The number of outputs of run_all_ops for rows of `cols` columns. */
 static int64_t outputs(int64_t cols) { return 5 * IR * cols + 4 * cols + 4 * IR; }
 
 /* Every output of the kernels on IR x cols inputs, packed one after another into out. */
-static void run_all_ops(const uint16_t *x, const uint16_t *dy, const uint16_t *w, const uint16_t *b, int64_t cols,
-                        float *out) {
+static void run_all_ops(int64_t cols, float *out) {
+  const uint16_t *x = in_x, *dy = in_dy, *w = in_w, *b = in_b;
   float *y = out, *dx = y + IR * cols, *ln_y = dx + IR * cols, *ln_dx = ln_y + IR * cols;
   float *rms_dx = ln_dx + IR * cols;
   float *dbias = rms_dx + IR * cols, *dgamma = dbias + cols, *dbeta = dgamma + cols, *rms_dgamma = dbeta + cols;
@@ -181,49 +184,43 @@ static void run_all_ops(const uint16_t *x, const uint16_t *dy, const uint16_t *w
   for (int r = 0; r < IR; ++r) rms_y[r] = rms_full[r * cols + cols - 1];
 }
 
-static void test_isa_builds_agree(int64_t cols) {
-  static uint16_t x[IR * IC_MAX], dy[IR * IC_MAX], w[IC_MAX], b[IC_MAX];
-  static float base[IOUT_MAX], got[IOUT_MAX];
-  for (int i = 0; i < IR * cols; ++i) x[i] = tf_f32_to_bf16(rand_f(4.0f) + 1.0f), dy[i] = tf_f32_to_bf16(rand_f(1.0f));
-  for (int c = 0; c < cols; ++c) w[c] = tf_f32_to_bf16(rand_f(1.0f)), b[c] = tf_f32_to_bf16(rand_f(1.0f));
-  CHECK(tf_set_cpu_isa_cap(TF_ISA_PORTABLE) == TF_OK, "cap");
-  run_all_ops(x, dy, w, b, cols, base);
-  for (int isa = 1; isa <= (int)tf_cpu_isa_detected(); ++isa) {
-    CHECK(tf_set_cpu_isa_cap(isa) == TF_OK, "cap %d", isa);
-    run_all_ops(x, dy, w, b, cols, got);
-    int64_t differ = 0;
-    for (int64_t i = 0; i < outputs(cols); ++i) differ += memcmp(&got[i], &base[i], sizeof(float)) != 0;
-    CHECK(differ == 0, "isa %d, %lld columns: %lld of %lld outputs differ from the baseline build", isa,
-          (long long)cols, (long long)differ, (long long)outputs(cols));
-  }
-  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "uncap");
-}
-
-/* The same for SwiGLU forward and backward: x is IR x (2 * cols), y and dy IR x cols. */
-static void run_swiglu(const uint16_t *x, const uint16_t *dy, int64_t cols, float *out) {
+/* SwiGLU forward and backward: x is IR x (2 * cols), y and dy IR x cols; 3 IR cols outputs. */
+static void run_swiglu(int64_t cols, float *out) {
   uint32_t amax = 0;
   const tf_ops_output o_y = f32_out(out), o_dx = f32_out(out + IR * cols);
-  CHECK(tf_swiglu_forward(x, TF_BFLOAT16, IR, cols, 0, IR, &o_y, &amax) == TF_OK &&
-            tf_swiglu_backward(dy, TF_BFLOAT16, x, TF_BFLOAT16, IR, cols, 0, IR, &o_dx, &amax) == TF_OK,
+  CHECK(tf_swiglu_forward(in_x, TF_BFLOAT16, IR, cols, 0, IR, &o_y, &amax) == TF_OK &&
+            tf_swiglu_backward(in_dy, TF_BFLOAT16, in_x, TF_BFLOAT16, IR, cols, 0, IR, &o_dx, &amax) == TF_OK,
         "isa %d: swiglu status", (int)tf_cpu_isa());
 }
 
-static void test_swiglu_isa_builds_agree(int64_t cols) {
-  static uint16_t x[2 * IR * IC_MAX], dy[IR * IC_MAX];
-  static float base[3 * IR * IC_MAX], got[3 * IR * IC_MAX];
-  for (int i = 0; i < 2 * IR * cols; ++i) x[i] = tf_f32_to_bf16(rand_f(6.0f));
-  for (int i = 0; i < IR * cols; ++i) dy[i] = tf_f32_to_bf16(rand_f(1.0f));
+/* Runs `run` on the baseline build and on every level the CPU has; fails where any of its n outputs differ. */
+static void check_builds_agree(const char *what, void (*run)(int64_t cols, float *out), int64_t cols, int64_t n) {
+  static float base[IOUT_MAX], got[IOUT_MAX];
+  CHECK(n <= IOUT_MAX, "%s: %lld outputs", what, (long long)n);
   CHECK(tf_set_cpu_isa_cap(TF_ISA_PORTABLE) == TF_OK, "cap");
-  run_swiglu(x, dy, cols, base);
+  run(cols, base);
   for (int isa = 1; isa <= (int)tf_cpu_isa_detected(); ++isa) {
     CHECK(tf_set_cpu_isa_cap(isa) == TF_OK, "cap %d", isa);
-    run_swiglu(x, dy, cols, got);
+    run(cols, got);
     int64_t differ = 0;
-    for (int64_t i = 0; i < 3 * IR * cols; ++i) differ += memcmp(&got[i], &base[i], sizeof(float)) != 0;
-    CHECK(differ == 0, "isa %d, %lld columns: %lld swiglu outputs differ from the baseline build", isa,
-          (long long)cols, (long long)differ);
+    for (int64_t i = 0; i < n; ++i) differ += memcmp(&got[i], &base[i], sizeof(float)) != 0;
+    CHECK(differ == 0, "isa %d, %s, %lld columns: %lld of %lld outputs differ from the baseline build", isa, what,
+          (long long)cols, (long long)differ, (long long)n);
   }
   CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "uncap");
+}
+
+static void test_isa_builds_agree(int64_t cols) {
+  for (int i = 0; i < IR * cols; ++i)
+    in_x[i] = tf_f32_to_bf16(rand_f(4.0f) + 1.0f), in_dy[i] = tf_f32_to_bf16(rand_f(1.0f));
+  for (int c = 0; c < cols; ++c) in_w[c] = tf_f32_to_bf16(rand_f(1.0f)), in_b[c] = tf_f32_to_bf16(rand_f(1.0f));
+  check_builds_agree("fused ops", run_all_ops, cols, outputs(cols));
+}
+
+static void test_swiglu_isa_builds_agree(int64_t cols) {
+  for (int i = 0; i < 2 * IR * cols; ++i) in_x[i] = tf_f32_to_bf16(rand_f(6.0f));
+  for (int i = 0; i < IR * cols; ++i) in_dy[i] = tf_f32_to_bf16(rand_f(1.0f));
+  check_builds_agree("swiglu", run_swiglu, cols, 3 * IR * cols);
 }
 
 static void test_checks(void) {
