@@ -221,6 +221,56 @@ def test_bad_arguments_raise_clear_errors():
         torch.ops.te_fuser.bias_act_forward_fp8(x, None, 1, torch.float8_e4m3fn, torch.ones(2), torch.zeros(1))
 
 
+def _bad_calls():
+    """(what, wrapper call, raw op call, exception, message): each bad argument of the wrappers, which
+    check only after the binding refused (fused.call_checked), so the binding must refuse them all."""
+    ops = torch.ops.te_fuser
+    x, g, w, b = torch.randn(4, 8), torch.randn(4, 8), torch.ones(8), torch.zeros(8)
+    y, mean, rstd = fused.layernorm(x, w, b)
+    _, rstd_rms = fused.rmsnorm(x, w)
+    bad_w = torch.ones(7)
+    return [
+        ("layernorm weight length", lambda: fused.layernorm(x, bad_w, b),
+         lambda: ops.layernorm_forward(x, bad_w, b, 1e-5, False, None, None, None), ValueError, "weight must be 1-D"),
+        ("layernorm bias dtype", lambda: fused.layernorm(x, w, b.double()),
+         lambda: ops.layernorm_forward(x, w, b.double(), 1e-5, False, None, None, None), TypeError, "bias must have"),
+        ("layernorm x dtype", lambda: fused.layernorm(x.double(), w, b),
+         lambda: ops.layernorm_forward(x.double(), w, b, 1e-5, False, None, None, None), TypeError, "x must have dtype"),
+        ("layernorm x layout", lambda: fused.layernorm(x.t(), w[:4], b[:4]),
+         lambda: ops.layernorm_forward(x.t(), w[:4], b[:4], 1e-5, False, None, None, None), ValueError, "contiguous"),
+        ("layernorm fp8 scale", lambda: fused.layernorm(x, w, b, fp8_out=(torch.float8_e4m3fn, torch.ones(2), torch.zeros(1))),
+         lambda: ops.layernorm_forward(x, w, b, 1e-5, False, torch.float8_e4m3fn, torch.ones(2), torch.zeros(1)),
+         TypeError, "scale"),
+        ("layernorm_backward grad shape", lambda: fused.layernorm_backward(g[:3], x, mean, rstd, w),
+         lambda: ops.layernorm_backward(g[:3], x, mean, rstd, w, False), ValueError, "grad must have the shape"),
+        ("layernorm_backward mean dtype", lambda: fused.layernorm_backward(g, x, mean.double(), rstd, w),
+         lambda: ops.layernorm_backward(g, x, mean.double(), rstd, w, False), TypeError, "mean must have dtype"),
+        ("layernorm_backward rstd rows", lambda: fused.layernorm_backward(g, x, mean, rstd[:3], w),
+         lambda: ops.layernorm_backward(g, x, mean, rstd[:3], w, False), ValueError, "rstd must have shape"),
+        ("rmsnorm weight length", lambda: fused.rmsnorm(x, bad_w),
+         lambda: ops.rmsnorm_forward(x, bad_w, 1e-5, False, None, None, None), ValueError, "weight must be 1-D"),
+        ("rmsnorm_backward rstd dtype", lambda: fused.rmsnorm_backward(g, x, rstd_rms.half(), w),
+         lambda: ops.rmsnorm_backward(g, x, rstd_rms.half(), w, False), TypeError, "rstd must have dtype"),
+        ("bias_activation bias length", lambda: fused.bias_activation(x, bad_w),
+         lambda: ops.bias_act_forward(x, bad_w, 1), ValueError, "bias must be 1-D"),
+        ("activation_bias_backward grad dtype", lambda: fused.activation_bias_backward(g.double(), x, b),
+         lambda: ops.act_bias_backward(g.double(), x, b, 1, True, None, None, None), TypeError, "grad must have dtype"),
+        ("swiglu_backward grad shape", lambda: fused.swiglu_backward(g, x),
+         lambda: ops.swiglu_backward(g, x), ValueError, "grad must have shape"),
+        ("swiglu x dtype", lambda: fused.swiglu(x.double()),
+         lambda: ops.swiglu_forward(x.double()), TypeError, "x must have dtype"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[call[0] for call in _bad_calls()])
+def test_wrappers_name_what_the_binding_refuses(case):
+    _, wrapper, raw, error, message = _bad_calls()[case]
+    with pytest.raises(RuntimeError):  # the binding's own check, which sends the wrapper to its checks
+        raw()
+    with pytest.raises(error, match=message):
+        wrapper()
+
+
 def test_empty_inputs():
     for shape in [(0, 8), (4, 0)]:
         x = torch.randn(*shape)

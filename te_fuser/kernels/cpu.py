@@ -45,7 +45,14 @@ def available_isa() -> List[str]:
 
 def current_isa() -> str:
     """The tier the kernels use now: the detected one, lowered by the cap."""
-    return TIERS[_ops.cpu_isa_current()]
+    return _current
+
+
+def _read_current() -> None:
+    # Kept in Python: the GEMM wrappers ask on every call, and an op call costs microseconds.
+    # The cap changes only through set_isa, which reads it again.
+    global _current
+    _current = TIERS[_ops.cpu_isa_current()]
 
 
 def get_cap() -> Optional[str]:
@@ -65,6 +72,7 @@ def set_isa(name: Optional[str]) -> Optional[str]:
         if index > _ops.cpu_isa_detected():
             raise ValueError(f"isa {name!r} is not supported by this CPU; available: {available_isa()}")
         previous = _ops.cpu_isa_set_cap(index)
+    _read_current()
     return None if previous < 0 else TIERS[previous]
 
 
@@ -87,4 +95,5 @@ def _apply_env() -> None:
             raise ValueError(f"{ENV_VAR}={value!r}: {err}") from None
 
 
+_read_current()
 _apply_env()

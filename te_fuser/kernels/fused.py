@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 
 from .validate import (
+    call_checked,
     check_contiguous,
     check_dtype,
     check_fp8_dtype,
@@ -67,28 +68,37 @@ def _check_stats(t, name: str, x) -> None:
         raise ValueError(f"{name} must have shape {tuple(x.shape[:-1])}, got {tuple(t.shape)}")
 
 
-def _fp8_args(fp8_out: Fp8Out, x) -> tuple:
+def _fp8_args(fp8_out: Fp8Out) -> tuple:
+    """fp8_out as the kernels' three trailing arguments (Nones without it)."""
     if fp8_out is None:
         return None, None, None
     if not isinstance(fp8_out, tuple) or len(fp8_out) != 3:
         raise TypeError("fp8_out must be a tuple (fp8_dtype, scale, amax)")
+    return fp8_out
+
+
+def _check_fp8_out(fp8_out: Fp8Out, x) -> None:
+    if fp8_out is None:
+        return
     fp8_dtype, scale, amax = fp8_out
     check_fp8_dtype(fp8_dtype, "fp8_out[0] (fp8_dtype)")
     check_scalar_f32(scale, "fp8_out[1] (scale)", x, "x")
     check_scalar_f32(amax, "fp8_out[2] (amax)", x, "x")
-    return fp8_dtype, scale, amax
 
 
 def bias_activation(x: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: str = "gelu",
                     fp8_out: Fp8Out = None) -> torch.Tensor:
     """activation(x + bias) in one pass ("none", "gelu" (tanh approximation) or "relu")."""
-    _check_input(x, "x")
-    if bias is not None:
-        _check_vector(bias, "bias", x)
+    def check():
+        _check_input(x, "x")
+        if bias is not None:
+            _check_vector(bias, "bias", x)
+        _check_fp8_out(fp8_out, x)
+
     code = _activation_code(activation)
     if fp8_out is None:
-        return _ops.bias_act_forward(x, bias, code)
-    return _ops.bias_act_forward_fp8(x, bias, code, *_fp8_args(fp8_out, x))
+        return call_checked(check, _ops.bias_act_forward, x, bias, code)
+    return call_checked(check, _ops.bias_act_forward_fp8, x, bias, code, *_fp8_args(fp8_out))
 
 
 def activation_bias_backward(grad: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -97,12 +107,15 @@ def activation_bias_backward(grad: torch.Tensor, x: torch.Tensor, bias: Optional
 
     dbias is reduced over rows deterministically (fixed row bands summed in a fixed order).
     """
-    _check_input(x, "x")
-    _check_like(grad, "grad", x, "x")
-    if bias is not None:
-        _check_vector(bias, "bias", x)
-    dx, dbias = _ops.act_bias_backward(grad, x, bias, _activation_code(activation), bool(compute_dbias),
-                                       *_fp8_args(fp8_out, x))
+    def check():
+        _check_input(x, "x")
+        _check_like(grad, "grad", x, "x")
+        if bias is not None:
+            _check_vector(bias, "bias", x)
+        _check_fp8_out(fp8_out, x)
+
+    dx, dbias = call_checked(check, _ops.act_bias_backward, grad, x, bias, _activation_code(activation),
+                             bool(compute_dbias), *_fp8_args(fp8_out))
     return dx, (dbias if compute_dbias else None)
 
 
@@ -114,20 +127,26 @@ def _check_swiglu_input(x) -> None:
 
 def swiglu(x: torch.Tensor, fp8_out: Fp8Out = None) -> torch.Tensor:
     """silu(a) * g with a, g = x.chunk(2, dim=-1)."""
-    _check_swiglu_input(x)
+    def check():
+        _check_swiglu_input(x)
+        _check_fp8_out(fp8_out, x)
+
     if fp8_out is None:
-        return _ops.swiglu_forward(x)
-    return _ops.swiglu_forward_fp8(x, *_fp8_args(fp8_out, x))
+        return call_checked(check, _ops.swiglu_forward, x)
+    return call_checked(check, _ops.swiglu_forward_fp8, x, *_fp8_args(fp8_out))
 
 
 def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Gradient of swiglu with respect to x."""
-    _check_swiglu_input(x)
-    _check_input(grad, "grad")
-    check_same_device(grad, "grad", x, "x")
-    if grad.shape != x.shape[:-1] + (x.shape[-1] // 2,):
-        raise ValueError(f"grad must have shape {tuple(x.shape[:-1]) + (x.shape[-1] // 2,)}, got {tuple(grad.shape)}")
-    return _ops.swiglu_backward(grad, x)
+    def check():
+        _check_swiglu_input(x)
+        _check_input(grad, "grad")
+        check_same_device(grad, "grad", x, "x")
+        if grad.shape != x.shape[:-1] + (x.shape[-1] // 2,):
+            raise ValueError(f"grad must have shape {tuple(x.shape[:-1]) + (x.shape[-1] // 2,)}, "
+                             f"got {tuple(grad.shape)}")
+
+    return call_checked(check, _ops.swiglu_backward, grad, x)
 
 
 def _check_eps(eps) -> float:
@@ -139,40 +158,51 @@ def _check_eps(eps) -> float:
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, zero_centered_gamma: bool = False,
             fp8_out: Fp8Out = None):
     """(y, rstd): y = x / sqrt(mean(x^2) + eps) * weight; rstd float32 per row, for the backward."""
-    _check_input(x, "x")
-    _check_vector(weight, "weight", x)
-    return _ops.rmsnorm_forward(x, weight, _check_eps(eps), bool(zero_centered_gamma), *_fp8_args(fp8_out, x))
+    def check():
+        _check_input(x, "x")
+        _check_vector(weight, "weight", x)
+        _check_fp8_out(fp8_out, x)
+
+    return call_checked(check, _ops.rmsnorm_forward, x, weight, _check_eps(eps), bool(zero_centered_gamma),
+                        *_fp8_args(fp8_out))
 
 
 def rmsnorm_backward(grad, x, rstd, weight, zero_centered_gamma: bool = False):
     """(dx, dweight) of rmsnorm."""
-    _check_input(x, "x")
-    _check_like(grad, "grad", x, "x")
-    _check_stats(rstd, "rstd", x)
-    _check_vector(weight, "weight", x)
-    return _ops.rmsnorm_backward(grad, x, rstd, weight, bool(zero_centered_gamma))
+    def check():
+        _check_input(x, "x")
+        _check_like(grad, "grad", x, "x")
+        _check_stats(rstd, "rstd", x)
+        _check_vector(weight, "weight", x)
+
+    return call_checked(check, _ops.rmsnorm_backward, grad, x, rstd, weight, bool(zero_centered_gamma))
 
 
 def layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
               zero_centered_gamma: bool = False, fp8_out: Fp8Out = None):
     """(y, mean, rstd): y = (x - mean) * rstd * weight + bias; mean, rstd float32 per row."""
-    _check_input(x, "x")
-    _check_vector(weight, "weight", x)
-    _check_vector(bias, "bias", x)
-    if bias.dtype != weight.dtype:
-        raise TypeError(f"bias must have weight's dtype {weight.dtype}, got {bias.dtype}")
-    return _ops.layernorm_forward(x, weight, bias, _check_eps(eps), bool(zero_centered_gamma),
-                                  *_fp8_args(fp8_out, x))
+    def check():
+        _check_input(x, "x")
+        _check_vector(weight, "weight", x)
+        _check_vector(bias, "bias", x)
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias must have weight's dtype {weight.dtype}, got {bias.dtype}")
+        _check_fp8_out(fp8_out, x)
+
+    return call_checked(check, _ops.layernorm_forward, x, weight, bias, _check_eps(eps), bool(zero_centered_gamma),
+                        *_fp8_args(fp8_out))
 
 
 def layernorm_backward(grad, x, mean, rstd, weight, zero_centered_gamma: bool = False):
     """(dx, dweight, dbias) of layernorm."""
-    _check_input(x, "x")
-    _check_like(grad, "grad", x, "x")
-    _check_stats(mean, "mean", x)
-    _check_stats(rstd, "rstd", x)
-    _check_vector(weight, "weight", x)
-    return _ops.layernorm_backward(grad, x, mean, rstd, weight, bool(zero_centered_gamma))
+    def check():
+        _check_input(x, "x")
+        _check_like(grad, "grad", x, "x")
+        _check_stats(mean, "mean", x)
+        _check_stats(rstd, "rstd", x)
+        _check_vector(weight, "weight", x)
+
+    return call_checked(check, _ops.layernorm_backward, grad, x, mean, rstd, weight, bool(zero_centered_gamma))
 
 
 def _out_like(x, dtype, fp8_dtype, shape=None):

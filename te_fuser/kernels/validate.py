@@ -1,6 +1,6 @@
 """Argument checks for the kernel wrappers: clear TypeError/ValueError naming the argument."""
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -20,6 +20,24 @@ def check_tensor(value, name: str) -> torch.Tensor:
         # stable ABI the kernels would only report that reading the data pointer failed.
         value.data_ptr()
     return value
+
+
+def call_checked(check: Callable[[], None], kernel, *args):
+    """kernel(*args), where check() raises the TypeError/ValueError that names a bad argument.
+
+    The binding checks every argument itself (a RuntimeError), so check() runs only when the kernel
+    refuses its arguments, and then raises in its place: on a small tensor the Python checks cost
+    more than the kernel. The fake kernels under torch.compile check nothing: there check() runs
+    first.
+    """
+    if torch.compiler.is_compiling():
+        check()
+        return kernel(*args)
+    try:
+        return kernel(*args)
+    except RuntimeError:
+        check()
+        raise
 
 
 def check_dtype(t: torch.Tensor, name: str, allowed=FLOAT_DTYPES) -> None:

@@ -113,6 +113,7 @@ class LinearWeights:
         self.use_bias = use_bias
         self.prefix = prefix
         self.split = split_sizes(parameters_split, linear_op.out_features)
+        self._weight_names, self._bias_names = self.names("weight"), self.names("bias")
         self.fp8_init = fp8_weights.current_init()  # quantized_model_init at construction
         if self.fp8_init.enabled and self.split is not None:
             raise NotImplementedError("te_fuser does not support parameters_split with FP8 weights "
@@ -120,8 +121,8 @@ class LinearWeights:
 
     def names(self, kind: str):
         if self.split is None:
-            return [self.prefix + kind]
-        return [f"{self.prefix}{name}_{kind}" for name in self.split]
+            return (self.prefix + kind,)
+        return tuple(f"{self.prefix}{name}_{kind}" for name in self.split)
 
     def _local_split_sizes(self):
         op = self.op
@@ -173,13 +174,19 @@ class LinearWeights:
             fp8_weights.quantize_weights(module, [(name, self.op, 1) for name in self.names("weight")], self.fp8_init)
 
     def weights(self, module):
-        return [getattr(module, n) for n in self.names("weight")]
+        return [getattr(module, n) for n in self._weight_names]
 
     def biases(self, module):
-        return [getattr(module, n) for n in self.names("bias")] if self.use_bias else []
+        return [getattr(module, n) for n in self._bias_names] if self.use_bias else []
 
     def full_weight(self, module) -> torch.Tensor:
+        if self.split is None:  # every forward asks: the common case without building lists
+            return getattr(module, self._weight_names[0])
         return noop_cat(self.weights(module))
 
     def full_bias(self, module) -> Optional[torch.Tensor]:
-        return noop_cat(self.biases(module)) if self.use_bias else None
+        if not self.use_bias:
+            return None
+        if self.split is None:
+            return getattr(module, self._bias_names[0])
+        return noop_cat(self.biases(module))

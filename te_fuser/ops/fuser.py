@@ -79,9 +79,11 @@ def fuse_backward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
 
 
 class _Plan:
-    """The fusions and per-op requires-grad pattern for one cache key."""
+    """The fusions and per-op requires-grad pattern for one cache key, and what each forward and
+    backward step needs of them, worked out once (a small layer's step is mostly this bookkeeping)."""
 
-    __slots__ = ("forward_ops", "backward_ops", "input_requires_grad", "params_require_grad", "param_slices")
+    __slots__ = ("forward_ops", "backward_ops", "input_requires_grad", "params_require_grad", "param_slices",
+                 "forward_steps", "backward_steps")
 
     def __init__(self, basic_ops, input_requires_grad, params_require_grad, param_counts):
         self.forward_ops = fuse_forward_ops(basic_ops)
@@ -95,32 +97,46 @@ class _Plan:
             self.param_slices.append((start, start + count))
             needs = needs or any(params_require_grad[start:start + count])
             start += count
+        last = len(basic_ops) - 1
+        # (op, basic op indices, the op before it, the op after it, those of its basic ops with extra outputs)
+        self.forward_steps = tuple(
+            (op, idx, basic_ops[idx[0] - 1] if idx[0] > 0 else None, basic_ops[idx[-1] + 1] if idx[-1] < last else None,
+             tuple(j for j in idx if basic_ops[j].num_extra_outputs))
+            for op, idx in self.forward_ops)
+        # Last op first: (op, basic op indices, whether it or an op before it wants a gradient, its
+        # basic ops' first parameter positions).
+        self.backward_steps = tuple(
+            (op, idx, any(self.input_requires_grad[j] or any(self.params_require_grad[slice(*self.param_slices[j])])
+                          for j in idx),
+             tuple(self.param_slices[j][0] for j in idx))
+            for op, idx in reversed(self.backward_ops))
 
 
 class _BackwardState:
     """Everything the backward needs besides the saved tensors; dropped once backward ran."""
 
-    __slots__ = ("plan", "op_ctxs", "tensor_objects", "save_ranges", "num_params", "grad_input_quantizer")
+    __slots__ = ("plan", "op_ctxs", "tensor_objects", "has_shells", "save_ranges", "num_params",
+                 "grad_input_quantizer")
 
 
 class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(func_ctx, input_, fuser, plan, kwargs_list, boundary_quantizers, *params):
-        basic_ops = fuser.basic_ops
-        ctxs = [OperationContext() for _ in basic_ops]
-        for ctx, needs, (start, end) in zip(ctxs, plan.input_requires_grad, plan.param_slices):
+    def forward(func_ctx, input_, plan, kwargs_list, boundary_quantizers, *params):
+        ctxs = []
+        for needs, (start, end) in zip(plan.input_requires_grad, plan.param_slices):
+            ctx = OperationContext()
             ctx.input_requires_grad = needs
             ctx.params_require_grad = plan.params_require_grad[start:end]
+            ctxs.append(ctx)
         x, extras = input_, []
-        last = len(basic_ops) - 1
-        for op, idx in plan.forward_ops:
-            prev_q = basic_ops[idx[0] - 1].grad_output_quantizer() if idx[0] > 0 else None
-            next_q = basic_ops[idx[-1] + 1].input_quantizer() if idx[-1] < last else None
-            x = op.fuser_forward([ctxs[j] for j in idx], x, prev_q, next_q, [kwargs_list[j] for j in idx])
-            for j in idx:
-                if basic_ops[j].num_extra_outputs:
-                    extras.extend(ctxs[j].__dict__.pop("extra_outputs"))
+        for op, idx, prev_op, next_op, extra_ops in plan.forward_steps:
+            x = op.fuser_forward([ctxs[j] for j in idx], x,
+                                 prev_op.grad_output_quantizer() if prev_op is not None else None,
+                                 next_op.input_quantizer() if next_op is not None else None,
+                                 [kwargs_list[j] for j in idx])
+            for j in extra_ops:
+                extras.extend(ctxs[j].__dict__.pop("extra_outputs"))
         output_quantizer, grad_input_quantizer = boundary_quantizers
         if output_quantizer is not None:
             x = output_quantizer(high_precision(x).contiguous())
@@ -129,14 +145,16 @@ class _FuserFunction(torch.autograd.Function):
 
         to_save, ranges = [], []
         for ctx in ctxs:
-            ranges.append((len(to_save), len(to_save) + len(ctx.to_save)))
+            start = len(to_save)
             to_save.extend(ctx.to_save)
+            ranges.append((start, len(to_save)))
             ctx.to_save = ()
         tensors, objects = prepare_for_saving(*to_save)
         func_ctx.save_for_backward(*tensors)
         state = _BackwardState()
         state.plan, state.op_ctxs = plan, ctxs
         state.tensor_objects, state.save_ranges, state.num_params = objects, ranges, len(params)
+        state.has_shells = any(shell is not None for shell in objects)
         state.grad_input_quantizer = grad_input_quantizer
         func_ctx.state = state
         func_ctx.backward_done = False
@@ -153,7 +171,9 @@ class _FuserFunction(torch.autograd.Function):
                 raise RuntimeError(SECOND_BACKWARD_MESSAGE)
             func_ctx.backward_done = True
         state = func_ctx.state
-        saved = restore_from_saved(state.tensor_objects, func_ctx.saved_tensors)
+        saved = func_ctx.saved_tensors
+        if state.has_shells:
+            saved = restore_from_saved(state.tensor_objects, saved)
         if compiling:
             ctxs = [_BackwardContext(ctx, tuple(saved[start:end]))
                     for ctx, (start, end) in zip(state.op_ctxs, state.save_ranges)]
@@ -172,19 +192,15 @@ class _FuserFunction(torch.autograd.Function):
 
         param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
         dy = grad_output
-        plan = state.plan
-        for op, idx in reversed(plan.backward_ops):
-            if not any(plan.input_requires_grad[j] or any(plan.params_require_grad[slice(*plan.param_slices[j])])
-                       for j in idx):
+        for op, idx, wants_grad, param_starts in state.plan.backward_steps:
+            if not wants_grad:
                 # Neither these ops nor any before them (frozen, with an input that needs no
                 # gradient) want a gradient, and they saved nothing for one.
                 dy = None
                 break
             dy, grads_per_op = op.fuser_backward([ctxs[j] for j in idx], dy)
-            for j, grads in zip(idx, grads_per_op):
-                start, _ = state.plan.param_slices[j]
-                for k, g in enumerate(grads):
-                    param_grads[start + k] = g
+            for start, grads in zip(param_starts, grads_per_op):
+                param_grads[start:start + len(grads)] = grads
         if state.grad_input_quantizer is not None and dy is not None:
             dy = state.grad_input_quantizer(high_precision(dy).contiguous())
         elif isinstance(dy, Float8Tensor):
@@ -197,7 +213,7 @@ class _FuserFunction(torch.autograd.Function):
             for ctx in state.op_ctxs:
                 ctx.clear()
             func_ctx.state = None
-        return (dy, None, None, None, None, *param_grads)
+        return (dy, None, None, None, *param_grads)
 
 
 class _BackwardContext:
@@ -213,6 +229,9 @@ class _BackwardContext:
         return getattr(self._ctx, name)
 
 
+_NO_BOUNDARY_QUANTIZERS = (None, None)
+
+
 class OperationFuser:
     """Runs basic ops as one autograd Function; see the module docstring."""
 
@@ -221,6 +240,7 @@ class OperationFuser:
             if not isinstance(op, BasicOperation):
                 raise TypeError(f"OperationFuser takes BasicOperations, got {type(op).__name__}")
         self.basic_ops = tuple(basic_ops)
+        self._no_kwargs = tuple({} for _ in self.basic_ops)
         self._plan: Optional[_Plan] = None
         self._plan_key = None
         self.plans_built = 0  # how often fusions were (re)found; tests check the cache with it
@@ -234,13 +254,13 @@ class OperationFuser:
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         if input_.dim() == 0:
             raise ValueError("input must have at least one dimension (its last is the features), got a 0-d tensor")
-        kwargs_list = basic_op_kwargs if basic_op_kwargs is not None else [{}] * len(self.basic_ops)
+        kwargs_list = basic_op_kwargs if basic_op_kwargs is not None else self._no_kwargs
         params_per_op = [op.op_params(**kw) for op, kw in zip(self.basic_ops, kwargs_list)]
         params = [p for ps in params_per_op for p in ps]
         fp8 = FP8GlobalState.is_enabled()
         recipe = FP8GlobalState.get_recipe() if fp8 else None
         grad = torch.is_grad_enabled()
-        params_rg = tuple(grad and p.requires_grad for p in params)
+        params_rg = tuple([grad and p.requires_grad for p in params])
         key = (fp8, type(recipe), getattr(recipe, "fp8_format", None), grad, grad and input_.requires_grad,
                params_rg)
         if key != self._plan_key:
@@ -254,9 +274,11 @@ class OperationFuser:
                 op.setup_fp8(fp8, recipe, group, input_.device)
                 start, end = plan.param_slices[j]
                 op.configure_quantizers(plan.input_requires_grad[j], params_rg[start:end])
-        boundary = (self._boundary_quantizer("output", fp8 and fp8_output, input_.device, reverse=True),
-                    self._boundary_quantizer("grad_input", fp8 and fp8_grad and key[4], input_.device))
-        return _FuserFunction.apply(input_, self, plan, kwargs_list, boundary, *params)
+        boundary = _NO_BOUNDARY_QUANTIZERS
+        if fp8 and (fp8_output or fp8_grad):
+            boundary = (self._boundary_quantizer("output", fp8_output, input_.device, reverse=True),
+                        self._boundary_quantizer("grad_input", fp8_grad and key[4], input_.device))
+        return _FuserFunction.apply(input_, plan, kwargs_list, boundary, *params)
 
     def _boundary_quantizer(self, kind: str, wanted: bool, device, reverse: bool = False):
         """The last (reverse) or first linear op's fp8_io_quantizer(kind), when wanted."""
