@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from te_fuser.kernels import cpu
 
@@ -79,8 +80,6 @@ def test_bad_names_raise():
 
 
 def test_raw_op_rejects_out_of_range_caps():
-    import torch
-
     with pytest.raises(RuntimeError, match="cap must lie in"):
         torch.ops.te_fuser.cpu_isa_set_cap(len(cpu.TIERS))
     with pytest.raises(RuntimeError, match="cap must lie in"):
