@@ -154,7 +154,7 @@ class _FuserFunction(torch.autograd.Function):
         state = _BackwardState()
         state.plan, state.op_ctxs = plan, ctxs
         state.tensor_objects, state.save_ranges, state.num_params = objects, ranges, len(params)
-        state.has_shells = any(shell is not None for shell in objects)
+        state.has_shells = objects.count(None) != len(objects)
         state.grad_input_quantizer = grad_input_quantizer
         func_ctx.state = state
         func_ctx.backward_done = False

@@ -95,6 +95,8 @@ class BasicOperation(FusibleOperation):
     def op_params(self, **kwargs) -> Sequence[torch.Tensor]:
         """The tensors this op trains (its parameters, or those passed in kwargs)."""
         del kwargs
+        if not self._parameters:  # an activation's: parameters() costs microseconds on every call
+            return ()
         return tuple(self.parameters(recurse=False))
 
     def input_quantizer(self):
