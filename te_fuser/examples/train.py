@@ -111,7 +111,12 @@ def main(argv=None):
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{os.environ.get('LOCAL_RANK', '0')}")
     rank, world = init_distributed(args, device)
     try:
-        return train(args, device, rank, world)
+        history = train(args, device, rank, world)
+        if world > 1:
+            # No rank tears its process group down while another still talks to it: gloo's threads
+            # can abort the process at exit when a peer leaves mid-teardown.
+            dist.barrier()
+        return history
     except (RuntimeError, dist.DistError) as err:
         if world == 1:
             raise
