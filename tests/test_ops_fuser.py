@@ -101,6 +101,36 @@ def test_chain_is_one_autograd_node():
     assert len(out.grad_fn.next_functions) == 1 + 6
 
 
+@pytest.mark.parametrize("fp8_recipe", [None, recipe.Float8CurrentScaling()])
+def test_no_grad_runs_the_chain_without_an_autograd_function(monkeypatch, fp8_recipe):
+    """Under torch.no_grad the chain runs its ops directly (an autograd Function's call is most of a
+    small layer's cost), with the same values as with grad on, and without the FP8 transposes that
+    only a weight gradient reads."""
+    from te_fuser.ops import fuser as fuser_module
+    from te_fuser.ops import _fp8_io
+
+    model = CHAINS["ln_mlp_gelu"]()
+    x = torch.randn(16, 64)
+    def fp8():
+        return te_fuser.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
+
+    with fp8():
+        expected = model(x)
+    transposes = []
+    real_transpose = _fp8_io.fp8_transpose
+    monkeypatch.setattr(_fp8_io, "fp8_transpose", lambda data: transposes.append(data) or real_transpose(data))
+
+    def no_function(*args):
+        raise AssertionError("the autograd Function ran under no_grad")
+
+    monkeypatch.setattr(fuser_module._FuserFunction, "apply", no_function)
+    with torch.no_grad(), fp8():
+        out = model(x)
+    assert out.grad_fn is None and not out.requires_grad
+    assert torch.equal(out, expected)
+    assert not transposes
+
+
 def test_make_extra_output_returns_the_tensor_and_adds_its_gradient():
     """Sequential returns (output, extra); the extra output's gradient joins the chain's, all in
     one autograd node."""

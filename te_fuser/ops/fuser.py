@@ -119,30 +119,35 @@ class _BackwardState:
                  "grad_input_quantizer")
 
 
+def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer):
+    """The chain's forward: (output, extra outputs, the basic ops' contexts)."""
+    ctxs = []
+    for needs, (start, end) in zip(plan.input_requires_grad, plan.param_slices):
+        ctx = OperationContext()
+        ctx.input_requires_grad = needs
+        ctx.params_require_grad = plan.params_require_grad[start:end]
+        ctxs.append(ctx)
+    x, extras = input_, []
+    for op, idx, prev_op, next_op, extra_ops in plan.forward_steps:
+        x = op.fuser_forward([ctxs[j] for j in idx], x,
+                             prev_op.grad_output_quantizer() if prev_op is not None else None,
+                             next_op.input_quantizer() if next_op is not None else None,
+                             [kwargs_list[j] for j in idx])
+        for j in extra_ops:
+            extras.extend(ctxs[j].__dict__.pop("extra_outputs"))
+    if output_quantizer is not None:
+        x = output_quantizer(high_precision(x).contiguous())
+    elif isinstance(x, Float8Tensor):
+        x = x.dequantize()
+    return x, extras, ctxs
+
+
 class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(func_ctx, input_, plan, kwargs_list, boundary_quantizers, *params):
-        ctxs = []
-        for needs, (start, end) in zip(plan.input_requires_grad, plan.param_slices):
-            ctx = OperationContext()
-            ctx.input_requires_grad = needs
-            ctx.params_require_grad = plan.params_require_grad[start:end]
-            ctxs.append(ctx)
-        x, extras = input_, []
-        for op, idx, prev_op, next_op, extra_ops in plan.forward_steps:
-            x = op.fuser_forward([ctxs[j] for j in idx], x,
-                                 prev_op.grad_output_quantizer() if prev_op is not None else None,
-                                 next_op.input_quantizer() if next_op is not None else None,
-                                 [kwargs_list[j] for j in idx])
-            for j in extra_ops:
-                extras.extend(ctxs[j].__dict__.pop("extra_outputs"))
         output_quantizer, grad_input_quantizer = boundary_quantizers
-        if output_quantizer is not None:
-            x = output_quantizer(high_precision(x).contiguous())
-        elif isinstance(x, Float8Tensor):
-            x = x.dequantize()
-
+        x, extras, ctxs = _run_forward(plan, input_, kwargs_list, output_quantizer)
         to_save, ranges = [], []
         for ctx in ctxs:
             start = len(to_save)
@@ -278,6 +283,9 @@ class OperationFuser:
         if fp8 and (fp8_output or fp8_grad):
             boundary = (self._boundary_quantizer("output", fp8_output, input_.device, reverse=True),
                         self._boundary_quantizer("grad_input", fp8_grad and key[4], input_.device))
+        if not grad:  # no graph to build: the autograd Function would only cost its call (~13 us)
+            x, extras, _ = _run_forward(plan, input_, kwargs_list, boundary[0])
+            return (x, *extras) if extras else x
         return _FuserFunction.apply(input_, plan, kwargs_list, boundary, *params)
 
     def _boundary_quantizer(self, kind: str, wanted: bool, device, reverse: bool = False):

@@ -275,7 +275,7 @@ class BasicLinear(BasicOperation):
             ctx.input_rowmajor = False
             if original is not None:
                 x_saved = original
-            elif not weight_requires_grad:
+            elif not wgrad_needed:
                 x_saved = None
             elif x_shard is not None:
                 x_saved = shard_for_saving(x_shard)
@@ -291,7 +291,7 @@ class BasicLinear(BasicOperation):
                 raise ValueError(f"input is on {x.device} but the weight is on {weight.device}")
             # An FP8 weight outside fp8_autocast: the GEMM sees its dequantized values.
             y = gemm_nt(x.reshape(-1, k), weight, bias)
-            x_saved = original if original is not None else (x if weight_requires_grad else None)
+            x_saved = original if original is not None else (x if wgrad_needed else None)
             if isinstance(weight, Float8Tensor):  # keep its bytes (a new object: the parameter stays whole)
                 weight = saved_weight(weight, True)
             ctx.save_for_backward(x_saved, weight if input_requires_grad else None)
