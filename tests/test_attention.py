@@ -451,6 +451,36 @@ def test_fp8_dpa_grads_with_the_output_saved_in_fp8(causal):
         assert_close(heads_first(t.grad), g, 2e-2, 2e-2, f"fp8 d{name}")
 
 
+@pytest.mark.parametrize("fp8_dpa", [False, True])
+def test_no_grad_runs_without_the_autograd_function(monkeypatch, fp8_dpa):
+    """Under torch.no_grad the module calls the kernels directly: the same output as with grad on,
+    no autograd Function, and (fp8_dpa) no FP8 copy of the output made for a backward."""
+    from te_fuser.attention import function
+
+    torch.manual_seed(12)
+    q, k, v = make_inputs("bshd", 2, 32, 32, 4, 4, 16, torch.bfloat16)
+    module = te_fuser.DotProductAttention(4, 16, qkv_format="bshd", attn_mask_type="causal")
+
+    def fp8():
+        return te_fuser.fp8_autocast(enabled=fp8_dpa, fp8_recipe=te_fuser.recipe.Float8CurrentScaling(fp8_dpa=True))
+
+    with fp8():
+        expected = module(q, k, v)
+    saved_copies = []
+    real_quantize = function.quantize_saved_output
+    monkeypatch.setattr(function, "quantize_saved_output", lambda out: saved_copies.append(out) or real_quantize(out))
+
+    def no_function(*args):
+        raise AssertionError("the autograd Function ran under no_grad")
+
+    monkeypatch.setattr(function.FusedAttentionFunction, "apply", no_function)
+    with torch.no_grad(), fp8():
+        out = module(q, k, v)
+    assert out.grad_fn is None
+    assert torch.equal(out, expected)
+    assert not saved_copies
+
+
 def test_fp8_dpa_delayed_scaling_records_amax():
     torch.manual_seed(10)
     q, k, v = make_inputs("bshd", 1, 24, 24, 2, 2, 8, torch.float32)

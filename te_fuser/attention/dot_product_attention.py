@@ -9,7 +9,7 @@ import torch
 from ..fp8_state import DelayedScalingState, FP8GlobalState, make_recipe_state
 from ..kernels.validate import FLOAT_DTYPES
 from ..ops._fp8_io import dequantized_with_grad
-from .function import FusedAttentionFunction
+from .function import FusedAttentionFunction, attention_forward
 from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
@@ -260,7 +260,10 @@ class DotProductAttention(torch.nn.Module):
             output_quantizer = self._fp8_output_quantizer(query_layer.device)
         query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv = _distinct(
             query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv)
-        out = FusedAttentionFunction.apply(query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q,
-                                           lens_kv, self.softmax_scale, "causal" in mask_type, dropout_p, seed,
-                                           offset, quantizers, output_quantizer)
+        args = (query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q, lens_kv, self.softmax_scale,
+                "causal" in mask_type, dropout_p, seed, offset, quantizers, output_quantizer)
+        if torch.is_grad_enabled():
+            out = FusedAttentionFunction.apply(*args)
+        else:  # nothing to keep for a backward, and no autograd Function to call
+            out = attention_forward(*args, for_backward=False)[0]
         return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])

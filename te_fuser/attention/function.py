@@ -69,6 +69,37 @@ def quantize_saved_output(out: torch.Tensor) -> Float8Tensor:
     return Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=out.device)(out)
 
 
+def attention_forward(q, k, v, qkv_format: str, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
+                      softmax_scale: float, causal: bool, dropout_p: float, seed: int, offset: int,
+                      quantizers: Optional[Sequence] = None, output_quantizer=None, for_backward: bool = True):
+    """(out, tensors to save, Float8Tensor shells or None): FusedAttentionFunction's forward, and the
+    whole of it under torch.no_grad (for_backward=False: nothing is kept, the FP8 output is not
+    quantized again for saving)."""
+    lengths = (cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
+    if quantizers is None:
+        out, lse = attn_kernels.attention_fwd(
+            to_kernel_layout(q, qkv_format), to_kernel_layout(k, qkv_format),
+            to_kernel_layout(v, qkv_format), cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+            seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal,
+            dropout_p=dropout_p, seed=seed, offset=offset)
+        out = from_kernel_layout(out, qkv_format)
+        return out, (q, k, v, out, lse, *lengths), None
+    q8, k8, v8 = (fp8_input(t, quantizer) for quantizer, t in zip(quantizers, (q, k, v)))
+    (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, qkv_format) for t in (q8, k8, v8))
+    out, lse = attn_kernels.attention_fwd(
+        qd, kd, vd, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqlens_q=seqlens_q,
+        seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal, dropout_p=dropout_p,
+        seed=seed, offset=offset, q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=q.dtype)
+    out = from_kernel_layout(out, qkv_format)
+    if output_quantizer is not None:
+        out = output_quantizer(out.contiguous())
+    if not for_backward:
+        return out, (), None
+    out_saved = quantize_saved_output(out) if output_quantizer is None else out.rewrapped()
+    saved, objects = prepare_for_saving(q8, k8, v8, out_saved, lse, *lengths)
+    return out, saved, objects
+
+
 class FusedAttentionFunction(torch.autograd.Function):
     """out = attention(q, k, v) in qkv_format, with FP8 inputs when quantizers are given, and out
     returned as a Float8Tensor when output_quantizer is given too."""
@@ -77,29 +108,9 @@ class FusedAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, qkv_format: str, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
                 softmax_scale: float, causal: bool, dropout_p: float, seed: int, offset: int,
                 quantizers: Optional[Sequence] = None, output_quantizer=None):
-        lengths = (cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
-        if quantizers is None:
-            out, lse = attn_kernels.attention_fwd(
-                to_kernel_layout(q, qkv_format), to_kernel_layout(k, qkv_format),
-                to_kernel_layout(v, qkv_format), cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal,
-                dropout_p=dropout_p, seed=seed, offset=offset)
-            out = from_kernel_layout(out, qkv_format)
-            saved, objects = (q, k, v, out, lse, *lengths), None
-        else:
-            q8, k8, v8 = (fp8_input(t, quantizer) for quantizer, t in zip(quantizers, (q, k, v)))
-            (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, qkv_format) for t in (q8, k8, v8))
-            out, lse = attn_kernels.attention_fwd(
-                qd, kd, vd, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, seqlens_q=seqlens_q,
-                seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal, dropout_p=dropout_p,
-                seed=seed, offset=offset, q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=q.dtype)
-            out = from_kernel_layout(out, qkv_format)
-            if output_quantizer is None:
-                out_saved = quantize_saved_output(out)
-            else:
-                out = output_quantizer(out.contiguous())
-                out_saved = out.rewrapped()
-            saved, objects = prepare_for_saving(q8, k8, v8, out_saved, lse, *lengths)
+        out, saved, objects = attention_forward(q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seqlens_q,
+                                                seqlens_kv, softmax_scale, causal, dropout_p, seed, offset,
+                                                quantizers, output_quantizer)
         ctx.save_for_backward(*saved)
         # FP8: the Float8Tensor shells (prepare_for_saving handed their buffers to save_for_backward).
         ctx.tensor_objects = objects
