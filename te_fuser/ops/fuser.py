@@ -2,7 +2,8 @@
 
 Fusions are found once per cache key -- FP8 on/off, the recipe type and
 format, grad mode, and which of the input and parameters require grad -- and
-re-found only when that key changes.
+re-found only when that key changes. Under torch.no_grad the ops run without
+the autograd Function: there is no graph to build and nothing to save.
 
 Saved-tensor discipline (the bug of TransformerEngine's fuser: quantized
 tensors kept as plain ctx attributes lived until the next iteration):
