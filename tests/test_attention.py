@@ -13,6 +13,7 @@ from te_fuser.kernels import cpu as cpu_kernels
 
 from attention_reference import attention as reference_attention
 from attention_reference import segments
+from _no_grad_path import run_with_and_without_grad
 
 # The CPU paths the 16-bit and FP8 tests run on: the portable build and the best this CPU has (AMX tiles for
 # bf16/FP8 q/k/v where it has AMX, else its widest vectors), selected with the ISA cap.
@@ -464,18 +465,9 @@ def test_no_grad_runs_without_the_autograd_function(monkeypatch, fp8_dpa):
     def fp8():
         return te_fuser.fp8_autocast(enabled=fp8_dpa, fp8_recipe=te_fuser.recipe.Float8CurrentScaling(fp8_dpa=True))
 
-    with fp8():
-        expected = module(q, k, v)
-    saved_copies = []
-    real_quantize = function.quantize_saved_output
-    monkeypatch.setattr(function, "quantize_saved_output", lambda out: saved_copies.append(out) or real_quantize(out))
-
-    def no_function(*args):
-        raise AssertionError("the autograd Function ran under no_grad")
-
-    monkeypatch.setattr(function.FusedAttentionFunction, "apply", no_function)
-    with torch.no_grad(), fp8():
-        out = module(q, k, v)
+    expected, out, saved_copies = run_with_and_without_grad(
+        monkeypatch, function.FusedAttentionFunction, (function, "quantize_saved_output"), fp8,
+        lambda: module(q, k, v))
     assert out.grad_fn is None
     assert torch.equal(out, expected)
     assert not saved_copies

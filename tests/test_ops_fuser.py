@@ -10,6 +10,8 @@ from te_fuser import ops, recipe
 from te_fuser.float8_tensor import Float8Tensor
 from te_fuser.ops.basic.linear import BasicLinear
 
+from _no_grad_path import run_with_and_without_grad
+
 
 def _randomize(model):
     torch.manual_seed(1)
@@ -111,21 +113,12 @@ def test_no_grad_runs_the_chain_without_an_autograd_function(monkeypatch, fp8_re
 
     model = CHAINS["ln_mlp_gelu"]()
     x = torch.randn(16, 64)
+
     def fp8():
         return te_fuser.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
 
-    with fp8():
-        expected = model(x)
-    transposes = []
-    real_transpose = _fp8_io.fp8_transpose
-    monkeypatch.setattr(_fp8_io, "fp8_transpose", lambda data: transposes.append(data) or real_transpose(data))
-
-    def no_function(*args):
-        raise AssertionError("the autograd Function ran under no_grad")
-
-    monkeypatch.setattr(fuser_module._FuserFunction, "apply", no_function)
-    with torch.no_grad(), fp8():
-        out = model(x)
+    expected, out, transposes = run_with_and_without_grad(
+        monkeypatch, fuser_module._FuserFunction, (_fp8_io, "fp8_transpose"), fp8, lambda: model(x))
     assert out.grad_fn is None and not out.requires_grad
     assert torch.equal(out, expected)
     assert not transposes
