@@ -1,7 +1,9 @@
 // Helpers shared by the binding files: dtype mapping, argument checks that
 // raise (as RuntimeError in Python) instead of crashing, and the thread split.
-// The Python wrappers validate first with friendlier messages; these checks
-// keep the raw torch.ops.te_fuser.* entry points safe on their own.
+// These checks keep the raw torch.ops.te_fuser.* entry points safe on their own.
+// The Python wrappers raise friendlier messages: the fused ops' wrappers check
+// their arguments only after these refused them (te_fuser/kernels/validate.py,
+// call_checked), the others before each call.
 #pragma once
 
 // CUDA builds: torch's C shim declares its CUDA entry points (the current

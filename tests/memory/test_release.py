@@ -65,8 +65,8 @@ def test_every_use_raises_naming_release_storage(device):
             use, outcome, message = line.split("\t", 2)
             outcomes[use] = (outcome, message)
     assert set(outcomes) == set(USES), runs[0].stderr[-3000:]
-    # te_fuser's own ops would reach the data pointer through the stable C ABI, which reports only that
-    # the call failed: their Python wrappers touch each tensor's data pointer first, which names it.
+    # te_fuser's own ops reach the data pointer through the stable C ABI, which reports only that the
+    # call failed: their Python wrappers then touch each tensor's data pointer, which names it.
     wrong = {use: result for use, result in outcomes.items()
              if result[0] != "RAISED RuntimeError" or "release_storage" not in result[1]}
     assert not wrong, "uses of a released view that did not raise RuntimeError naming release_storage: " + \
