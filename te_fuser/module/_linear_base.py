@@ -140,13 +140,13 @@ class LinearWeights:
         op = self.op
         sizes = self._local_split_sizes()
         full_weight = torch.empty(op.local_out_features, op.local_in_features, device=device, dtype=dtype)
-        for pname, piece in zip(self.names("weight"), full_weight.split(sizes)):
+        for pname, piece in zip(self._weight_names, full_weight.split(sizes)):
             param = torch.nn.Parameter(piece)
             op.mark_weight(param)
             module.register_parameter(pname, param)
         if self.use_bias:
             full_bias = torch.empty(op.local_out_features, device=device, dtype=dtype)
-            for pname, piece in zip(self.names("bias"), full_bias.split(sizes)):
+            for pname, piece in zip(self._bias_names, full_bias.split(sizes)):
                 param = torch.nn.Parameter(piece)
                 param.tensor_model_parallel = False
                 if op.tensor_parallel_mode == "column":
@@ -171,7 +171,7 @@ class LinearWeights:
             for b in self.biases(module):
                 b.zero_()
         if self.fp8_init.enabled:  # weight slot 1 of BasicLinear's forward quantizers
-            fp8_weights.quantize_weights(module, [(name, self.op, 1) for name in self.names("weight")], self.fp8_init)
+            fp8_weights.quantize_weights(module, [(name, self.op, 1) for name in self._weight_names], self.fp8_init)
 
     def weights(self, module):
         return [getattr(module, n) for n in self._weight_names]
