@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "../common/tf_transpose16.h"
+#include "attention_amx_pack.h"
 #include "attention_tile.h"
 
 #if TF_ATTN_VW != 16
@@ -92,14 +93,18 @@ TF_ATTN_INLINE __mmask32 tf_bf16_row_mask(int64_t D, int64_t d0) {
 }
 
 /*
- * Rows j in [0, n) of D bf16 (src[j * stride + d]) as pairs over the row's
- * elements, x^T: dst[(r * cols + j) * 2 + e] = src[j * stride + 2 r + e] for
- * r < dp / 2, zero for j in [n, cols) or 2 r + e >= D (tf_amx_pack_transposed
- * for a bf16 operand). cols and dp are multiples of 16. A pair is a word: 16 x
- * 16 blocks of words are transposed in registers.
+ * tf_amx_pack_transposed (rows j in [0, n) from offset first, x^T as pairs over
+ * the row's elements, zero past n and D), with a bf16 operand's pairs (words)
+ * transposed as 16 x 16 blocks in registers; an E4M3 operand goes to the
+ * packer, which decodes it. cols and dp are multiples of 16.
  */
-TF_ATTN_INLINE void tf_bf16_pack_transposed(const uint16_t *src, int64_t stride, int64_t n,
+TF_ATTN_INLINE void tf_bf16_pack_transposed(const tf_attn_operand *op, int64_t first, int64_t stride, int64_t n,
                                             int64_t cols, int64_t D, int64_t dp, uint16_t *dst) {
+  if (op->elem != TF_ATTN_BF16) {
+    tf_amx_pack_transposed(op, first, stride, n, cols, D, dp, dst);
+    return;
+  }
+  const uint16_t *src = (const uint16_t *)op->data + first;
   for (int64_t j0 = 0; j0 < cols; j0 += 16)
     for (int64_t d0 = 0; d0 < dp; d0 += 32) {
       const __mmask32 in_d = tf_bf16_row_mask(D, d0);
@@ -114,12 +119,17 @@ TF_ATTN_INLINE void tf_bf16_pack_transposed(const uint16_t *src, int64_t stride,
 }
 
 /*
- * Rows j in [0, n) of D bf16 as pairs over the rows: dst[((j / 2) * dp + d) *
- * 2 + j % 2] = src[j * stride + d], zero for j in [n, rows) or d >= D
- * (tf_amx_pack_pairs for a bf16 operand). rows is even, dp a multiple of 16.
+ * tf_amx_pack_pairs (rows j in [0, n) from offset first as pairs over the rows,
+ * zero past n and D), with two bf16 rows interleaved in registers; an E4M3
+ * operand goes to the packer. rows is even, dp a multiple of 16.
  */
-TF_ATTN_INLINE void tf_bf16_pack_pairs(const uint16_t *src, int64_t stride, int64_t n, int64_t rows,
-                                       int64_t D, int64_t dp, uint16_t *dst) {
+TF_ATTN_INLINE void tf_bf16_pack_pairs(const tf_attn_operand *op, int64_t first, int64_t stride, int64_t n,
+                                       int64_t rows, int64_t D, int64_t dp, uint16_t *dst) {
+  if (op->elem != TF_ATTN_BF16) {
+    tf_amx_pack_pairs(op, first, stride, n, rows, D, dp, dst);
+    return;
+  }
+  const uint16_t *src = (const uint16_t *)op->data + first;
   /* Halfwords 0..15 (lo) or 16..31 (hi) of a and of b (32 + i), alternating. */
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);

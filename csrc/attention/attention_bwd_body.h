@@ -154,26 +154,15 @@ static bwd_scratch key_tile(const bwd_scratch *t, int64_t tile, int64_t dp) {
 }
 
 #if TF_ATTN_BF16_DOT
-/* The nk rows of x from offset `first` as BK columns of x^T pairs: bf16 rows by the vector transpose. */
-TF_ATTN_INLINE void pack_kv_transposed(const tf_attn_operand *x, int64_t first, int64_t nk, int64_t D,
-                                       int64_t dp, uint16_t *dst) {
-  if (x->elem == TF_ATTN_BF16)
-    tf_bf16_pack_transposed((const uint16_t *)x->data + first, x->stride_s, nk, BK, D, dp, dst);
-  else
-    tf_amx_pack_transposed(x, first, x->stride_s, nk, BK, D, dp, dst);
-}
-
 /* Keys [k0, k0 + nk): kt, vt (zero past nk) and kp (zero past nk, padded to BK). */
 TF_ATTN_INLINE void load_kv_tile(const tf_attn_operand *k, const tf_attn_operand *v,
                                  tf_attn_segment ks, int64_t hk, int64_t k0, int64_t nk,
                                  int64_t D, int64_t dp, const bwd_scratch *t) {
   const int64_t ko = tf_attn_row_offset(k, ks.batch, ks.start + k0, hk);
-  pack_kv_transposed(k, ko, nk, D, dp, t->kt);
-  pack_kv_transposed(v, tf_attn_row_offset(v, ks.batch, ks.start + k0, hk), nk, D, dp, t->vt);
-  if (k->elem == TF_ATTN_BF16)
-    tf_bf16_pack_pairs((const uint16_t *)k->data + ko, k->stride_s, nk, BK, D, dp, t->k);
-  else
-    tf_amx_pack_pairs(k, ko, k->stride_s, nk, BK, D, dp, t->k);
+  tf_bf16_pack_transposed(k, ko, k->stride_s, nk, BK, D, dp, t->kt);
+  tf_bf16_pack_transposed(v, tf_attn_row_offset(v, ks.batch, ks.start + k0, hk), v->stride_s, nk, BK, D, dp,
+                          t->vt);
+  tf_bf16_pack_pairs(k, ko, k->stride_s, nk, BK, D, dp, t->k);
 }
 
 /*

@@ -440,11 +440,7 @@ TF_ATTN_INLINE void pack_q(const tf_attn_problem *p, const tf_attn_operand *q, t
   (void)nq;
   const int64_t D = p->head_dim, dp = tf_attn_padded_dim(p);
   const int64_t first = tf_attn_row_offset(q, qs.batch, qs.start + r0, h);
-  if (q->elem != TF_ATTN_BF16) {
-    tf_amx_pack_transposed(q, first, q->stride_s, rows, LD, D, dp, t->qt);
-    return;
-  }
-  tf_bf16_pack_transposed((const uint16_t *)q->data + first, q->stride_s, rows, LD, D, dp, t->qt);
+  tf_bf16_pack_transposed(q, first, q->stride_s, rows, LD, D, dp, t->qt);
 }
 
 /* tf_amx_pack_pairs zeroes v's padding itself. */
@@ -459,11 +455,8 @@ TF_ATTN_INLINE const uint16_t *pack_kv_tile(const tf_attn_operand *k, const tf_a
                                             tf_attn_segment ks, int64_t hk, int64_t k0, int64_t nk,
                                             int64_t D, int64_t dp, const fwd_scratch *t,
                                             int64_t *ldk) {
-  const int64_t vo = tf_attn_row_offset(v, ks.batch, ks.start + k0, hk);
-  if (v->elem == TF_ATTN_BF16)
-    tf_bf16_pack_pairs((const uint16_t *)v->data + vo, v->stride_s, nk, (nk + 1) / 2 * 2, D, dp, t->v);
-  else
-    tf_amx_pack_pairs(v, vo, v->stride_s, nk, (nk + 1) / 2 * 2, D, dp, t->v);
+  tf_bf16_pack_pairs(v, tf_attn_row_offset(v, ks.batch, ks.start + k0, hk), v->stride_s, nk, (nk + 1) / 2 * 2,
+                     D, dp, t->v);
   const int64_t first = tf_attn_row_offset(k, ks.batch, ks.start + k0, hk);
   for (int64_t j = 0; j < nk; ++j) tf_amx_pack_row(k, first + j * k->stride_s, D, dp, t->k + j * dp);
   for (int64_t j = nk; j < (nk + TF_ATTN_GEMM_ROWS - 1) / TF_ATTN_GEMM_ROWS * TF_ATTN_GEMM_ROWS; ++j)
