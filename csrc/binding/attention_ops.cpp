@@ -45,7 +45,7 @@ Tensor empty_in_order_of(const Tensor& like, ScalarType dtype) {
       std::swap(order[j], order[j - 1]);
   std::vector<int64_t> sizes = {like.size(order[0]), like.size(order[1]), like.size(order[2]),
                                 like.size(3)};
-  Tensor t = torch::stable::new_empty(like, sizes, dtype);
+  Tensor t = new_empty(like, sizes, dtype);
   // Dim i of t holds logical dim order[i]; transpose until they line up.
   for (int i = 0; i < 3; ++i) {
     for (int j = i; j < 3; ++j) {
@@ -141,8 +141,8 @@ Problem make_problem(const Tensor& q, const Tensor& k, const Tensor& v, const Op
 }
 
 Tensor empty_stats(const Tensor& q, const tf_attn_problem& p) {
-  if (p.cu_seqlens_q) return torch::stable::new_empty(q, {p.heads_q, p.seq_q}, ScalarType::Float);
-  return torch::stable::new_empty(q, {p.batch, p.heads_q, p.seq_q}, ScalarType::Float);
+  if (p.cu_seqlens_q) return new_empty(q, {p.heads_q, p.seq_q}, ScalarType::Float);
+  return new_empty(q, {p.batch, p.heads_q, p.seq_q}, ScalarType::Float);
 }
 
 void check_stats(const Tensor& lse, const Tensor& q, const tf_attn_problem& p) {
@@ -174,7 +174,7 @@ void parallel_units(const Tensor& like, int64_t units, int64_t scratch_floats, b
   // About 16 ranges per thread: a fine enough split, and few enough calls that
   // the C core's per-call checks stay negligible.
   const int64_t grain = std::max<int64_t>(1, units / (chunks * 16));
-  Tensor scratch = torch::stable::new_empty(like, {chunks, scratch_floats > 0 ? scratch_floats : 1},
+  Tensor scratch = new_empty(like, {chunks, scratch_floats > 0 ? scratch_floats : 1},
                                             ScalarType::Float);
   float* base = scratch.mutable_data_ptr<float>();
   const int64_t row = scratch.size(1);

@@ -62,7 +62,7 @@ Tensor dense_like(const Tensor& like, ScalarType dtype) {
   for (int i = 1; i < 3; ++i)
     for (int j = i; j > 0 && like.stride(order[j]) > like.stride(order[j - 1]); --j)
       std::swap(order[j], order[j - 1]);
-  Tensor t = torch::stable::new_empty(
+  Tensor t = new_empty(
       like, {like.size(order[0]), like.size(order[1]), like.size(order[2]), like.size(3)}, dtype);
   // Dim k of t is dim order[k] of `like`: transpose it back into place.
   for (int64_t d = 0; d < 3; ++d) {
@@ -217,7 +217,7 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(
                    to_tf_dtype(out_type, "out_dtype"));
   Tensor out = dense_like(q, out_type);
   const std::vector<int64_t> shape = lse_shape(p);
-  Tensor lse = torch::stable::new_empty(q, shape, ScalarType::Float);
+  Tensor lse = new_empty(q, shape, ScalarType::Float);
   if (p.cu_seqlens_q != nullptr) {  // tokens outside every sequence
     torch::stable::zero_(out);
     torch::stable::fill_(lse, -INFINITY);
@@ -272,8 +272,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
     torch::stable::zero_(dv);
   }
   Tensor dq_accum =
-      torch::stable::new_empty(q, {p.batch, p.seqlen_q, p.heads_q, p.head_dim}, ScalarType::Float);
-  Tensor delta = torch::stable::new_empty(q, shape, ScalarType::Float);
+      new_empty(q, {p.batch, p.seqlen_q, p.heads_q, p.head_dim}, ScalarType::Float);
+  Tensor delta = new_empty(q, shape, ScalarType::Float);
   check_status(tf_attention_bwd_cuda(&p, in_view(dout), in_view(q), in_view(k), in_view(v),
                                      in_view(out), lse.const_data_ptr<float>(), out_view(dq),
                                      out_view(dk), out_view(dv),

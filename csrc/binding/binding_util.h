@@ -17,6 +17,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 extern "C" {
 #include "../common/tf_dtype.h"
@@ -49,6 +50,30 @@ inline tf_fp8_format to_tf_fp8_format(ScalarType t, const char* arg) {
 
 inline ScalarType fp8_scalar_type(tf_fp8_format f) {
   return f == TF_FP8_E4M3 ? ScalarType::Float8_e4m3fn : ScalarType::Float8_e5m2;
+}
+
+// A new contiguous tensor of `sizes` and `dtype` on the device of `like`. It calls the C shim's
+// empty_strided directly: torch::stable::new_empty looks aten::new_empty up by name and runs it
+// through the dispatcher on every call, which costs more than the kernel on a small tensor.
+inline Tensor new_empty(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes,
+                        ScalarType dtype) {
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (int64_t d = ndim - 1; d >= 0; --d) {
+    STD_TORCH_CHECK(sizes[d] >= 0, "te_fuser: negative size in an output allocation");
+    strides[d] = stride;
+    STD_TORCH_CHECK(!__builtin_mul_overflow(stride, sizes[d] > 0 ? sizes[d] : 1, &stride),
+                    "te_fuser: output size overflows int64");
+  }
+  int32_t device_type = 0;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));
+  AtenTensorHandle out = nullptr;
+  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_empty_strided(
+      ndim, sizes.data(), strides.data(),
+      torch::stable::detail::to<int32_t>(torch::stable::detail::from(dtype)), device_type,
+      like.get_device_index(), &out));
+  return Tensor(out);
 }
 
 inline void check_status(tf_status s, const char* what) {

@@ -73,7 +73,7 @@ Tensor fp8_quantize_cpu(Tensor input, Tensor scale, Tensor amax, ScalarType fp8_
   check_quantize_args(input, scale, amax);
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
   const tf_fp8_format format = to_tf_fp8_format(fp8_dtype, "fp8_dtype");
-  Tensor out = torch::stable::new_empty(input, input.sizes(), fp8_dtype);
+  Tensor out = new_empty(input, input.sizes(), fp8_dtype);
   const void* x = input.const_data_ptr();
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
   const float s = *scale.const_data_ptr<float>();
@@ -98,7 +98,7 @@ Tensor fp8_amax_cpu(Tensor input) {
                                      [&](int64_t b, int64_t e, uint32_t* a) {
                                        return tf_fp8_amax(x, dtype, b, e, a);
                                      });
-  Tensor out = torch::stable::new_empty(input, {1}, ScalarType::Float);
+  Tensor out = new_empty(input, {1}, ScalarType::Float);
   *out.mutable_data_ptr<float>() = tf_f32_from_bits(bits);
   return out;
 }
@@ -109,7 +109,7 @@ Tensor fp8_dequantize_cpu(Tensor data, Tensor scale_inv, ScalarType out_dtype) {
   check_same_device(data, scale_inv, "data", "scale_inv");
   const tf_fp8_format format = to_tf_fp8_format(data.scalar_type(), "data");
   const tf_dtype dtype = to_tf_dtype(out_dtype, "out_dtype");
-  Tensor out = torch::stable::new_empty(data, data.sizes(), out_dtype);
+  Tensor out = new_empty(data, data.sizes(), out_dtype);
   const uint8_t* y = static_cast<const uint8_t*>(data.const_data_ptr());
   void* x = out.mutable_data_ptr();
   const float s_inv = *scale_inv.const_data_ptr<float>();
@@ -129,8 +129,8 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cpu(Tensor input, Tensor scale, Te
   const tf_fp8_format format = to_tf_fp8_format(fp8_dtype, "fp8_dtype");
   const int64_t cols = input.size(input.dim() - 1);
   const int64_t rows = cols == 0 ? 0 : input.numel() / cols;
-  Tensor out = torch::stable::new_empty(input, input.sizes(), fp8_dtype);
-  Tensor out_t = torch::stable::new_empty(input, {cols, rows}, fp8_dtype);
+  Tensor out = new_empty(input, input.sizes(), fp8_dtype);
+  Tensor out_t = new_empty(input, {cols, rows}, fp8_dtype);
   const void* x = input.const_data_ptr();
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
   uint8_t* y_t = static_cast<uint8_t*>(out_t.mutable_data_ptr());
@@ -154,7 +154,7 @@ Tensor fp8_transpose_cpu(Tensor data) {
   int64_t rows = 1;
   for (int64_t d = 0; d + 1 < data.dim(); ++d)
     STD_TORCH_CHECK(!__builtin_mul_overflow(rows, data.size(d), &rows), "data's leading dims overflow int64");
-  Tensor out = torch::stable::new_empty(data, {cols, rows}, data.scalar_type());
+  Tensor out = new_empty(data, {cols, rows}, data.scalar_type());
   const uint8_t* x = static_cast<const uint8_t*>(data.const_data_ptr());
   uint8_t* y = static_cast<uint8_t*>(out.mutable_data_ptr());
   parallel_row_bands(rows, cols, TF_FP8_TRANSPOSE_BAND, "fp8_transpose",
@@ -177,8 +177,8 @@ void fp8_delayed_scaling_update_cpu(Tensor amax_history, Tensor amax, Tensor sca
 std::tuple<Tensor, Tensor> fp8_current_scale_cpu(Tensor amax, double fp8_max, double epsilon,
                                                  bool force_pow2) {
   check_scalar_f32(amax, "amax");
-  Tensor scale = torch::stable::new_empty(amax, {1}, ScalarType::Float);
-  Tensor scale_inv = torch::stable::new_empty(amax, {1}, ScalarType::Float);
+  Tensor scale = new_empty(amax, {1}, ScalarType::Float);
+  Tensor scale_inv = new_empty(amax, {1}, ScalarType::Float);
   const float s = tf_fp8_current_scale(*amax.const_data_ptr<float>(), static_cast<float>(fp8_max),
                                        static_cast<float>(epsilon), force_pow2 ? 1 : 0);
   *scale.mutable_data_ptr<float>() = s;

@@ -26,7 +26,7 @@ Tensor fp8_quantize_cuda(Tensor input, Tensor scale, Tensor amax, ScalarType fp8
   const tf_fp8_format format = to_tf_fp8_format(fp8_dtype, "fp8_dtype");
   const DeviceGuard guard(input.get_device_index());
   void* stream = current_cuda_stream(input, "input");
-  Tensor out = torch::stable::new_empty(input, input.sizes(), fp8_dtype);
+  Tensor out = new_empty(input, input.sizes(), fp8_dtype);
   check_status(tf_fp8_quantize_cuda(input.const_data_ptr(), dtype, input.numel(),
                                     scale.const_data_ptr<float>(), format,
                                     static_cast<uint8_t*>(out.mutable_data_ptr()),
@@ -56,7 +56,7 @@ Tensor fp8_dequantize_cuda(Tensor data, Tensor scale_inv, ScalarType out_dtype) 
   const tf_dtype dtype = to_tf_dtype(out_dtype, "out_dtype");
   const DeviceGuard guard(data.get_device_index());
   void* stream = current_cuda_stream(data, "data");
-  Tensor out = torch::stable::new_empty(data, data.sizes(), out_dtype);
+  Tensor out = new_empty(data, data.sizes(), out_dtype);
   check_status(tf_fp8_dequantize_cuda(static_cast<const uint8_t*>(data.const_data_ptr()), format,
                                       data.numel(), scale_inv.const_data_ptr<float>(),
                                       out.mutable_data_ptr(), dtype, stream),
@@ -76,8 +76,8 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cuda(Tensor input, Tensor scale, T
   const int64_t rows = cols == 0 ? 0 : input.numel() / cols;
   const DeviceGuard guard(input.get_device_index());
   void* stream = current_cuda_stream(input, "input");
-  Tensor out = torch::stable::new_empty(input, input.sizes(), fp8_dtype);
-  Tensor out_t = torch::stable::new_empty(input, {cols, rows}, fp8_dtype);
+  Tensor out = new_empty(input, input.sizes(), fp8_dtype);
+  Tensor out_t = new_empty(input, {cols, rows}, fp8_dtype);
   check_status(tf_fp8_cast_transpose_cuda(input.const_data_ptr(), dtype, rows, cols, cols,
                                           scale.const_data_ptr<float>(), format,
                                           static_cast<uint8_t*>(out.mutable_data_ptr()),
@@ -107,8 +107,8 @@ std::tuple<Tensor, Tensor> fp8_current_scale_cuda(Tensor amax, double fp8_max, d
   check_scalar_f32(amax, "amax");
   const DeviceGuard guard(amax.get_device_index());
   void* stream = current_cuda_stream(amax, "amax");
-  Tensor scale = torch::stable::new_empty(amax, {1}, ScalarType::Float);
-  Tensor scale_inv = torch::stable::new_empty(amax, {1}, ScalarType::Float);
+  Tensor scale = new_empty(amax, {1}, ScalarType::Float);
+  Tensor scale_inv = new_empty(amax, {1}, ScalarType::Float);
   check_status(tf_fp8_current_scale_cuda(amax.const_data_ptr<float>(), static_cast<float>(fp8_max),
                                          static_cast<float>(epsilon), force_pow2 ? 1 : 0,
                                          scale.mutable_data_ptr<float>(),

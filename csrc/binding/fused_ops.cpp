@@ -60,7 +60,7 @@ int64_t num_bands(Matrix m) {
 
 // Sums float32 partial rows (bands x cols) in band order into a new cols tensor of out_dtype.
 Tensor sum_partials(const Tensor& partials, int64_t bands, int64_t cols, ScalarType out_dtype) {
-  Tensor out = torch::stable::new_empty(partials, {cols}, out_dtype);
+  Tensor out = new_empty(partials, {cols}, out_dtype);
   check_status(tf_ops_sum_partials(partials.const_data_ptr<float>(), bands, cols, 0, cols,
                                    out.mutable_data_ptr(), to_tf_dtype(out_dtype, "out_dtype")),
                "sum of partial reductions");
@@ -99,7 +99,7 @@ OutputSpec output_spec(const Tensor& input, ScalarType like_dtype,
 }
 
 Tensor allocate_output(OutputSpec& spec, const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes) {
-  Tensor out = torch::stable::new_empty(like, sizes, spec.scalar_type);
+  Tensor out = new_empty(like, sizes, spec.scalar_type);
   spec.desc.data = out.mutable_data_ptr();
   return out;
 }
@@ -157,7 +157,7 @@ std::tuple<Tensor, Tensor> act_bias_backward_cpu(Tensor grad, Tensor x, std::opt
   OutputSpec spec = output_spec(x, grad.scalar_type(), fp8_dtype, scale, amax);
   Tensor dx = allocate_output(spec, x, x.sizes());
   const int64_t bands = compute_dbias ? num_bands(m) : 0;
-  Tensor partials = torch::stable::new_empty(x, {bands, m.cols}, ScalarType::Float);
+  Tensor partials = new_empty(x, {bands, m.cols}, ScalarType::Float);
   float* part = compute_dbias ? partials.mutable_data_ptr<float>() : nullptr;
   const void* dyp = grad.const_data_ptr();
   const void* xp = x.const_data_ptr();
@@ -167,7 +167,7 @@ std::tuple<Tensor, Tensor> act_bias_backward_cpu(Tensor grad, Tensor x, std::opt
   });
   finish_output(spec, bits);
   Tensor dbias = compute_dbias ? sum_partials(partials, bands, m.cols, dbias_type)
-                               : torch::stable::new_empty(x, {0}, dbias_type);
+                               : new_empty(x, {0}, dbias_type);
   return std::make_tuple(dx, dbias);
 }
 
@@ -238,7 +238,7 @@ std::tuple<Tensor, Tensor> rmsnorm_forward_cpu(Tensor x, Tensor weight, double e
   const tf_dtype pdtype = to_tf_dtype(weight.scalar_type(), "weight");
   OutputSpec spec = output_spec(x, x.scalar_type(), fp8_dtype, scale, amax);
   Tensor y = allocate_output(spec, x, x.sizes());
-  Tensor rstd = torch::stable::new_empty(x, row_shape(x), ScalarType::Float);
+  Tensor rstd = new_empty(x, row_shape(x), ScalarType::Float);
   const void* xp = x.const_data_ptr();
   const void* wp = weight.const_data_ptr();
   float* rp = rstd.mutable_data_ptr<float>();
@@ -264,8 +264,8 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_forward_cpu(Tensor x, Tensor weight
   const tf_dtype pdtype = to_tf_dtype(weight.scalar_type(), "weight");
   OutputSpec spec = output_spec(x, x.scalar_type(), fp8_dtype, scale, amax);
   Tensor y = allocate_output(spec, x, x.sizes());
-  Tensor mean = torch::stable::new_empty(x, row_shape(x), ScalarType::Float);
-  Tensor rstd = torch::stable::new_empty(x, row_shape(x), ScalarType::Float);
+  Tensor mean = new_empty(x, row_shape(x), ScalarType::Float);
+  Tensor rstd = new_empty(x, row_shape(x), ScalarType::Float);
   const void* xp = x.const_data_ptr();
   const void* wp = weight.const_data_ptr();
   const void* bp = bias.const_data_ptr();
@@ -290,9 +290,9 @@ std::tuple<Tensor, Tensor> rmsnorm_backward_cpu(Tensor grad, Tensor x, Tensor rs
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   const tf_dtype dy_dtype = to_tf_dtype(grad.scalar_type(), "grad");
   const tf_dtype pdtype = to_tf_dtype(weight.scalar_type(), "weight");
-  Tensor dx = torch::stable::new_empty(x, x.sizes(), grad.scalar_type());
+  Tensor dx = new_empty(x, x.sizes(), grad.scalar_type());
   const int64_t bands = num_bands(m);
-  Tensor partials = torch::stable::new_empty(x, {bands, m.cols}, ScalarType::Float);
+  Tensor partials = new_empty(x, {bands, m.cols}, ScalarType::Float);
   const void* dyp = grad.const_data_ptr();
   const void* xp = x.const_data_ptr();
   const void* wp = weight.const_data_ptr();
@@ -318,10 +318,10 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_backward_cpu(Tensor grad, Tensor x,
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   const tf_dtype dy_dtype = to_tf_dtype(grad.scalar_type(), "grad");
   const tf_dtype pdtype = to_tf_dtype(weight.scalar_type(), "weight");
-  Tensor dx = torch::stable::new_empty(x, x.sizes(), grad.scalar_type());
+  Tensor dx = new_empty(x, x.sizes(), grad.scalar_type());
   const int64_t bands = num_bands(m);
-  Tensor dgamma_parts = torch::stable::new_empty(x, {bands, m.cols}, ScalarType::Float);
-  Tensor dbeta_parts = torch::stable::new_empty(x, {bands, m.cols}, ScalarType::Float);
+  Tensor dgamma_parts = new_empty(x, {bands, m.cols}, ScalarType::Float);
+  Tensor dbeta_parts = new_empty(x, {bands, m.cols}, ScalarType::Float);
   const void* dyp = grad.const_data_ptr();
   const void* xp = x.const_data_ptr();
   const void* wp = weight.const_data_ptr();

@@ -48,7 +48,7 @@ Output make_output(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef 
   } else {
     desc.dtype = to_tf_dtype(dtype, "output dtype");
   }
-  Tensor out = torch::stable::new_empty(like, sizes, out_type);
+  Tensor out = new_empty(like, sizes, out_type);
   desc.data = out.mutable_data_ptr();
   return {out, desc};
 }
@@ -101,8 +101,8 @@ std::tuple<Tensor, Tensor> act_bias_backward_cuda(Tensor grad, Tensor x, std::op
   const DeviceGuard guard(x.get_device_index());
   Output dx = make_output(x, x.sizes(), grad.scalar_type(), fp8_dtype, scale, amax);
   const int64_t bands = compute_dbias ? tf_ops_cuda_bands(m.rows) : 0;
-  Tensor partials = torch::stable::new_empty(x, {bands * m.cols}, ScalarType::Float);
-  Tensor dbias = torch::stable::new_empty(x, {compute_dbias ? m.cols : 0}, dbias_type);
+  Tensor partials = new_empty(x, {bands * m.cols}, ScalarType::Float);
+  Tensor dbias = new_empty(x, {compute_dbias ? m.cols : 0}, dbias_type);
   check_status(tf_act_bias_backward_cuda(grad.const_data_ptr(), dy_dtype, x.const_data_ptr(), dtype,
                                          bias ? bias->const_data_ptr() : nullptr, bias_dtype, m.rows, m.cols, act,
                                          &dx.desc, compute_dbias ? partials.mutable_data_ptr<float>() : nullptr,
@@ -141,7 +141,7 @@ Tensor swiglu_backward_cuda(Tensor grad, Tensor x) {
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   const tf_dtype dy_dtype = to_tf_dtype(grad.scalar_type(), "grad");
   const DeviceGuard guard(x.get_device_index());
-  Tensor dx = torch::stable::new_empty(x, x.sizes(), grad.scalar_type());
+  Tensor dx = new_empty(x, x.sizes(), grad.scalar_type());
   check_status(tf_swiglu_backward_cuda(grad.const_data_ptr(), dy_dtype, x.const_data_ptr(), dtype, g.rows, g.cols,
                                        dx.mutable_data_ptr(), current_cuda_stream(x, "x")),
                "swiglu_backward");
@@ -165,8 +165,8 @@ std::tuple<Tensor, std::optional<Tensor>, Tensor> norm_forward(
   const DeviceGuard guard(x.get_device_index());
   Output y = make_output(x, x.sizes(), x.scalar_type(), fp8_dtype, scale, amax);
   std::optional<Tensor> mean;
-  if (beta.has_value()) mean = torch::stable::new_empty(x, row_shape(x), ScalarType::Float);
-  Tensor rstd = torch::stable::new_empty(x, row_shape(x), ScalarType::Float);
+  if (beta.has_value()) mean = new_empty(x, row_shape(x), ScalarType::Float);
+  Tensor rstd = new_empty(x, row_shape(x), ScalarType::Float);
   check_status(tf_norm_forward_cuda(x.const_data_ptr(), dtype, weight.const_data_ptr(),
                                     beta ? beta->const_data_ptr() : nullptr, pdtype, zero_centered_gamma,
                                     static_cast<float>(eps), m.rows, m.cols, &y.desc,
@@ -206,12 +206,12 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> norm_backward(const Tensor& gr
   const tf_dtype dy_dtype = to_tf_dtype(grad.scalar_type(), "grad");
   const tf_dtype pdtype = to_tf_dtype(weight.scalar_type(), "weight");
   const DeviceGuard guard(x.get_device_index());
-  Tensor dx = torch::stable::new_empty(x, x.sizes(), grad.scalar_type());
+  Tensor dx = new_empty(x, x.sizes(), grad.scalar_type());
   const int64_t bands = tf_ops_cuda_bands(m.rows);
-  Tensor partials = torch::stable::new_empty(x, {2 * bands * m.cols}, ScalarType::Float);
-  Tensor dweight = torch::stable::new_empty(x, {m.cols}, weight.scalar_type());
+  Tensor partials = new_empty(x, {2 * bands * m.cols}, ScalarType::Float);
+  Tensor dweight = new_empty(x, {m.cols}, weight.scalar_type());
   std::optional<Tensor> dbias;
-  if (mean.has_value()) dbias = torch::stable::new_empty(x, {m.cols}, weight.scalar_type());
+  if (mean.has_value()) dbias = new_empty(x, {m.cols}, weight.scalar_type());
   check_status(tf_norm_backward_cuda(grad.const_data_ptr(), dy_dtype, x.const_data_ptr(), dtype,
                                      mean ? mean->const_data_ptr<float>() : nullptr, rstd.const_data_ptr<float>(),
                                      weight.const_data_ptr(), pdtype, zero_centered_gamma, m.rows, m.cols,

@@ -74,7 +74,7 @@ Tensor fp8_gemm_cpu(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, 
   const tf_isa isa = tf_cpu_isa();
   check_status(tf_fp8_gemm_check(m, n, k, fa, fb, bias_ptr != nullptr, bias_dtype, out, isa),
                "fp8_gemm");
-  Tensor result = torch::stable::new_empty(a, {m, n}, out_dtype);
+  Tensor result = new_empty(a, {m, n}, out_dtype);
   const uint8_t* pa = static_cast<const uint8_t*>(a.const_data_ptr());
   const uint8_t* pb = static_cast<const uint8_t*>(b.const_data_ptr());
   const float sa = *a_scale_inv.const_data_ptr<float>();
