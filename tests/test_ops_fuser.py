@@ -103,6 +103,20 @@ def test_chain_is_one_autograd_node():
     assert len(out.grad_fn.next_functions) == 1 + 6
 
 
+
+def test_create_graph_gives_first_order_gradients_and_refuses_a_second_backward():
+    """backward(create_graph=True) runs the once-differentiable path: the same gradients as a plain
+    backward, and a clear error, not silent zeros, when they are differentiated again."""
+    model = CHAINS["ln_mlp_gelu"]()
+    x = torch.randn(4, 64, requires_grad=True)
+    (expected,) = torch.autograd.grad(model(x).square().sum(), x)
+    # square() makes the gradient reaching the chain itself require grad under create_graph.
+    (grad,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+    assert torch.equal(grad, expected)
+    assert grad.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()
+
 @pytest.mark.parametrize("fp8_recipe", [None, recipe.Float8CurrentScaling()])
 def test_no_grad_runs_the_chain_without_an_autograd_function(monkeypatch, fp8_recipe):
     """Under torch.no_grad the chain runs its ops directly (an autograd Function's call is most of a

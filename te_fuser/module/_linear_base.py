@@ -102,6 +102,13 @@ class FusedModule(torch.nn.Module):
         (delay_wgrad_compute is not supported), so there is nothing left to do."""
 
 
+def _param(module: torch.nn.Module, name: str):
+    """module.<name>, read from its parameters first: getattr would pass through two Python
+    __getattr__ methods (FusedModule's and Module's) on every forward."""
+    param = module._parameters.get(name)
+    return param if param is not None else getattr(module, name)
+
+
 class LinearWeights:
     """The weight and bias parameters of one BasicLinear on a module, with TE's names:
     weight and bias, or <name>_weight / <name>_bias with parameters_split (views of one
@@ -181,12 +188,12 @@ class LinearWeights:
 
     def full_weight(self, module) -> torch.Tensor:
         if self.split is None:  # every forward asks: the common case without building lists
-            return getattr(module, self._weight_names[0])
+            return _param(module, self._weight_names[0])
         return noop_cat(self.weights(module))
 
     def full_bias(self, module) -> Optional[torch.Tensor]:
         if not self.use_bias:
             return None
         if self.split is None:
-            return getattr(module, self._bias_names[0])
+            return _param(module, self._bias_names[0])
         return noop_cat(self.biases(module))

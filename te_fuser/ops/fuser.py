@@ -143,6 +143,64 @@ def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer):
     return x, extras, ctxs
 
 
+def _backward(func_ctx, grad_output, *grad_extra_outputs):
+    """_FuserFunction's backward."""
+    # Under torch.compile this runs once, at trace time, on trace-time objects: the
+    # graph's real autograd node is AOTAutograd's, so there is nothing to mark or clear.
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        if func_ctx.backward_done:
+            raise RuntimeError(SECOND_BACKWARD_MESSAGE)
+        func_ctx.backward_done = True
+    state = func_ctx.state
+    saved = func_ctx.saved_tensors
+    if state.has_shells:
+        saved = restore_from_saved(state.tensor_objects, saved)
+    if compiling:
+        ctxs = [_BackwardContext(ctx, tuple(saved[start:end]))
+                for ctx, (start, end) in zip(state.op_ctxs, state.save_ranges)]
+    else:
+        ctxs = state.op_ctxs
+        for ctx, (start, end) in zip(ctxs, state.save_ranges):
+            ctx.saved_tensors = tuple(saved[start:end])
+
+    if grad_extra_outputs:  # hand each op the gradients of the extra outputs it made
+        pending = list(grad_extra_outputs)
+        basic_ops = [op for fused, _ in state.plan.backward_ops for op in fused.basic_ops]
+        for op, ctx in zip(basic_ops, ctxs):
+            if op.num_extra_outputs:
+                ctx.grad_extra_outputs = tuple(pending[:op.num_extra_outputs])
+                del pending[:op.num_extra_outputs]
+
+    param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
+    dy = grad_output
+    for op, idx, wants_grad, param_starts in state.plan.backward_steps:
+        if not wants_grad:
+            # Neither these ops nor any before them (frozen, with an input that needs no
+            # gradient) want a gradient, and they saved nothing for one.
+            dy = None
+            break
+        dy, grads_per_op = op.fuser_backward([ctxs[j] for j in idx], dy)
+        for start, grads in zip(param_starts, grads_per_op):
+            param_grads[start:start + len(grads)] = grads
+    if state.grad_input_quantizer is not None and dy is not None:
+        dy = state.grad_input_quantizer(high_precision(dy).contiguous())
+    elif isinstance(dy, Float8Tensor):
+        dy = dy.dequantize()
+
+    if _CLEAR_CTX_AFTER_BACKWARD and not compiling:
+        # The restored Float8Tensors (tensor_objects), the per-op contexts and the
+        # plan: drop them all, so the node keeps nothing while the output lives.
+        state.tensor_objects = None
+        for ctx in state.op_ctxs:
+            ctx.clear()
+        func_ctx.state = None
+    return (dy, None, None, None, *param_grads)
+
+
+_backward_once_differentiable = torch.autograd.function.once_differentiable(_backward)
+
+
 class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
@@ -167,59 +225,13 @@ class _FuserFunction(torch.autograd.Function):
         return (x, *extras) if extras else x
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(func_ctx, grad_output, *grad_extra_outputs):
-        # Under torch.compile this runs once, at trace time, on trace-time objects: the
-        # graph's real autograd node is AOTAutograd's, so there is nothing to mark or clear.
-        compiling = torch.compiler.is_compiling()
-        if not compiling:
-            if func_ctx.backward_done:
-                raise RuntimeError(SECOND_BACKWARD_MESSAGE)
-            func_ctx.backward_done = True
-        state = func_ctx.state
-        saved = func_ctx.saved_tensors
-        if state.has_shells:
-            saved = restore_from_saved(state.tensor_objects, saved)
-        if compiling:
-            ctxs = [_BackwardContext(ctx, tuple(saved[start:end]))
-                    for ctx, (start, end) in zip(state.op_ctxs, state.save_ranges)]
-        else:
-            ctxs = state.op_ctxs
-            for ctx, (start, end) in zip(ctxs, state.save_ranges):
-                ctx.saved_tensors = tuple(saved[start:end])
-
-        if grad_extra_outputs:  # hand each op the gradients of the extra outputs it made
-            pending = list(grad_extra_outputs)
-            basic_ops = [op for fused, _ in state.plan.backward_ops for op in fused.basic_ops]
-            for op, ctx in zip(basic_ops, ctxs):
-                if op.num_extra_outputs:
-                    ctx.grad_extra_outputs = tuple(pending[:op.num_extra_outputs])
-                    del pending[:op.num_extra_outputs]
-
-        param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
-        dy = grad_output
-        for op, idx, wants_grad, param_starts in state.plan.backward_steps:
-            if not wants_grad:
-                # Neither these ops nor any before them (frozen, with an input that needs no
-                # gradient) want a gradient, and they saved nothing for one.
-                dy = None
-                break
-            dy, grads_per_op = op.fuser_backward([ctxs[j] for j in idx], dy)
-            for start, grads in zip(param_starts, grads_per_op):
-                param_grads[start:start + len(grads)] = grads
-        if state.grad_input_quantizer is not None and dy is not None:
-            dy = state.grad_input_quantizer(high_precision(dy).contiguous())
-        elif isinstance(dy, Float8Tensor):
-            dy = dy.dequantize()
-
-        if _CLEAR_CTX_AFTER_BACKWARD and not compiling:
-            # The restored Float8Tensors (tensor_objects), the per-op contexts and the
-            # plan: drop them all, so the node keeps nothing while the output lives.
-            state.tensor_objects = None
-            for ctx in state.op_ctxs:
-                ctx.clear()
-            func_ctx.state = None
-        return (dy, None, None, None, *param_grads)
+        # The engine runs backward with grad mode on only for backward(create_graph=True): then the
+        # gradients carry once_differentiable's error node, and a second backward through them raises.
+        # Otherwise that wrapper would only cost its call.
+        if torch.is_grad_enabled():
+            return _backward_once_differentiable(func_ctx, grad_output, *grad_extra_outputs)
+        return _backward(func_ctx, grad_output, *grad_extra_outputs)
 
 
 class _BackwardContext:

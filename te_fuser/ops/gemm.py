@@ -70,8 +70,8 @@ _TIERS_WITHOUT_BF16_DOT = frozenset(cpu.TIERS[: cpu.TIERS.index("avx512_bf16")])
 def widens_to_float32(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether mm() computes a @ b in float32: 16-bit CPU operands (a quantized one, e.g. an FP8 weight
     outside fp8_autocast, is widened from its exact dequantized values), on a CPU without bf16 dot products."""
-    return (WIDEN_16BIT_ON_CPU and a.dtype in _WIDENED_DTYPES and b.dtype == a.dtype and a.device.type == "cpu"
-            and cpu.current_isa() in _TIERS_WITHOUT_BF16_DOT)
+    return (WIDEN_16BIT_ON_CPU and cpu.current_isa() in _TIERS_WITHOUT_BF16_DOT and a.dtype in _WIDENED_DTYPES
+            and b.dtype == a.dtype and a.is_cpu)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor] = None,
