@@ -367,7 +367,7 @@ class BasicLinear(BasicOperation):
         """dW in the weight's dtype, or accumulated into weight.main_grad (then no .grad, as in TE)."""
         weight = ctx.main_grad_weight
         if weight is None:
-            return dw.to(ctx.dtype)
+            return dw if dw.dtype == ctx.dtype else dw.to(ctx.dtype)
         main_grad = getattr(weight, "main_grad", None)
         if main_grad is None:
             raise RuntimeError("fuse_wgrad_accumulation is on but weight.main_grad is not set")
