@@ -76,8 +76,12 @@ class TransformerBlock(torch.nn.Module):
         qkv = self.qkv(self.norm(x), fp8_output=fp8_mha)
         s, b = qkv.shape[0], qkv.shape[1]
         # Megatron's QKV layout [s, b, heads, (q k v), d]: a column split keeps whole heads per rank.
-        parts = te.utils.SplitAlongDim.apply(qkv.view(s, b, self.local_heads, 3, self.head_dim), 3, [1, 1, 1])
-        q, k, v = (t.view(s, b, self.local_heads, self.head_dim) for t in parts)
+        qkv = qkv.view(s, b, self.local_heads, 3, self.head_dim)
+        if isinstance(qkv, te.tensor.QuantizedTensor):  # FP8 views of the projection's bytes
+            q, k, v = (t.view(s, b, self.local_heads, self.head_dim)
+                       for t in te.utils.SplitAlongDim.apply(qkv, 3, [1, 1, 1]))
+        else:  # torch's own views and backward: SplitAlongDim's autograd Function would only cost its calls
+            q, k, v = qkv.unbind(3)
         context = self.attention(q, k, v)
         x = x + self.proj(context, fp8_grad=isinstance(context, te.tensor.QuantizedTensor))
         return x + self.mlp(x)
