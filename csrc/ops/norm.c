@@ -33,12 +33,12 @@ TF_ISA_INLINE float lanes_total(const float lane[TF_ISA_LANES]) {
 }
 
 /*
- * sum of v[i] (squared, after subtracting center, when `squared`) over [0, n). Whole groups of
- * TF_ISA_LANES first, in a loop of fixed trip count so the partial sums stay in registers, then the
- * tail: the same additions in the same order as one loop over i.
+ * lane[l] += v[i] (squared, after subtracting center, when `squared`) for i = l, l + TF_ISA_LANES, ...
+ * in [0, n). Whole groups of TF_ISA_LANES first, in a loop of fixed trip count so the partial sums
+ * stay in registers, then the tail: the same additions in the same order as one loop over i.
  */
-TF_ISA_INLINE float tile_sum(const float *restrict v, int64_t n, float center, int squared) {
-  float lane[TF_ISA_LANES] = {0};
+TF_ISA_INLINE void lane_sums(const float *restrict v, int64_t n, float center, int squared,
+                             float lane[TF_ISA_LANES]) {
   int64_t i = 0;
   for (; i + TF_ISA_LANES <= n; i += TF_ISA_LANES) {
     for (int l = 0; l < TF_ISA_LANES; ++l) {
@@ -50,6 +50,12 @@ TF_ISA_INLINE float tile_sum(const float *restrict v, int64_t n, float center, i
     const float d = v[i + l] - center;
     lane[l] += squared ? d * d : v[i + l];
   }
+}
+
+/* The sum of lane_sums over [0, n). */
+TF_ISA_INLINE float tile_sum(const float *restrict v, int64_t n, float center, int squared) {
+  float lane[TF_ISA_LANES] = {0};
+  lane_sums(v, n, center, squared, lane);
   return lanes_total(lane);
 }
 
@@ -95,6 +101,23 @@ TF_ISA_INLINE void normalize_row(const void *x, tf_dtype dtype, const void *gamm
 }
 
 /*
+ * Rows of one tile are handled TF_NORM_GROUP at a time so that their reductions overlap: each row's
+ * lane partial sums are still added in lane order (lanes_total's order), one chain per row, and the
+ * chains of a group run side by side. On a short row that in-order sum is the row's latency.
+ */
+#define TF_NORM_GROUP 8
+
+/* totals[j] = tile_sum(v[j], n, centers[j], squared) for rows j < g: the same additions in the same order. */
+TF_ISA_INLINE void group_sums(float v[TF_NORM_GROUP][TF_OPS_TILE], int g, int64_t n, const float *centers,
+                              int squared, float totals[TF_NORM_GROUP]) {
+  float lane[TF_NORM_GROUP][TF_ISA_LANES] = {{0}};
+  for (int j = 0; j < g; ++j) lane_sums(v[j], n, squared ? centers[j] : 0.0f, squared, lane[j]);
+  for (int j = 0; j < TF_NORM_GROUP; ++j) totals[j] = 0.0f;
+  for (int l = 0; l < TF_ISA_LANES; ++l)
+    for (int j = 0; j < TF_NORM_GROUP; ++j) totals[j] += lane[j][l];
+}
+
+/*
  * norm_rows_body for rows of one tile (the common hidden sizes up to TF_OPS_TILE): each row is
  * converted once rather than three times, and gamma and beta once per band. The same operations
  * in the same order as the general loop, so the same bits.
@@ -103,20 +126,27 @@ TF_ISA_INLINE void norm_short_rows(const void *x, tf_dtype dtype, const void *ga
                                    tf_dtype param_dtype, int zero_centered, float eps, int64_t cols,
                                    int64_t row_begin, int64_t row_end, const tf_ops_output *y, float *mean,
                                    float *rstd, uint32_t *amax_bits) {
-  float v[TF_OPS_TILE];
+  float v[TF_NORM_GROUP][TF_OPS_TILE];
   float w[TF_OPS_TILE];
   float b[TF_OPS_TILE];
   load_weight(gamma, param_dtype, zero_centered, 0, cols, w);
   if (beta) tf_ops_load(beta, param_dtype, 0, cols, b);
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    tf_ops_load(x, dtype, r * cols, cols, v);
-    const float mu = mean ? (float)((double)tile_sum(v, cols, 0.0f, 0) / (double)cols) : 0.0f;
-    const double var = (double)tile_sum(v, cols, mu, 1) / (double)cols;
-    const float rs = rstd_of(var, eps);
-    if (mean) mean[r] = mu;
-    rstd[r] = rs;
-    normalize_tile(v, cols, mu, rs, w, beta ? b : NULL);
-    tf_ops_store(y, r * cols, cols, v, amax_bits);
+  for (int64_t r0 = row_begin; r0 < row_end; r0 += TF_NORM_GROUP) {
+    const int g = row_end - r0 < TF_NORM_GROUP ? (int)(row_end - r0) : TF_NORM_GROUP;
+    float mu[TF_NORM_GROUP] = {0}, sums[TF_NORM_GROUP], rs[TF_NORM_GROUP];
+    for (int j = 0; j < g; ++j) tf_ops_load(x, dtype, (r0 + j) * cols, cols, v[j]);
+    if (mean) {
+      group_sums(v, g, cols, NULL, 0, sums);
+      for (int j = 0; j < g; ++j) mu[j] = (float)((double)sums[j] / (double)cols);
+    }
+    group_sums(v, g, cols, mu, 1, sums);
+    for (int j = 0; j < g; ++j) rs[j] = rstd_of((double)sums[j] / (double)cols, eps);
+    for (int j = 0; j < g; ++j) {
+      if (mean) mean[r0 + j] = mu[j];
+      rstd[r0 + j] = rs[j];
+      normalize_tile(v[j], cols, mu[j], rs[j], w, beta ? b : NULL);
+      tf_ops_store(y, (r0 + j) * cols, cols, v[j], amax_bits);
+    }
   }
 }
 
@@ -182,9 +212,82 @@ tf_status tf_layernorm_forward(const void *x, tf_dtype dtype, const void *gamma,
 }
 
 /*
- * Shared backward of both norms for one band. With xhat = (x - mu) * rstd and
- * g = dy * w: dx = rstd * (g - mean(g) * has_mean - xhat * mean(g * xhat)).
+ * The backward of both norms: with xhat = (x - mu) * rstd and g = dy * w,
+ * dx = rstd * (g - mean(g) * has_mean - xhat * mean(g * xhat)).
+ *
+ * Its reductions over one tile of a row: with g = dy * w and xhat = (x - mu) * rs,
+ * lane_g[l] += g and lane_gx[l] += g * xhat over i = l, l + TF_ISA_LANES, ... in [0, n).
  */
+TF_ISA_INLINE void backward_lane_sums(const float *restrict d, const float *restrict v, const float *restrict w,
+                                      int64_t n, float mu, float rs, float lane_g[TF_ISA_LANES],
+                                      float lane_gx[TF_ISA_LANES]) {
+  for (int64_t i = 0; i < n; i += TF_ISA_LANES) {
+    const int64_t m = n - i < TF_ISA_LANES ? n - i : TF_ISA_LANES;
+    for (int64_t l = 0; l < m; ++l) {
+      const float g = d[i + l] * w[i + l];
+      lane_g[l] += g;
+      lane_gx[l] += g * (v[i + l] - mu) * rs;
+    }
+  }
+}
+
+/*
+ * The backward's second pass over one tile of a row: dgamma and dbeta partials, and
+ * dx = rs * (g - mean_g - xhat * mean_gx) left in v.
+ */
+TF_ISA_INLINE void backward_tile(const float *restrict d, float *restrict v, const float *restrict w, int64_t n,
+                                 float mu, float rs, float mean_g, float mean_gx, float *restrict dg,
+                                 float *restrict db) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float xhat = (v[i] - mu) * rs;
+    dg[i] += d[i] * xhat;
+    v[i] = rs * (d[i] * w[i] - mean_g - xhat * mean_gx);
+  }
+  if (db)
+    for (int64_t i = 0; i < n; ++i) db[i] += d[i];
+}
+
+/*
+ * The backward for rows of one tile, TF_NORM_GROUP at a time (see group_sums), gamma converted once
+ * per band: the rows' two in-order lane totals run side by side, then each row's second pass follows
+ * in row order, so the dgamma and dbeta partials are summed in the same order as one row at a time.
+ */
+TF_ISA_INLINE void norm_backward_short_body(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                            const float *mean, const float *rstd, const void *gamma,
+                                            tf_dtype param_dtype, int zero_centered, int64_t cols,
+                                            int64_t row_begin, int64_t row_end, void *dx, tf_dtype dx_dtype,
+                                            float *restrict dgamma_partial, float *restrict dbeta_partial) {
+  float d[TF_NORM_GROUP][TF_OPS_TILE];
+  float v[TF_NORM_GROUP][TF_OPS_TILE];
+  float w[TF_OPS_TILE];
+  load_weight(gamma, param_dtype, zero_centered, 0, cols, w);
+  for (int64_t r0 = row_begin; r0 < row_end; r0 += TF_NORM_GROUP) {
+    const int g = row_end - r0 < TF_NORM_GROUP ? (int)(row_end - r0) : TF_NORM_GROUP;
+    float lane_g[TF_NORM_GROUP][TF_ISA_LANES] = {{0}}, lane_gx[TF_NORM_GROUP][TF_ISA_LANES] = {{0}};
+    float mu[TF_NORM_GROUP] = {0}, rs[TF_NORM_GROUP] = {0};
+    for (int j = 0; j < g; ++j) {
+      tf_ops_load(dy, dy_dtype, (r0 + j) * cols, cols, d[j]);
+      tf_ops_load(x, dtype, (r0 + j) * cols, cols, v[j]);
+      mu[j] = mean ? mean[r0 + j] : 0.0f;
+      rs[j] = rstd[r0 + j];
+      backward_lane_sums(d[j], v[j], w, cols, mu[j], rs[j], lane_g[j], lane_gx[j]);
+    }
+    float sum_g[TF_NORM_GROUP] = {0}, sum_gx[TF_NORM_GROUP] = {0};
+    for (int l = 0; l < TF_ISA_LANES; ++l)
+      for (int j = 0; j < TF_NORM_GROUP; ++j) {
+        sum_g[j] += lane_g[j][l];
+        sum_gx[j] += lane_gx[j][l];
+      }
+    for (int j = 0; j < g; ++j) {
+      const float mean_g = mean ? (float)((double)sum_g[j] / (double)cols) : 0.0f;
+      const float mean_gx = (float)((double)sum_gx[j] / (double)cols);
+      backward_tile(d[j], v[j], w, cols, mu[j], rs[j], mean_g, mean_gx, dgamma_partial, dbeta_partial);
+      tf_ops_store_dtype(dx, dx_dtype, (r0 + j) * cols, cols, v[j]);
+    }
+  }
+}
+
+/* The backward for one band of rows longer than a tile, one tile at a time. */
 TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, const void *x,
                                            tf_dtype dtype, const float *mean, const float *rstd,
                                            const void *gamma, tf_dtype param_dtype, int zero_centered,
@@ -194,12 +297,6 @@ TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, co
   float d[TF_OPS_TILE];
   float v[TF_OPS_TILE];
   float w[TF_OPS_TILE];
-  for (int64_t c = 0; c < cols; ++c) dgamma_partial[c] = 0.0f;
-  if (dbeta_partial)
-    for (int64_t c = 0; c < cols; ++c) dbeta_partial[c] = 0.0f;
-  /* Rows of one tile stay in d and v for both passes, and gamma in w for the whole band. */
-  const int one_tile = cols <= TF_OPS_TILE;
-  if (one_tile) load_weight(gamma, param_dtype, zero_centered, 0, cols, w);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const int64_t offset = r * cols;
     const float mu = mean ? mean[r] : 0.0f;
@@ -209,16 +306,9 @@ TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, co
       const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
       tf_ops_load(dy, dy_dtype, offset + c0, n, d);
       tf_ops_load(x, dtype, offset + c0, n, v);
-      if (!one_tile) load_weight(gamma, param_dtype, zero_centered, c0, n, w);
+      load_weight(gamma, param_dtype, zero_centered, c0, n, w);
       float lane_g[TF_ISA_LANES] = {0}, lane_gx[TF_ISA_LANES] = {0};
-      for (int64_t i = 0; i < n; i += TF_ISA_LANES) {
-        const int64_t m = n - i < TF_ISA_LANES ? n - i : TF_ISA_LANES;
-        for (int64_t l = 0; l < m; ++l) {
-          const float g = d[i + l] * w[i + l];
-          lane_g[l] += g;
-          lane_gx[l] += g * (v[i + l] - mu) * rs;
-        }
-      }
+      backward_lane_sums(d, v, w, n, mu, rs, lane_g, lane_gx);
       sum_g += lanes_total(lane_g);
       sum_gx += lanes_total(lane_gx);
     }
@@ -226,33 +316,37 @@ TF_ISA_INLINE void norm_backward_band_body(const void *dy, tf_dtype dy_dtype, co
     const float mean_gx = (float)(sum_gx / (double)cols);
     for (int64_t c0 = 0; c0 < cols; c0 += TF_OPS_TILE) {
       const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
-      if (!one_tile) {
-        tf_ops_load(dy, dy_dtype, offset + c0, n, d);
-        tf_ops_load(x, dtype, offset + c0, n, v);
-        load_weight(gamma, param_dtype, zero_centered, c0, n, w);
-      }
-      float *restrict dg = dgamma_partial + c0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float xhat = (v[i] - mu) * rs;
-        dg[i] += d[i] * xhat;
-        v[i] = rs * (d[i] * w[i] - mean_g - xhat * mean_gx);
-      }
-      if (dbeta_partial) {
-        float *restrict db = dbeta_partial + c0;
-        for (int64_t i = 0; i < n; ++i) db[i] += d[i];
-      }
+      tf_ops_load(dy, dy_dtype, offset + c0, n, d);
+      tf_ops_load(x, dtype, offset + c0, n, v);
+      load_weight(gamma, param_dtype, zero_centered, c0, n, w);
+      backward_tile(d, v, w, n, mu, rs, mean_g, mean_gx, dgamma_partial + c0,
+                    dbeta_partial ? dbeta_partial + c0 : NULL);
       tf_ops_store_dtype(dx, dx_dtype, offset + c0, n, v);
     }
   }
 }
 
-TF_ISA_CLONES(norm_backward_band,
-              (const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype, const float *mean,
-               const float *rstd, const void *gamma, tf_dtype param_dtype, int zero_centered, int64_t cols,
-               int64_t row_begin, int64_t row_end, void *dx, tf_dtype dx_dtype, float *restrict dgamma_partial,
-               float *restrict dbeta_partial),
-              (dy, dy_dtype, x, dtype, mean, rstd, gamma, param_dtype, zero_centered, cols, row_begin, row_end,
-               dx, dx_dtype, dgamma_partial, dbeta_partial))
+#define NORM_BACKWARD_PARAMS                                                                                 \
+  (const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype, const float *mean, const float *rstd,   \
+   const void *gamma, tf_dtype param_dtype, int zero_centered, int64_t cols, int64_t row_begin,              \
+   int64_t row_end, void *dx, tf_dtype dx_dtype, float *restrict dgamma_partial, float *restrict dbeta_partial)
+#define NORM_BACKWARD_ARGS                                                                                   \
+  (dy, dy_dtype, x, dtype, mean, rstd, gamma, param_dtype, zero_centered, cols, row_begin, row_end, dx,      \
+   dx_dtype, dgamma_partial, dbeta_partial)
+TF_ISA_CLONES(norm_backward_short, NORM_BACKWARD_PARAMS, NORM_BACKWARD_ARGS)
+TF_ISA_CLONES(norm_backward_band, NORM_BACKWARD_PARAMS, NORM_BACKWARD_ARGS)
+
+/* The backward of either norm for one band: zeroed partials, then rows of one tile or longer rows (two
+ * functions, so that the short rows' group buffers do not enlarge the long rows' stack frame). */
+static void norm_backward NORM_BACKWARD_PARAMS {
+  for (int64_t c = 0; c < cols; ++c) dgamma_partial[c] = 0.0f;
+  if (dbeta_partial)
+    for (int64_t c = 0; c < cols; ++c) dbeta_partial[c] = 0.0f;
+  if (cols <= TF_OPS_TILE)
+    norm_backward_short NORM_BACKWARD_ARGS;
+  else
+    norm_backward_band NORM_BACKWARD_ARGS;
+}
 
 static tf_status check_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
                                 const float *rstd, const void *gamma, tf_dtype param_dtype,
@@ -274,7 +368,7 @@ tf_status tf_rmsnorm_backward(const void *dy, tf_dtype dy_dtype, const void *x, 
   const tf_status s = check_backward(dy, dy_dtype, x, dtype, rstd, gamma, param_dtype, rows, cols,
                                      row_begin, row_end, dx, dx_dtype, dgamma_partial);
   if (s != TF_OK || cols == 0) return s;
-  norm_backward_band(dy, dy_dtype, x, dtype, NULL, rstd, gamma, param_dtype, zero_centered_gamma,
+  norm_backward(dy, dy_dtype, x, dtype, NULL, rstd, gamma, param_dtype, zero_centered_gamma,
                      cols, row_begin, row_end, dx, dx_dtype, dgamma_partial, NULL);
   return TF_OK;
 }
@@ -288,7 +382,7 @@ tf_status tf_layernorm_backward(const void *dy, tf_dtype dy_dtype, const void *x
                                      row_begin, row_end, dx, dx_dtype, dgamma_partial);
   if (s != TF_OK || cols == 0) return s;
   if (!dbeta_partial || (row_end > row_begin && !mean)) return TF_ERR_NULL_POINTER;
-  norm_backward_band(dy, dy_dtype, x, dtype, mean, rstd, gamma, param_dtype, zero_centered_gamma,
+  norm_backward(dy, dy_dtype, x, dtype, mean, rstd, gamma, param_dtype, zero_centered_gamma,
                      cols, row_begin, row_end, dx, dx_dtype, dgamma_partial, dbeta_partial);
   return TF_OK;
 }

@@ -148,9 +148,9 @@ static void test_layernorm(void) {
  * Each x86-64 level's build of the kernels (common/tf_isa_clones.h) gives the baseline build's bits:
  * bias+GELU forward and backward with dbias, and LayerNorm and RMSNorm forward and backward, from
  * bf16 inputs, on rows longer than a tile and rows of one tile (the norms' short-row loop), neither a
- * multiple of any vector width.
+ * multiple of any vector width. IR rows: one whole group of the norms' short-row loop and a part group.
  */
-enum { IR = 5, IC_MAX = 1043, IOUT_MAX = 5 * IR * IC_MAX + 4 * IC_MAX + 4 * IR };
+enum { IR = 11, IC_MAX = 1043, IOUT_MAX = 5 * IR * IC_MAX + 4 * IC_MAX + 4 * IR };
 
 /* The inputs of both runners below (bf16): x holds up to IR x (2 * IC_MAX) for SwiGLU. */
 static uint16_t in_x[2 * IR * IC_MAX], in_dy[IR * IC_MAX], in_w[IC_MAX], in_b[IC_MAX];
