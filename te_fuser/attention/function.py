@@ -77,13 +77,13 @@ def attention_forward(q, k, v, qkv_format: str, cu_seqlens_q, cu_seqlens_kv, seq
     quantized again for saving)."""
     lengths = (cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
     if quantizers is None:
-        out, lse = attn_kernels.attention_fwd(
-            to_kernel_layout(q, qkv_format), to_kernel_layout(k, qkv_format),
-            to_kernel_layout(v, qkv_format), cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+        # q, k, v and out are saved as the kernel-layout views the backward kernel reads.
+        qk, kk, vk = to_kernel_layout(q, qkv_format), to_kernel_layout(k, qkv_format), to_kernel_layout(v, qkv_format)
+        out_k, lse = attn_kernels.attention_fwd(
+            qk, kk, vk, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
             seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, softmax_scale=softmax_scale, causal=causal,
             dropout_p=dropout_p, seed=seed, offset=offset)
-        out = from_kernel_layout(out, qkv_format)
-        return out, (q, k, v, out, lse, *lengths), None
+        return from_kernel_layout(out_k, qkv_format), (qk, kk, vk, out_k, lse, *lengths), None
     q8, k8, v8 = (fp8_input(t, quantizer) for quantizer, t in zip(quantizers, (q, k, v)))
     (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, qkv_format) for t in (q8, k8, v8))
     out, lse = attn_kernels.attention_fwd(
@@ -130,14 +130,13 @@ class FusedAttentionFunction(torch.autograd.Function):
         if ctx.fp8 and ctx.tensor_objects is None:
             raise RuntimeError("FP8 attention (fp8_dpa) frees its saved FP8 tensors in its first backward: a "
                                "second backward through the same graph (retain_graph=True) is not supported")
-        if ctx.tensor_objects is None:
+        if ctx.tensor_objects is None:  # saved in the kernel layout
             q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = ctx.saved_tensors
-            q, k, v = (to_kernel_layout(t, fmt) for t in (q, k, v))
         else:
             q, k, v, out, lse, cu_q, cu_kv, lens_q, lens_kv = restore_from_saved(ctx.tensor_objects, ctx.saved_tensors)
             (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, fmt) for t in (q, k, v))
             descales = dict(q_descale=qs, k_descale=ks, v_descale=vs)
-            out8, out = out, out.dequantize()  # freed when backward returns
+            out8, out = out, to_kernel_layout(out.dequantize(), fmt)  # freed when backward returns
             for t in (q, k, v, out8):
                 t.clear()
             q, k, v = qd, kd, vd
@@ -146,7 +145,7 @@ class FusedAttentionFunction(torch.autograd.Function):
         # An FP8 dout (the output projection's fp8_grad) is read as its values.
         dout = _last_dim_contiguous(to_kernel_layout(high_precision(dout), fmt)).to(out.dtype)
         dq, dk, dv = attn_kernels.attention_bwd(
-            dout, q, k, v, to_kernel_layout(out, fmt), lse, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+            dout, q, k, v, out, lse, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
             seqlens_q=lens_q, seqlens_kv=lens_kv, softmax_scale=ctx.softmax_scale, causal=ctx.causal,
             dropout_p=ctx.dropout_p, seed=ctx.seed, offset=ctx.offset, **descales)
         grads = tuple(from_kernel_layout(g, fmt) for g in (dq, dk, dv))

@@ -37,11 +37,12 @@ ROUTE_TO_TORCH_CPU_FLASH = True
 ROUTED_ISAS = ("portable",)
 
 FP8_INPUT_DTYPES = (torch.float8_e4m3fn,)
+_QKV_DTYPES = FLOAT_DTYPES + FP8_INPUT_DTYPES
 
 
 def _check_qkv(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_dtype(t, name, FLOAT_DTYPES + FP8_INPUT_DTYPES)
+        check_dtype(t, name, _QKV_DTYPES)
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
         if t.shape[3] > 1 and t.stride(3) != 1:
@@ -163,12 +164,12 @@ def _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, 
     mask is aligned to the top left, like te_fuser's (TE's `causal`), but only self-attention lengths
     were measured, so causal cross-attention stays here; so does a scale <= 0, for which its causal path
     gives NaN (it scales the -inf it masks with)."""
-    return (ROUTE_TO_TORCH_CPU_FLASH and q.device.type == "cpu" and not fp8 and dropout_p == 0.0
+    return (ROUTE_TO_TORCH_CPU_FLASH and cpu.current_isa() in ROUTED_ISAS and q.is_cpu and not fp8
+            and dropout_p == 0.0
             and softmax_scale > 0.0
             and cu_seqlens_q is None and seqlens_q is None and seqlens_kv is None
             and q.shape[2] == k.shape[2] and (not causal or q.shape[1] == k.shape[1])
-            and q.numel() > 0 and k.numel() > 0 and not torch.compiler.is_compiling()
-            and cpu.current_isa() in ROUTED_ISAS)
+            and q.numel() > 0 and k.numel() > 0 and not torch.compiler.is_compiling())
 
 
 def _in_order_of(t, like):

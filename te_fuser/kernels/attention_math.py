@@ -17,7 +17,7 @@ CUDA_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 def applies(q) -> bool:
     """Whether a problem with this q runs here rather than on te_fuser's kernels."""
-    return q.device.type == "cuda" and (q.dtype not in CUDA_KERNEL_DTYPES or q.shape[3] not in CUDA_HEAD_DIMS)
+    return q.is_cuda and (q.dtype not in CUDA_KERNEL_DTYPES or q.shape[3] not in CUDA_HEAD_DIMS)
 
 
 def refuse_dropout(q, dropout_p: float) -> None:

@@ -15,7 +15,7 @@ def _names(dtypes: Iterable[torch.dtype]) -> str:
 def check_tensor(value, name: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if type(value) is torch.Tensor and value.device.type != "meta" and not torch.compiler.is_compiling():
+    if type(value) is torch.Tensor and not value.is_meta and not torch.compiler.is_compiling():
         # A storage freed by te_fuser.memory.release_storage raises its own message here; through the
         # stable ABI the kernels would only report that reading the data pointer failed.
         value.data_ptr()
