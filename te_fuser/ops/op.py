@@ -118,16 +118,19 @@ class BasicOperation(FusibleOperation):
 
     def setup_fp8(self, enabled: bool, recipe, group, device) -> None:
         """Called by the fuser before every forward: fresh quantizers from the recipe state."""
-        self._fp8_enabled = bool(enabled) and (self.num_forward_quantizers + self.num_backward_quantizers) > 0
+        # Written into __dict__: these are plain Python values, and Module.__setattr__ (which looks
+        # for parameters, buffers and submodules first) would cost microseconds per op and forward.
+        attrs = self.__dict__
+        attrs["_fp8_enabled"] = bool(enabled) and (self.num_forward_quantizers + self.num_backward_quantizers) > 0
         if not self._fp8_enabled:
-            self._forward_quantizers, self._backward_quantizers = [], []
+            attrs["_forward_quantizers"], attrs["_backward_quantizers"] = [], []
             return
         self._ensure_fp8_states(recipe, device)
-        self._forward_quantizers = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
-        self._backward_quantizers = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []
+        attrs["_forward_quantizers"] = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
+        attrs["_backward_quantizers"] = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []
 
     def _ensure_fp8_states(self, recipe, device) -> None:
-        if self._fp8_states is None or self._fp8_recipe != recipe:
+        if self._fp8_states is None or (self._fp8_recipe is not recipe and self._fp8_recipe != recipe):
             self._fp8_recipe = recipe
             self._fp8_states = (make_recipe_state(recipe, self.num_forward_quantizers, True, device),
                                 make_recipe_state(recipe, self.num_backward_quantizers, False, device))
