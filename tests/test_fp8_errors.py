@@ -108,11 +108,84 @@ def test_raw_ops_refuse_a_meta_argument_beside_real_tensors():
     not hand back an uninitialised result (and leave amax unwritten)."""
     ops, meta = torch.ops.te_fuser, torch.ones(1, device="meta")
     x, amax = torch.full((4, 4), 3.0), ZERO.clone()
-    with pytest.raises(ValueError, match="scale must be on x's device"):
+    with pytest.raises(RuntimeError, match="scale must be on x's device"):
         ops.fp8_quantize(x, meta, amax, torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="amax must be on x's device"):
+    with pytest.raises(RuntimeError, match="amax must be on x's device"):
         ops.fp8_cast_transpose(x, ONE, torch.zeros(1, device="meta"), torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="scale_inv must be on data's device"):
+    with pytest.raises(RuntimeError, match="scale_inv must be on data's device"):
         ops.fp8_dequantize(x.to(torch.float8_e4m3fn), meta, torch.float32)
+    with pytest.raises(RuntimeError, match="CPU tensors"):
+        ops.fp8_gemm(x.to(torch.float8_e4m3fn), meta, x.to(torch.float8_e4m3fn), ONE, torch.float32, None)
     # All on meta is how shapes are traced: still fine.
     assert ops.fp8_quantize(x.to("meta"), meta, meta, torch.float8_e4m3fn).shape == (4, 4)
+
+
+def _bad_calls():
+    """(name, wrapper call, the same arguments to the raw op, error, message): every case a wrapper of
+    quantize, cast_transpose, dequantize and fp8_gemm names. The wrappers check only after the binding
+    refused (validate.call_checked), so each case must be a refusal of the binding too."""
+    from te_fuser.kernels.gemm import fp8_gemm
+
+    ops, e4, meta = torch.ops.te_fuser, torch.float8_e4m3fn, torch.ones(1, device="meta")
+    x, x8 = torch.ones(4, 8), torch.ones(4, 8).to(e4)
+    b8 = torch.ones(6, 8).to(e4)
+    return [
+        ("quantize x dtype", lambda: k.quantize(x.int(), ONE, ZERO.clone(), e4),
+         lambda: ops.fp8_quantize(x.int(), ONE, ZERO.clone(), e4), TypeError, "x must have dtype"),
+        ("quantize x layout", lambda: k.quantize(x.t(), ONE, ZERO.clone(), e4),
+         lambda: ops.fp8_quantize(x.t(), ONE, ZERO.clone(), e4), ValueError, "x must be contiguous"),
+        ("quantize scale shape", lambda: k.quantize(x, torch.ones(2), ZERO.clone(), e4),
+         lambda: ops.fp8_quantize(x, torch.ones(2), ZERO.clone(), e4), TypeError, "scale must be"),
+        ("quantize scale not a tensor", lambda: k.quantize(x, 1.0, ZERO.clone(), e4),
+         lambda: ops.fp8_quantize(x, 1.0, ZERO.clone(), e4), TypeError, "scale must be"),
+        ("quantize amax dtype", lambda: k.quantize(x, ONE, ZERO.double(), e4),
+         lambda: ops.fp8_quantize(x, ONE, ZERO.double(), e4), TypeError, "amax must be"),
+        ("quantize fp8_dtype", lambda: k.quantize(x, ONE, ZERO.clone(), torch.float16),
+         lambda: ops.fp8_quantize(x, ONE, ZERO.clone(), torch.float16), ValueError, "fp8_dtype must be one of"),
+        ("quantize scale on meta", lambda: k.quantize(x, meta, ZERO.clone(), e4),
+         lambda: ops.fp8_quantize(x, meta, ZERO.clone(), e4), ValueError, "scale is on meta but x is on cpu"),
+        ("cast_transpose 1-D x", lambda: k.cast_transpose(torch.ones(4), ONE, ZERO.clone(), e4),
+         lambda: ops.fp8_cast_transpose(torch.ones(4), ONE, ZERO.clone(), e4), ValueError, "at least 2 dimensions"),
+        ("cast_transpose amax on meta", lambda: k.cast_transpose(x, ONE, meta, e4),
+         lambda: ops.fp8_cast_transpose(x, ONE, meta, e4), ValueError, "amax is on meta"),
+        ("dequantize data dtype", lambda: k.dequantize(x, ONE),
+         lambda: ops.fp8_dequantize(x, ONE, torch.float32), TypeError, "data must have dtype"),
+        ("dequantize out dtype", lambda: k.dequantize(x8, ONE, torch.int8),
+         lambda: ops.fp8_dequantize(x8, ONE, torch.int8), ValueError, "dtype must be one of"),
+        ("dequantize scale_inv on meta", lambda: k.dequantize(x8, meta),
+         lambda: ops.fp8_dequantize(x8, meta, torch.float32), ValueError, "scale_inv is on meta"),
+        ("fp8_gemm a dtype", lambda: fp8_gemm(x, ONE, b8, ONE),
+         lambda: ops.fp8_gemm(x, ONE, b8, ONE, torch.float32, None), TypeError, "a must have dtype"),
+        ("fp8_gemm b rank", lambda: fp8_gemm(x8, ONE, b8.reshape(6, 2, 4), ONE),
+         lambda: ops.fp8_gemm(x8, ONE, b8.reshape(6, 2, 4), ONE, torch.float32, None), ValueError, "b must be 2-D"),
+        ("fp8_gemm inner size", lambda: fp8_gemm(x8, ONE, b8[:, :4].contiguous(), ONE),
+         lambda: ops.fp8_gemm(x8, ONE, b8[:, :4].contiguous(), ONE, torch.float32, None), ValueError,
+         "b must have a.shape"),
+        ("fp8_gemm a layout", lambda: fp8_gemm(torch.ones(8, 4).to(e4).t(), ONE, b8, ONE),
+         lambda: ops.fp8_gemm(torch.ones(8, 4).to(e4).t(), ONE, b8, ONE, torch.float32, None), ValueError,
+         "a must be contiguous"),
+        ("fp8_gemm scale_inv shape", lambda: fp8_gemm(x8, torch.ones(2), b8, ONE),
+         lambda: ops.fp8_gemm(x8, torch.ones(2), b8, ONE, torch.float32, None), TypeError, "a_scale_inv must be"),
+        ("fp8_gemm out_dtype", lambda: fp8_gemm(x8, ONE, b8, ONE, torch.int32),
+         lambda: ops.fp8_gemm(x8, ONE, b8, ONE, torch.int32, None), ValueError, "out_dtype must be one of"),
+        ("fp8_gemm bias shape", lambda: fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(4)),
+         lambda: ops.fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(4)), ValueError, "bias must have shape"),
+        ("fp8_gemm bias dtype", lambda: fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(6, dtype=torch.int64)),
+         lambda: ops.fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(6, dtype=torch.int64)), TypeError,
+         "bias must have dtype"),
+        ("fp8_gemm bias layout", lambda: fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(6, 2)[:, 0]),
+         lambda: ops.fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(6, 2)[:, 0]), ValueError,
+         "bias must be contiguous"),
+        ("fp8_gemm on meta", lambda: fp8_gemm(x8.to("meta"), meta, b8.to("meta"), meta),
+         lambda: ops.fp8_gemm(x8.to("meta"), meta, b8.to("meta"), meta, torch.float32, None), ValueError,
+         "a must be on the CPU"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[call[0] for call in _bad_calls()])
+def test_wrappers_name_what_the_binding_refuses(case):
+    _, wrapper, raw, error, message = _bad_calls()[case]
+    with pytest.raises(RuntimeError):  # the binding's own check, which sends the wrapper to its checks
+        raw()
+    with pytest.raises(error, match=message):
+        wrapper()

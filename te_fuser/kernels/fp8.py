@@ -9,6 +9,7 @@ import math
 import torch
 
 from .validate import (
+    call_checked,
     check_contiguous,
     check_dtype,
     check_float_dtype,
@@ -39,17 +40,25 @@ def _check_quantize_args(x, scale, amax, fp8_dtype):
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """FP8 bytes of fp8(x * scale) in one pass; amax <- max(amax, max|x|) in place."""
+    """FP8 bytes of fp8(x * scale) in one pass; amax <- max(amax, max|x|) in place.
+
+    This wrapper and cast_transpose, dequantize and gemm.fp8_gemm check their arguments in Python
+    only when the binding refuses them (validate.call_checked): tests/test_fp8_errors.py holds every
+    case they name to a refusal of the binding."""
+    return call_checked(lambda: _check_quantize_args(x, scale, amax, fp8_dtype), _ops.fp8_quantize,
+                        x, scale, amax, fp8_dtype)
+
+
+def _check_cast_transpose_args(x, scale, amax, fp8_dtype):
     _check_quantize_args(x, scale, amax, fp8_dtype)
-    return _ops.fp8_quantize(x, scale, amax, fp8_dtype)
+    if x.dim() < 2:
+        raise ValueError(f"x must have at least 2 dimensions for cast_transpose, got shape {tuple(x.shape)}")
 
 
 def cast_transpose(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype):
     """Like quantize, and also the transpose of x viewed as (numel / x.shape[-1], x.shape[-1])."""
-    _check_quantize_args(x, scale, amax, fp8_dtype)
-    if x.dim() < 2:
-        raise ValueError(f"x must have at least 2 dimensions for cast_transpose, got shape {tuple(x.shape)}")
-    return _ops.fp8_cast_transpose(x, scale, amax, fp8_dtype)
+    return call_checked(lambda: _check_cast_transpose_args(x, scale, amax, fp8_dtype), _ops.fp8_cast_transpose,
+                        x, scale, amax, fp8_dtype)
 
 
 def compute_amax(x: torch.Tensor) -> torch.Tensor:
@@ -59,13 +68,17 @@ def compute_amax(x: torch.Tensor) -> torch.Tensor:
     return _ops.fp8_amax(x)
 
 
-def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """dtype(fp8 value * scale_inv), rounded to nearest even."""
+def _check_dequantize_args(data, scale_inv, dtype):
     check_dtype(data, "data", FP8_DTYPES)
     check_contiguous(data, "data")
     check_scalar_f32(scale_inv, "scale_inv", data, "data")
     check_float_dtype(dtype, "dtype")
-    return _ops.fp8_dequantize(data, scale_inv, dtype)
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dtype(fp8 value * scale_inv), rounded to nearest even."""
+    return call_checked(lambda: _check_dequantize_args(data, scale_inv, dtype), _ops.fp8_dequantize,
+                        data, scale_inv, dtype)
 
 
 def transpose(data: torch.Tensor) -> torch.Tensor:
@@ -115,11 +128,12 @@ def current_scale(amax: torch.Tensor, fp8_max_value: float, epsilon: float = 0.0
 
 def _one_device(**tensors):
     """The fake kernels also serve real tensors when one argument is on the meta device (the
-    dispatcher then picks them): such a mix is refused here, as the C kernels would refuse it."""
+    dispatcher then picks them): such a mix is refused here with a RuntimeError, as the C kernels
+    would refuse it, and the wrappers then raise their own message."""
     (first, t0), *rest = tensors.items()
     for name, t in rest:
         if t.device != t0.device:
-            raise ValueError(f"{name} must be on {first}'s device ({t0.device}), got {t.device}")
+            raise RuntimeError(f"{name} must be on {first}'s device ({t0.device}), got {t.device}")
 
 
 @torch.library.register_fake("te_fuser::fp8_quantize")

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .validate import FP8_DTYPES, check_contiguous, check_dtype, check_float_dtype, check_scalar_f32
+from .validate import FP8_DTYPES, call_checked, check_contiguous, check_dtype, check_float_dtype, check_scalar_f32
 
 _ops = torch.ops.te_fuser
 
@@ -29,7 +29,13 @@ def _check_operand(t, name):
 
 def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
              out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(a * a_scale_inv) @ (b * b_scale_inv).T (+ bias) for row-major FP8 a (M, K) and b (N, K), on the CPU."""
+    """(a * a_scale_inv) @ (b * b_scale_inv).T (+ bias) for row-major FP8 a (M, K) and b (N, K), on the CPU.
+    The Python checks run only when the binding refuses the arguments (see fp8.quantize)."""
+    return call_checked(lambda: _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias),
+                        _ops.fp8_gemm, a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
+
+
+def _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     _check_operand(a, "a")
     _check_operand(b, "b")
     if b.shape[1] != a.shape[1]:
@@ -44,9 +50,11 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scal
         if bias.device != a.device:
             raise ValueError(f"bias is on {bias.device} but a is on {a.device}; they must be on the same device")
         check_contiguous(bias, "bias")
-    return _ops.fp8_gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, bias)
 
 
 @torch.library.register_fake("te_fuser::fp8_gemm")
 def _(a, a_scale_inv, b, b_scale_inv, out_dtype, bias=None):
+    # Meta tensors reach this kernel outside tracing too; the binding takes CPU tensors only.
+    if any(t is not None and t.device.type != "cpu" for t in (a, a_scale_inv, b, b_scale_inv, bias)):
+        raise RuntimeError("te_fuser::fp8_gemm takes CPU tensors")
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
