@@ -14,6 +14,7 @@ from .validate import (
     check_dtype,
     check_float_dtype,
     check_fp8_dtype,
+    check_one_device_in_fake,
     check_same_device,
     check_scalar_f32,
     check_tensor,
@@ -126,25 +127,15 @@ def current_scale(amax: torch.Tensor, fp8_max_value: float, epsilon: float = 0.0
     return _ops.fp8_current_scale(amax, float(fp8_max_value), float(epsilon), bool(force_pow2))
 
 
-def _one_device(**tensors):
-    """The fake kernels also serve real tensors when one argument is on the meta device (the
-    dispatcher then picks them): such a mix is refused here with a RuntimeError, as the C kernels
-    would refuse it, and the wrappers then raise their own message."""
-    (first, t0), *rest = tensors.items()
-    for name, t in rest:
-        if t.device != t0.device:
-            raise RuntimeError(f"{name} must be on {first}'s device ({t0.device}), got {t.device}")
-
-
 @torch.library.register_fake("te_fuser::fp8_quantize")
 def _(x, scale, amax, fp8_dtype):
-    _one_device(x=x, scale=scale, amax=amax)
+    check_one_device_in_fake(x=x, scale=scale, amax=amax)
     return torch.empty_like(x, dtype=fp8_dtype)
 
 
 @torch.library.register_fake("te_fuser::fp8_cast_transpose")
 def _(x, scale, amax, fp8_dtype):
-    _one_device(x=x, scale=scale, amax=amax)
+    check_one_device_in_fake(x=x, scale=scale, amax=amax)
     cols = x.shape[-1]
     rows = x.numel() // cols if cols else 0
     return torch.empty_like(x, dtype=fp8_dtype), x.new_empty((cols, rows), dtype=fp8_dtype)
@@ -157,7 +148,7 @@ def _(x):
 
 @torch.library.register_fake("te_fuser::fp8_dequantize")
 def _(data, scale_inv, out_dtype):
-    _one_device(data=data, scale_inv=scale_inv)
+    check_one_device_in_fake(data=data, scale_inv=scale_inv)
     return torch.empty_like(data, dtype=out_dtype)
 
 
@@ -168,7 +159,7 @@ def _(data):
 
 @torch.library.register_fake("te_fuser::fp8_delayed_scaling_update")
 def _(amax_history, amax, scale, scale_inv, fp8_max_value, margin, amax_compute_algo):
-    _one_device(amax_history=amax_history, amax=amax, scale=scale, scale_inv=scale_inv)
+    check_one_device_in_fake(amax_history=amax_history, amax=amax, scale=scale, scale_inv=scale_inv)
     return None
 
 

@@ -20,6 +20,7 @@ from .validate import (
     check_contiguous,
     check_dtype,
     check_fp8_dtype,
+    check_one_device_in_fake,
     check_same_device,
     check_scalar_f32,
 )
@@ -205,33 +206,25 @@ def layernorm_backward(grad, x, mean, rstd, weight, zero_centered_gamma: bool = 
     return call_checked(check, _ops.layernorm_backward, grad, x, mean, rstd, weight, bool(zero_centered_gamma))
 
 
-def _one_device(op: str, *tensors) -> None:
-    """The binding's device check, in the fake kernels: a "meta" tensor among real ones sends the
-    eager call here, and the wrappers check their arguments only when the call raises."""
-    devices = {t.device for t in tensors if t is not None}
-    if len(devices) > 1:
-        raise RuntimeError(f"te_fuser::{op}: its tensors must be on one device, got {sorted(map(str, devices))}")
-
-
 def _out_like(x, dtype, fp8_dtype, shape=None):
     return x.new_empty(x.shape if shape is None else shape, dtype=fp8_dtype if fp8_dtype is not None else dtype)
 
 
 @torch.library.register_fake("te_fuser::bias_act_forward")
 def _(x, bias, activation):
-    _one_device("bias_act_forward", x, bias)
+    check_one_device_in_fake(x=x, bias=bias)
     return torch.empty_like(x)
 
 
 @torch.library.register_fake("te_fuser::bias_act_forward_fp8")
 def _(x, bias, activation, fp8_dtype, scale, amax):
-    _one_device("bias_act_forward_fp8", x, bias, scale, amax)
+    check_one_device_in_fake(x=x, bias=bias, scale=scale, amax=amax)
     return torch.empty_like(x, dtype=fp8_dtype)
 
 
 @torch.library.register_fake("te_fuser::act_bias_backward")
 def _(grad, x, bias, activation, compute_dbias, fp8_dtype=None, scale=None, amax=None):
-    _one_device("act_bias_backward", grad, x, bias, scale, amax)
+    check_one_device_in_fake(grad=grad, x=x, bias=bias, scale=scale, amax=amax)
     dbias_dtype = bias.dtype if bias is not None else grad.dtype
     return (_out_like(x, grad.dtype, fp8_dtype),
             x.new_empty((x.shape[-1] if compute_dbias else 0,), dtype=dbias_dtype))
@@ -244,31 +237,31 @@ def _(x):
 
 @torch.library.register_fake("te_fuser::swiglu_forward_fp8")
 def _(x, fp8_dtype, scale, amax):
-    _one_device("swiglu_forward_fp8", x, scale, amax)
+    check_one_device_in_fake(x=x, scale=scale, amax=amax)
     return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=fp8_dtype)
 
 
 @torch.library.register_fake("te_fuser::swiglu_backward")
 def _(grad, x):
-    _one_device("swiglu_backward", grad, x)
+    check_one_device_in_fake(grad=grad, x=x)
     return x.new_empty(x.shape, dtype=grad.dtype)
 
 
 @torch.library.register_fake("te_fuser::rmsnorm_forward")
 def _(x, weight, eps, zero_centered_gamma, fp8_dtype=None, scale=None, amax=None):
-    _one_device("rmsnorm_forward", x, weight, scale, amax)
+    check_one_device_in_fake(x=x, weight=weight, scale=scale, amax=amax)
     return _out_like(x, x.dtype, fp8_dtype), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.register_fake("te_fuser::rmsnorm_backward")
 def _(grad, x, rstd, weight, zero_centered_gamma):
-    _one_device("rmsnorm_backward", grad, x, rstd, weight)
+    check_one_device_in_fake(grad=grad, x=x, rstd=rstd, weight=weight)
     return x.new_empty(x.shape, dtype=grad.dtype), torch.empty_like(weight)
 
 
 @torch.library.register_fake("te_fuser::layernorm_forward")
 def _(x, weight, bias, eps, zero_centered_gamma, fp8_dtype=None, scale=None, amax=None):
-    _one_device("layernorm_forward", x, weight, bias, scale, amax)
+    check_one_device_in_fake(x=x, weight=weight, bias=bias, scale=scale, amax=amax)
     stats = x.shape[:-1]
     return (_out_like(x, x.dtype, fp8_dtype), x.new_empty(stats, dtype=torch.float32),
             x.new_empty(stats, dtype=torch.float32))
@@ -276,5 +269,5 @@ def _(x, weight, bias, eps, zero_centered_gamma, fp8_dtype=None, scale=None, ama
 
 @torch.library.register_fake("te_fuser::layernorm_backward")
 def _(grad, x, mean, rstd, weight, zero_centered_gamma):
-    _one_device("layernorm_backward", grad, x, mean, rstd, weight)
+    check_one_device_in_fake(grad=grad, x=x, mean=mean, rstd=rstd, weight=weight)
     return x.new_empty(x.shape, dtype=grad.dtype), torch.empty_like(weight), torch.empty_like(weight)

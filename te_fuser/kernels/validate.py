@@ -83,3 +83,14 @@ def check_scalar_f32(t, name: str, like: torch.Tensor, like_name: str) -> None:
 def check_divisible(value: int, divisor: int, name: str) -> None:
     if value % divisor:
         raise ValueError(f"{name} must be divisible by {divisor}, got {value}")
+
+
+def check_one_device_in_fake(**tensors) -> None:
+    """The binding's device check, for the fake kernels: a meta tensor among real ones sends the eager
+    call to the fake kernel, which then refuses the mix with a RuntimeError as the binding would, and
+    the wrapper (call_checked) raises its own message. None entries are skipped."""
+    given = [(name, t) for name, t in tensors.items() if t is not None]
+    first, t0 = given[0]
+    for name, t in given[1:]:
+        if t.device != t0.device:
+            raise RuntimeError(f"{name} must be on {first}'s device ({t0.device}), got {t.device}")
