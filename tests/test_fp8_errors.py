@@ -124,13 +124,15 @@ def test_raw_ops_refuse_a_meta_argument_beside_real_tensors():
 
 def _bad_calls():
     """(name, wrapper call, the same arguments to the raw op, error, message): every case a wrapper of
-    quantize, cast_transpose, dequantize and fp8_gemm names. The wrappers check only after the binding
+    quantize, cast_transpose, dequantize, fp8_gemm, delayed_scaling_update and current_scale names. The wrappers check only after the binding
     refused (validate.call_checked), so each case must be a refusal of the binding too."""
     from te_fuser.kernels.gemm import fp8_gemm
 
     ops, e4, meta = torch.ops.te_fuser, torch.float8_e4m3fn, torch.ones(1, device="meta")
     x, x8 = torch.ones(4, 8), torch.ones(4, 8).to(e4)
     b8 = torch.ones(6, 8).to(e4)
+    h, a, s, si = torch.zeros(4, 3), torch.zeros(3), torch.ones(3), torch.ones(3)
+    si_strided = torch.ones(6)[::2]
     return [
         ("quantize x dtype", lambda: k.quantize(x.int(), ONE, ZERO.clone(), e4),
          lambda: ops.fp8_quantize(x.int(), ONE, ZERO.clone(), e4), TypeError, "x must have dtype"),
@@ -178,6 +180,33 @@ def _bad_calls():
         ("fp8_gemm bias layout", lambda: fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(6, 2)[:, 0]),
          lambda: ops.fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(6, 2)[:, 0]), ValueError,
          "bias must be contiguous"),
+        ("scaling update history rank", lambda: k.delayed_scaling_update(h.flatten(), a, s, si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h.flatten(), a, s, si, 448.0, 0, 0), ValueError,
+         "amax_history must be 2-D"),
+        ("scaling update history dtype", lambda: k.delayed_scaling_update(h.double(), a, s, si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h.double(), a, s, si, 448.0, 0, 0), TypeError,
+         "amax_history must have dtype"),
+        ("scaling update scale dtype", lambda: k.delayed_scaling_update(h, a, s.half(), si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, a, s.half(), si, 448.0, 0, 0), TypeError,
+         "scale must have dtype"),
+        ("scaling update scale_inv layout", lambda: k.delayed_scaling_update(h, a, s, si_strided, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, a, s, si_strided, 448.0, 0, 0), ValueError,
+         "scale_inv must be contiguous"),
+        ("scaling update amax size", lambda: k.delayed_scaling_update(h, a[:2], s, si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, a[:2], s, si, 448.0, 0, 0), ValueError,
+         "amax must have amax_history.shape"),
+        ("scaling update amax not a tensor", lambda: k.delayed_scaling_update(h, 0.0, s, si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, 0.0, s, si, 448.0, 0, 0), TypeError,
+         "amax must be a torch.Tensor"),
+        ("scaling update scale on meta", lambda: k.delayed_scaling_update(h, a, s.to("meta"), si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, a, s.to("meta"), si, 448.0, 0, 0), ValueError,
+         "scale is on meta but amax_history is on cpu"),
+        ("current_scale amax shape", lambda: k.current_scale(torch.ones(2), 448.0),
+         lambda: ops.fp8_current_scale(torch.ones(2), 448.0, 0.0, False), TypeError,
+         "amax must be a float32 tensor with one element"),
+        ("current_scale amax dtype", lambda: k.current_scale(ONE.double(), 448.0),
+         lambda: ops.fp8_current_scale(ONE.double(), 448.0, 0.0, False), TypeError,
+         "amax must be a float32 tensor with one element"),
         ("fp8_gemm on meta", lambda: fp8_gemm(x8.to("meta"), meta, b8.to("meta"), meta),
          lambda: ops.fp8_gemm(x8.to("meta"), meta, b8.to("meta"), meta, torch.float32, None), ValueError,
          "a must be on the CPU"),

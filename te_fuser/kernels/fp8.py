@@ -95,11 +95,7 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
     return _ops.fp8_transpose(data)
 
 
-def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: float, margin: int,
-                           amax_compute_algo: str = "max") -> None:
-    """Roll amax into the history, reduce it, and update scale/scale_inv in place (see csrc/fp8/fp8_scaling.h)."""
-    if amax_compute_algo not in AMAX_ALGOS:
-        raise ValueError(f"amax_compute_algo must be one of {sorted(AMAX_ALGOS)}, got {amax_compute_algo!r}")
+def _check_scaling_update_tensors(amax_history, amax, scale, scale_inv):
     check_tensor(amax_history, "amax_history")
     if amax_history.dim() != 2:
         raise ValueError(f"amax_history must be 2-D (history_len, n), got shape {tuple(amax_history.shape)}")
@@ -111,20 +107,32 @@ def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: 
     for name, t in (("amax", amax), ("scale", scale), ("scale_inv", scale_inv)):
         if t.numel() != n:
             raise ValueError(f"{name} must have amax_history.shape[1] = {n} elements, got {t.numel()}")
+
+
+def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: float, margin: int,
+                           amax_compute_algo: str = "max") -> None:
+    """Roll amax into the history, reduce it, and update scale/scale_inv in place (see csrc/fp8/fp8_scaling.h).
+
+    The tensors are checked in Python only when the binding refuses them (validate.call_checked), as in
+    quantize; the binding takes margin as an integer and the algorithm as its number, so those two are
+    checked here first."""
+    if amax_compute_algo not in AMAX_ALGOS:
+        raise ValueError(f"amax_compute_algo must be one of {sorted(AMAX_ALGOS)}, got {amax_compute_algo!r}")
     if not (isinstance(margin, (int, float)) and margin == int(margin) and -126 <= margin <= 126):
         raise ValueError(f"margin must be an integer in [-126, 126], got {margin!r}")
-    _ops.fp8_delayed_scaling_update(amax_history, amax, scale, scale_inv, float(fp8_max_value), int(margin),
-                                    AMAX_ALGOS[amax_compute_algo])
+    call_checked(lambda: _check_scaling_update_tensors(amax_history, amax, scale, scale_inv),
+                 _ops.fp8_delayed_scaling_update, amax_history, amax, scale, scale_inv, float(fp8_max_value),
+                 int(margin), AMAX_ALGOS[amax_compute_algo])
 
 
 def current_scale(amax: torch.Tensor, fp8_max_value: float, epsilon: float = 0.0, force_pow2: bool = False):
     """(scale, scale_inv) for current scaling: fp8_max / max(amax, epsilon), 1 for amax 0/Inf/NaN."""
-    check_scalar_f32(amax, "amax", amax, "amax")
     if not 0.0 < fp8_max_value < math.inf:
         raise ValueError(f"fp8_max_value must be positive and finite, got {fp8_max_value}")
     if not 0.0 <= epsilon < math.inf:
         raise ValueError(f"epsilon must be finite and >= 0, got {epsilon}")
-    return _ops.fp8_current_scale(amax, float(fp8_max_value), float(epsilon), bool(force_pow2))
+    return call_checked(lambda: check_scalar_f32(amax, "amax", amax, "amax"), _ops.fp8_current_scale,
+                        amax, float(fp8_max_value), float(epsilon), bool(force_pow2))
 
 
 @torch.library.register_fake("te_fuser::fp8_quantize")
