@@ -1,10 +1,11 @@
 // Helpers shared by the binding files: dtype mapping, argument checks that
 // raise (as RuntimeError in Python) instead of crashing, and the thread split.
 // These checks keep the raw torch.ops.te_fuser.* entry points safe on their own.
-// The Python wrappers raise friendlier messages: the wrappers of the fused ops
-// and of FP8 quantize, cast_transpose, dequantize and fp8_gemm check their
-// arguments only after these refused them (te_fuser/kernels/validate.py,
-// call_checked), the others before each call.
+// The Python wrappers raise friendlier messages: the wrappers of the fused ops,
+// of attention on the CPU kernel, and of FP8 quantize, cast_transpose,
+// dequantize, fp8_gemm and the scale updates check their arguments only after
+// these refused them (te_fuser/kernels/validate.py, call_checked), the others
+// before each call.
 #pragma once
 
 // CUDA builds: torch's C shim declares its CUDA entry points (the current

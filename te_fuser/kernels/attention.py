@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from . import attention_math, cpu
-from .validate import check_dtype, check_same_device, check_scalar_f32, check_tensor, FLOAT_DTYPES
+from .validate import (call_checked, check_dtype, check_one_device_in_fake, check_same_device, check_scalar_f32,
+                       check_tensor, FLOAT_DTYPES)
 
 _ops = torch.ops.te_fuser
 
@@ -135,16 +136,25 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
     out_dtype (default float32). lse is float32 [batch, heads_q, seq_q] or
     [heads_q, tokens] when packed.
     """
-    _check_qkv(q, k, v)
-    _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
-    softmax_scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    _check_scalars(softmax_scale, float(dropout_p))
-    fp8 = _check_descales(q, q_descale, k_descale, v_descale)
-    if out_dtype is not None:
-        if out_dtype not in FLOAT_DTYPES:
-            raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
-        if not fp8 and out_dtype != q.dtype:
-            raise ValueError(f"out_dtype must be q's dtype {q.dtype} for non-FP8 inputs, got {out_dtype}")
+    def check():
+        _check_qkv(q, k, v)
+        _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
+        scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+        _check_scalars(scale, float(dropout_p))
+        fp8 = _check_descales(q, q_descale, k_descale, v_descale)
+        if out_dtype is not None:
+            if out_dtype not in FLOAT_DTYPES:
+                raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+            if not fp8 and out_dtype != q.dtype:
+                raise ValueError(f"out_dtype must be q's dtype {q.dtype} for non-FP8 inputs, got {out_dtype}")
+        return scale, fp8
+
+    scalars = _kernel_scalars(q, softmax_scale, causal, dropout_p, seed, offset)
+    # The binding reads an int out_dtype as a ScalarType: only None or a float dtype reaches it unchecked.
+    if scalars is not None and (out_dtype is None or out_dtype in FLOAT_DTYPES):
+        return call_checked(check, _ops.attention_fwd, q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q,
+                            seqlens_kv, *scalars, q_descale, k_descale, v_descale, out_dtype)
+    softmax_scale, fp8 = check()
     if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8, softmax_scale):
         return _torch_cpu_flash_fwd(q, k, v, softmax_scale, bool(causal))
     if attention_math.applies(q):
@@ -156,6 +166,28 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
     return _ops.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
                               bool(causal), float(dropout_p), int(seed), int(offset), q_descale, k_descale,
                               v_descale, out_dtype)
+
+
+def _kernel_scalars(q, softmax_scale, causal, dropout_p, seed, offset):
+    """The op's (softmax_scale, causal, dropout_p, seed, offset) when the problem goes straight to te_fuser's
+    CPU kernel, else None: the checked path, with the routing.
+
+    The CPU binding checks every argument itself, so that path checks them in Python only after the binding
+    refused them (validate.call_checked): on a small problem the Python checks cost more than the kernel.
+    It is decided on q alone: a CPU tensor, torch's CPU flash route off for this tier, not under
+    torch.compile. The checked path still takes an empty q (attention_bwd answers it without the kernel), a
+    dropout_p outside [0, 1) (the binding rounds a tiny negative one to -0.0 and takes it) and any argument
+    these conversions fail on: it raises the error that names the first bad argument.
+    """
+    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or not q.is_cpu or not q.numel()
+            or (ROUTE_TO_TORCH_CPU_FLASH and cpu.current_isa() in ROUTED_ISAS)):
+        return None
+    try:
+        scalars = (1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale), bool(causal),
+                   float(dropout_p), int(seed), int(offset))
+    except Exception:  # the checked path raises it, or the error of an argument it checks before
+        return None
+    return scalars if 0.0 <= scalars[2] < 1.0 else None
 
 
 def _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8,
@@ -218,27 +250,35 @@ def attention_bwd(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_kv=N
 
     The gradients have dout's dtype and the dim order of q, k and v.
     """
-    _check_qkv(q, k, v)
-    _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
-    softmax_scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    _check_scalars(softmax_scale, float(dropout_p))
-    fp8 = _check_descales(q, q_descale, k_descale, v_descale)
-    for name, t in (("dout", dout), ("out", out)):
-        check_dtype(t, name)
-        check_same_device(t, name, q, "q")
-        if t.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
-        if t.shape[3] > 1 and t.stride(3) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
-    if out.dtype != dout.dtype:
-        raise TypeError(f"out and dout must share a dtype, got {out.dtype} and {dout.dtype}")
-    if not fp8 and dout.dtype != q.dtype:
-        raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}")
-    check_dtype(lse, "lse", (torch.float32,))
-    check_same_device(lse, "lse", q, "q")
-    expected = _lse_shape(q, cu_seqlens_q)
-    if tuple(lse.shape) != expected or not lse.is_contiguous():
-        raise ValueError(f"lse must be a contiguous float32 tensor of shape {expected}, got {tuple(lse.shape)}")
+    def check():
+        _check_qkv(q, k, v)
+        _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
+        scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+        _check_scalars(scale, float(dropout_p))
+        fp8 = _check_descales(q, q_descale, k_descale, v_descale)
+        for name, t in (("dout", dout), ("out", out)):
+            check_dtype(t, name)
+            check_same_device(t, name, q, "q")
+            if t.shape != q.shape:
+                raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(t.shape)}")
+            if t.shape[3] > 1 and t.stride(3) != 1:
+                raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+        if out.dtype != dout.dtype:
+            raise TypeError(f"out and dout must share a dtype, got {out.dtype} and {dout.dtype}")
+        if not fp8 and dout.dtype != q.dtype:
+            raise TypeError(f"dout must have q's dtype {q.dtype}, got {dout.dtype}")
+        check_dtype(lse, "lse", (torch.float32,))
+        check_same_device(lse, "lse", q, "q")
+        expected = _lse_shape(q, cu_seqlens_q)
+        if tuple(lse.shape) != expected or not lse.is_contiguous():
+            raise ValueError(f"lse must be a contiguous float32 tensor of shape {expected}, got {tuple(lse.shape)}")
+        return scale, fp8
+
+    scalars = _kernel_scalars(q, softmax_scale, causal, dropout_p, seed, offset)
+    if scalars is not None:
+        return call_checked(check, _ops.attention_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv,
+                            seqlens_q, seqlens_kv, *scalars, q_descale, k_descale, v_descale)
+    softmax_scale, fp8 = check()
     if q.numel() == 0:  # no query: nothing reaches k or v
         return (_empty_in_order_of(q, dout.dtype), _empty_in_order_of(k, dout.dtype).zero_(),
                 _empty_in_order_of(v, dout.dtype).zero_())
@@ -269,6 +309,9 @@ def _empty_in_order_of(like, dtype):
 @torch.library.register_fake("te_fuser::attention_fwd")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale, causal, dropout_p, seed,
       offset, q_descale, k_descale, v_descale, out_dtype):
+    check_one_device_in_fake(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                             seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, q_descale=q_descale,
+                             k_descale=k_descale, v_descale=v_descale)
     dtype = (out_dtype or torch.float32) if q.dtype in FP8_INPUT_DTYPES else q.dtype
     return _empty_in_order_of(q, dtype), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
@@ -276,5 +319,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale
 @torch.library.register_fake("te_fuser::attention_bwd")
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale, causal,
       dropout_p, seed, offset, q_descale, k_descale, v_descale):
+    check_one_device_in_fake(q=q, k=k, v=v, dout=dout, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                             cu_seqlens_kv=cu_seqlens_kv, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
+                             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     return (_empty_in_order_of(q, dout.dtype), _empty_in_order_of(k, dout.dtype),
             _empty_in_order_of(v, dout.dtype))

@@ -43,9 +43,9 @@ def _check_quantize_args(x, scale, amax, fp8_dtype):
 def quantize(x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """FP8 bytes of fp8(x * scale) in one pass; amax <- max(amax, max|x|) in place.
 
-    This wrapper and cast_transpose, dequantize and gemm.fp8_gemm check their arguments in Python
-    only when the binding refuses them (validate.call_checked): tests/test_fp8_errors.py holds every
-    case they name to a refusal of the binding."""
+    This wrapper and cast_transpose, dequantize, the scale updates and gemm.fp8_gemm check their
+    tensors in Python only when the binding refuses them (validate.call_checked):
+    tests/test_fp8_errors.py holds every case they name to a refusal of the binding."""
     return call_checked(lambda: _check_quantize_args(x, scale, amax, fp8_dtype), _ops.fp8_quantize,
                         x, scale, amax, fp8_dtype)
 
