@@ -38,6 +38,13 @@ typedef uint32_t (*tf_fp8_quantize_table_fn)(const void *x, int64_t begin, int64
                                              const uint8_t *table, uint8_t *y);
 
 /*
+ * x[i] = table[y[i]] for i in [begin, end): the lookup of dequantize's 16-bit outputs (bfloat16 and
+ * float16), whose 256 values fp8_quantize.c computes once per call on the portable path's code.
+ */
+typedef void (*tf_fp8_lookup16_fn)(const uint8_t *y, int64_t begin, int64_t end, const uint16_t *table,
+                                   uint16_t *x);
+
+/*
  * Tables indexed [tf_dtype][tf_fp8_format] (amax: [tf_dtype]); the quantize table kernels
  * [tf_dtype - TF_BFLOAT16], bfloat16 then float16.
  */
@@ -46,7 +53,12 @@ typedef struct tf_fp8_kernel_set {
   tf_fp8_amax_fn amax[3];
   tf_fp8_cast_transpose_fn cast_transpose[3][2];
   tf_fp8_quantize_table_fn quantize_table[2];
+  tf_fp8_lookup16_fn lookup16;
 } tf_fp8_kernel_set;
+
+/* The portable lookup16, which the AVX2 set shares (no 16-bit lookup of 256 entries pays there). */
+void tf_fp8_lookup16_portable(const uint8_t *y, int64_t begin, int64_t end, const uint16_t *table,
+                              uint16_t *x);
 
 /*
  * The amax bits of 16-bit input from m, the largest of its |x| bit patterns (sign bit cleared),

@@ -12,7 +12,8 @@
  *   - the generic encoder narrows its 32-bit codes with vpmovdb.
  * No table kernels of their own: on this tier the fast encoder is quicker than a lookup, so
  * tf_fp8_table_pays turns the table path off, and the table kernels, still callable, are AVX2's.
- * Cast-transpose is fp8_cast_transpose_avx512.c's.
+ * Cast-transpose is fp8_cast_transpose_avx512.c's. Dequantize's 16-bit outputs are copied out of
+ * their 256 values by lookup16, 32 codes a step.
  *
  * Only whole steps are done here; the elements past them are handed to the AVX2 kernels (which
  * hand their own remainder to the portable ones): the same bytes.
@@ -252,6 +253,28 @@ DEFINE_AMAX(amax_f32, TF_FLOAT32)
 DEFINE_AMAX(amax_bf16, TF_BFLOAT16)
 DEFINE_AMAX(amax_f16, TF_FLOAT16)
 
+/*
+ * x[i] = table[y[i]], 32 codes a step: the 256 16-bit values are 8 registers, vpermi2w looks a code's
+ * low 6 bits up in a pair of them (64 values), and its bits 6 and 7 pick among the four pairs' answers.
+ */
+static TF_TARGET_AVX512 void lookup16(const uint8_t *y, int64_t begin, int64_t end, const uint16_t *table,
+                                      uint16_t *x) {
+  __m512i t[8];
+  for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(table + 32 * k);
+  const __m512i bit6 = _mm512_set1_epi16(0x40), bit7 = _mm512_set1_epi16(0x80);
+  int64_t i = begin;
+  for (; end - i >= 32; i += 32) {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(y + i)));
+    const __mmask32 high6 = _mm512_test_epi16_mask(c, bit6);
+    const __m512i low = _mm512_mask_blend_epi16(high6, _mm512_permutex2var_epi16(t[0], c, t[1]),
+                                                _mm512_permutex2var_epi16(t[2], c, t[3]));
+    const __m512i high = _mm512_mask_blend_epi16(high6, _mm512_permutex2var_epi16(t[4], c, t[5]),
+                                                 _mm512_permutex2var_epi16(t[6], c, t[7]));
+    _mm512_storeu_si512(x + i, _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit7), low, high));
+  }
+  tf_fp8_lookup16_portable(y, i, end, table, x);
+}
+
 static const tf_fp8_kernel_set avx512_kernels = {
     .quantize = {{quantize_f32_e4m3, quantize_f32_e5m2},
                  {quantize_bf16_e4m3, quantize_bf16_e5m2},
@@ -260,7 +283,8 @@ static const tf_fp8_kernel_set avx512_kernels = {
     .cast_transpose = {{tf_fp8_cast_transpose_avx512_f32_e4m3, tf_fp8_cast_transpose_avx512_f32_e5m2},
                        {tf_fp8_cast_transpose_avx512_bf16_e4m3, tf_fp8_cast_transpose_avx512_bf16_e5m2},
                        {tf_fp8_cast_transpose_avx512_f16_e4m3, tf_fp8_cast_transpose_avx512_f16_e5m2}},
-    .quantize_table = {quantize_table_bf16, quantize_table_f16}};
+    .quantize_table = {quantize_table_bf16, quantize_table_f16},
+    .lookup16 = lookup16};
 
 const tf_fp8_kernel_set *const tf_fp8_kernels_avx512 = &avx512_kernels;
 

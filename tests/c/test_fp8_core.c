@@ -606,6 +606,70 @@ static void test_paths_f16_nan_payloads(const isa_path *path) {
 }
 
 /*
+ * lookup16 (dequantize's 16-bit copy) against the portable one: random tables and codes, every code
+ * value, every short length at several offsets, nothing written outside [begin, end).
+ */
+static void test_paths_lookup16(const isa_path *path) {
+  enum { LEN = 300 };
+  static uint8_t codes[LEN];
+  static uint16_t table[256], x[LEN + PAD], x_ref[LEN + PAD];
+  int bad = 0;
+  for (int round = 0; round < 4; ++round) {
+    for (int c = 0; c < 256; ++c) table[c] = (uint16_t)rand_u32();
+    for (int i = 0; i < LEN; ++i) codes[i] = round == 0 ? (uint8_t)i : (uint8_t)rand_u32();
+    for (int64_t begin = 0; begin < 9; ++begin)
+      for (int64_t len = 0; begin + len <= LEN; ++len) {
+        memset(x, CANARY, sizeof x);
+        memset(x_ref, CANARY, sizeof x_ref);
+        path->set->lookup16(codes, begin, begin + len, table, x);
+        tf_fp8_lookup16_portable(codes, begin, begin + len, table, x_ref);
+        bad += memcmp(x, x_ref, sizeof x) != 0;
+        for (int64_t i = begin; i < begin + len; ++i) bad += x[i] != table[codes[i]];
+      }
+  }
+  CHECK(bad == 0, "%s: lookup16: %d cases differ from the table", path->name, bad);
+}
+
+/*
+ * tf_fp8_dequantize of every code into each dtype, with and without the portable cap: the same bits,
+ * each the code's decoded value times scale_inv in float32, rounded to the dtype.
+ */
+static void test_dequantize_under_cap(void) {
+  enum { LEN = 256 * 3 + 17 };
+  static uint8_t codes[LEN];
+  static uint32_t out[2][LEN];
+  static const float scales_inv[] = {1.0f, 0.37f, 0x1p-140f, 3e38f, -2.5f, 0.0f, INFINITY};
+  for (int i = 0; i < LEN; ++i) codes[i] = i < 512 ? (uint8_t)i : (uint8_t)rand_u32();
+  int bad = 0;
+  for (int d = 0; d < 3; ++d)
+    for (int f = 0; f < 2; ++f)
+      for (size_t k = 0; k < sizeof scales_inv / sizeof scales_inv[0]; ++k) {
+        for (int capped = 0; capped < 2; ++capped) {
+          CHECK(tf_set_cpu_isa_cap(capped ? TF_ISA_PORTABLE : -1) == TF_OK, "set cap");
+          memset(out[capped], CANARY, sizeof out[capped]);
+          bad += tf_fp8_dequantize(codes, (tf_fp8_format)f, 1, LEN - 2, scales_inv[k], out[capped],
+                                   (tf_dtype)d) != TF_OK;
+        }
+        bad += memcmp(out[0], out[1], sizeof out[0]) != 0;
+        const int64_t size = tf_dtype_size((tf_dtype)d);
+        for (int64_t i = 1; i < LEN - 2; ++i) {
+          const float v = (f ? tf_fp8_e5m2_decode(codes[i]) : tf_fp8_e4m3_decode(codes[i])) * scales_inv[k];
+          uint32_t want = f_bits(v);
+          if (d == TF_BFLOAT16) want = tf_f32_to_bf16(v);
+          if (d == TF_FLOAT16) want = tf_f32_to_f16(v);
+          uint32_t got = 0;
+          memcpy(&got, (const char *)out[0] + i * size, (size_t)size);
+          /* A NaN's payload follows the operand order the compiler picked: any NaN will do. */
+          const uint32_t exp_mask = d == TF_FLOAT32 ? 0x7F800000u : d == TF_BFLOAT16 ? 0x7F80u : 0x7C00u;
+          const uint32_t abs_got = got & (d == TF_FLOAT32 ? 0x7FFFFFFFu : 0x7FFFu);
+          bad += isnan(v) ? abs_got <= exp_mask : got != want;
+        }
+      }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(bad == 0, "dequantize with and without the portable cap: %d differences", bad);
+}
+
+/*
  * The public entry points under the ISA cap: the same bytes with and without
  * it, over a tensor split into chunks the way the binding splits it, with the
  * maximum just before, on and after each chunk boundary and at the last element.
@@ -749,8 +813,10 @@ static void test_isa_paths(void) {
     test_paths_amax_every_position(&paths[i]);
     test_paths_cast_transpose(&paths[i]);
     test_paths_f16_nan_payloads(&paths[i]);
+    test_paths_lookup16(&paths[i]);
   }
   test_public_api_under_cap();
+  test_dequantize_under_cap();
   test_table_path();
 }
 
