@@ -1,15 +1,19 @@
-"""FP8 quantize+amax and cast-transpose against the memory ceiling (x.clone()) and the torch path, in one run.
+"""FP8 quantize+amax, cast-transpose, dequantize and the FP8 byte transpose against the memory ceiling
+(x.clone()) and the torch path, in one run.
 
     python benchmarks/bench_quantize.py [--numel N] [--device cpu|cuda] [--isa portable,avx2,...] [--heap]
 
 Bandwidth counts bytes read plus bytes written once: quantize reads x and writes one byte per
-element; cast-transpose reads x and writes two (the FP8 matrix and its transpose); x.clone()
+element; cast-transpose reads x and writes two (the FP8 matrix and its transpose); dequantize
+reads one byte and writes x's dtype; transpose (CPU only) reads and writes one byte; x.clone()
 reads and writes x. "of clone" is te_fuser's bandwidth over x.clone()'s, measured in the same
 run. On the CPU every instruction-set path that this machine has is measured (te_fuser.kernels.cpu
-caps the tier; the FP8 quantizer has a portable, an AVX2 and an AVX-512 path).
+caps the tier; the FP8 quantizer has a portable, an AVX2 and an AVX-512 path; the byte transpose has
+one path, shown as "-").
 
 The torch path is `amax = x.abs().amax()` then `(x * scale).clamp(-m, m).to(fp8)`, and for
-cast-transpose also `.t().contiguous()` of the FP8 matrix. Times are medians over --repeats
+cast-transpose also `.t().contiguous()` of the FP8 matrix; for dequantize `(data.float() * scale_inv)
+.to(dtype)`, and for transpose `data.view(torch.uint8).t().contiguous()`. Times are medians over --repeats
 runs in which every variant takes its turn (alternating order), so that machine noise hits
 them alike. Cast-transpose views x as a square matrix (4096 x 4096 for 16 Mi elements).
 
@@ -71,6 +75,14 @@ def torch_cast_transpose(x, scale):
     return data, data.t().contiguous(), amax
 
 
+def torch_dequantize(data, scale_inv, dtype):
+    return (data.float() * scale_inv).to(dtype)
+
+
+def torch_transpose(data):
+    return data.view(torch.uint8).t().contiguous()
+
+
 def check_same_answer(x, scale):
     """te_fuser and the torch path agree bit for bit before anything is timed."""
     amax = torch.zeros(1, device=x.device)
@@ -82,6 +94,11 @@ def check_same_answer(x, scale):
     ref, ref_t, _ = torch_cast_transpose(x, scale)
     assert torch.equal(data.view(torch.uint8), ref.view(torch.uint8))
     assert torch.equal(data_t.view(torch.uint8), ref_t.view(torch.uint8)) and amax.item() == ref_amax.item()
+    scale_inv = scale.reciprocal()
+    assert torch.equal(k.dequantize(data, scale_inv, x.dtype).view(torch.uint8),
+                       torch_dequantize(data, scale_inv, x.dtype).view(torch.uint8))
+    if x.device.type == "cpu":
+        assert torch.equal(k.transpose(data).view(torch.uint8), torch_transpose(data))
 
 
 def main():
@@ -113,23 +130,32 @@ def main():
         x = torch.randn(side, side, device=device).to(dtype)
         scale = torch.tensor([2.0], device=device)
         amax = torch.zeros(1, device=device)
+        data, scale_inv = k.quantize(x, scale, amax, FP8), scale.reciprocal()
         steps = {"clone": lambda: x.clone(),
                  "torch quantize": lambda: torch_quantize(x, scale),
-                 "torch cast_transpose": lambda: torch_cast_transpose(x, scale)}
+                 "torch cast_transpose": lambda: torch_cast_transpose(x, scale),
+                 "torch dequantize": lambda: torch_dequantize(data, scale_inv, dtype)}
         for path in paths:
             with cpu.isa(path) if path else contextlib.nullcontext():
                 check_same_answer(x, scale)
             steps[f"quantize {path}"] = _under(path, lambda: k.quantize(x, scale, amax, FP8))
             steps[f"cast_transpose {path}"] = _under(path, lambda: k.cast_transpose(x, scale, amax, FP8))
+            steps[f"dequantize {path}"] = _under(path, lambda: k.dequantize(data, scale_inv, dtype))
+        ops = [("quantize", paths, 1), ("cast_transpose", paths, 2), ("dequantize", paths, 1)]
+        if device.type == "cpu" and dtype == torch.float32:  # bytes in, bytes out: once is enough
+            steps["torch transpose"], steps["transpose None"] = lambda: torch_transpose(data), lambda: k.transpose(data)
+            ops.append(("transpose", [None], 1))
         t = time_interleaved(steps, device, args.repeats)
         n, size = x.numel(), x.element_size()
         clone_gbs = 2 * n * size / t["clone"] / 1e9
-        for op, written in (("quantize", 1), ("cast_transpose", 2)):
-            moved = n * (size + written)
+        for op, op_paths, fp8_bytes in ops:
+            # quantize and cast-transpose read x and write FP8 bytes; dequantize the other way round
+            moved = n * (1 + fp8_bytes) if op == "transpose" else n * (size + fp8_bytes)
             torch_gbs = moved / t[f"torch {op}"] / 1e9
-            for path in paths:
+            label = "e4m3" if op == "transpose" else str(dtype).split(".")[-1]
+            for path in op_paths:
                 gbs = moved / t[f"{op} {path}"] / 1e9
-                print(f"{op:>14} {str(dtype).split('.')[-1]:>9} {path or '-':>9} {gbs:14.2f} {clone_gbs:11.2f} "
+                print(f"{op:>14} {label:>9} {path or '-':>9} {gbs:14.2f} {clone_gbs:11.2f} "
                       f"{gbs / clone_gbs:9.0%} {torch_gbs:11.2f} {gbs / torch_gbs:8.1f}x")
 
 
