@@ -126,6 +126,16 @@ def _check_descales(q, q_descale, k_descale, v_descale):
     return fp8
 
 
+def _check_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale, dropout_p,
+                   q_descale, k_descale, v_descale):
+    """The checks attention_fwd and attention_bwd share: (softmax_scale with its default, whether q is FP8)."""
+    _check_qkv(q, k, v)
+    _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    _check_scalars(scale, float(dropout_p))
+    return scale, _check_descales(q, q_descale, k_descale, v_descale)
+
+
 def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=None, seqlens_kv=None,
                   softmax_scale: Optional[float] = None, causal: bool = False, dropout_p: float = 0.0,
                   seed: int = 0, offset: int = 0, q_descale=None, k_descale=None, v_descale=None,
@@ -137,11 +147,8 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
     [heads_q, tokens] when packed.
     """
     def check():
-        _check_qkv(q, k, v)
-        _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
-        scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-        _check_scalars(scale, float(dropout_p))
-        fp8 = _check_descales(q, q_descale, k_descale, v_descale)
+        scale, fp8 = _check_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
+                                    dropout_p, q_descale, k_descale, v_descale)
         if out_dtype is not None:
             if out_dtype not in FLOAT_DTYPES:
                 raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
@@ -251,11 +258,8 @@ def attention_bwd(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_kv=N
     The gradients have dout's dtype and the dim order of q, k and v.
     """
     def check():
-        _check_qkv(q, k, v)
-        _check_lengths(q, k, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
-        scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-        _check_scalars(scale, float(dropout_p))
-        fp8 = _check_descales(q, q_descale, k_descale, v_descale)
+        scale, fp8 = _check_problem(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
+                                    dropout_p, q_descale, k_descale, v_descale)
         for name, t in (("dout", dout), ("out", out)):
             check_dtype(t, name)
             check_same_device(t, name, q, "q")
