@@ -8,8 +8,8 @@ element; cast-transpose reads x and writes two (the FP8 matrix and its transpose
 reads one byte and writes x's dtype; transpose (CPU only) reads and writes one byte; x.clone()
 reads and writes x. "of clone" is te_fuser's bandwidth over x.clone()'s, measured in the same
 run. On the CPU every instruction-set path that this machine has is measured (te_fuser.kernels.cpu
-caps the tier; the FP8 quantizer has a portable, an AVX2 and an AVX-512 path; the byte transpose has
-one path, shown as "-").
+caps the tier; the FP8 quantizer has a portable, an AVX2 and an AVX-512 path; the byte transpose an
+AVX-512 one and, below it, SSE2's).
 
 The torch path is `amax = x.abs().amax()` then `(x * scale).clamp(-m, m).to(fp8)`, and for
 cast-transpose also `.t().contiguous()` of the FP8 matrix; for dequantize `(data.float() * scale_inv)
@@ -143,8 +143,10 @@ def main():
             steps[f"dequantize {path}"] = _under(path, lambda: k.dequantize(data, scale_inv, dtype))
         ops = [("quantize", paths, 1), ("cast_transpose", paths, 2), ("dequantize", paths, 1)]
         if device.type == "cpu" and dtype == torch.float32:  # bytes in, bytes out: once is enough
-            steps["torch transpose"], steps["transpose None"] = lambda: torch_transpose(data), lambda: k.transpose(data)
-            ops.append(("transpose", [None], 1))
+            steps["torch transpose"] = lambda: torch_transpose(data)
+            for path in paths:
+                steps[f"transpose {path}"] = _under(path, lambda: k.transpose(data))
+            ops.append(("transpose", paths, 1))
         t = time_interleaved(steps, device, args.repeats)
         n, size = x.numel(), x.element_size()
         clone_gbs = 2 * n * size / t["clone"] / 1e9

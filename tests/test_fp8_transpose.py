@@ -5,9 +5,12 @@ import pytest
 import torch
 
 from te_fuser.float8_tensor import fp8_transpose
-from te_fuser.kernels import fp8
+from te_fuser.kernels import cpu, fp8
 
-SHAPES = [(2048, 512), (67, 131), (3, 5, 72), (1, 16), (16,), (130, 7), (0, 4), (5, 0)]
+# AVX-512 CPUs transpose whole panels of 128 rows by up to 4096 columns, in blocks of 64 columns,
+# and the rest in tiles: shapes with and without whole panels, blocks and tiles.
+SHAPES = [(2048, 512), (67, 131), (3, 5, 72), (1, 16), (16,), (130, 7), (0, 4), (5, 0), (2, 128, 64),
+          (300, 100), (257, 4200)]
 
 
 def random_bytes(shape, dtype, generator):
@@ -20,11 +23,13 @@ def torch_transpose(data):
     return data.view(torch.uint8).reshape(rows, data.shape[-1]).t().contiguous()
 
 
+@pytest.mark.parametrize("isa", cpu.available_isa())
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_torch_byte_for_byte(shape, dtype, generator):
+def test_matches_torch_byte_for_byte(shape, dtype, isa, generator):
     data = random_bytes(shape, dtype, generator)
-    out = fp8.transpose(data)
+    with cpu.isa(isa):
+        out = fp8.transpose(data)
     assert out.dtype == dtype and out.is_contiguous()
     assert torch.equal(out.view(torch.uint8), torch_transpose(data))
 

@@ -11,7 +11,8 @@
  * on Zen 4, ordinary stores made the kernel 1.5 to 2 times slower.
  *
  * The ragged right and bottom edges (fewer than 64 columns or 128 rows) go to the AVX2 kernels
- * as blocks of their own: the same bytes.
+ * as blocks of their own: the same bytes. The FP8 byte transpose (fp8_transpose.c) uses the same
+ * panels and blocks for its whole panels.
  */
 #include "fp8_kernels.h"
 #include "fp8_quantize.h"
@@ -21,6 +22,7 @@
 #if TF_X86
 #include <immintrin.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TF_AVX512_INLINE static inline __attribute__((always_inline)) TF_TARGET_AVX512
 
@@ -150,6 +152,29 @@ TF_AVX512_INLINE uint32_t cast_transpose_block(const void *x, int64_t ld_x, int6
     amax = max_u32(amax, edge((const char *)x + full_rows * ld_x * size, ld_x, rows - full_rows, cols, scale,
                               y + full_rows * ld_y, ld_y, y_t + full_rows, ld_t));
   return amax;
+}
+
+/*
+ * The byte transpose's whole panels (fp8_transpose.h): the same panels and blocks as cast-transpose,
+ * with the rows copied into the buffer instead of encoded and no row-major output.
+ */
+TF_TARGET_AVX512 int64_t tf_fp8_transpose_panels_avx512(const uint8_t *x, int64_t ld_x, int64_t rows,
+                                                        int64_t cols, uint8_t *y_t, int64_t ld_t) {
+  const int64_t full_cols = cols - cols % BLOCK;
+  const int stream_t = aligned64(y_t, ld_t);
+  const int64_t ld_p = (full_cols < PANEL_COLS ? full_cols : PANEL_COLS) + 64;
+  uint8_t *panel = rows >= ROWS && full_cols > 0 ? aligned_alloc(64, (size_t)(ROWS * ld_p)) : NULL;
+  if (!panel) return 0;
+  for (int64_t r0 = 0; r0 + ROWS <= rows; r0 += ROWS)
+    for (int64_t c0 = 0; c0 < full_cols; c0 += PANEL_COLS) {
+      const int64_t width = full_cols - c0 < PANEL_COLS ? full_cols - c0 : PANEL_COLS;
+      for (int r = 0; r < ROWS; ++r) memcpy(panel + r * ld_p, x + (r0 + r) * ld_x + c0, (size_t)width);
+      for (int64_t c = 0; c < width; c += BLOCK)
+        block_out(panel + c, ld_p, y_t + (c0 + c) * ld_t + r0, ld_t, stream_t);
+    }
+  free(panel);
+  if (stream_t) _mm_sfence();
+  return full_cols;
 }
 
 #define DEFINE_CAST_TRANSPOSE(NAME, DTYPE, FORMAT)                                                    \

@@ -97,6 +97,14 @@ TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_bf16_e4m3);
 TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_bf16_e5m2);
 TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_f16_e4m3);
 TF_FP8_DECLARE_CAST_TRANSPOSE(tf_fp8_cast_transpose_avx512_f16_e5m2);
+
+/*
+ * The byte transpose's whole panels on AVX-512 (fp8_cast_transpose_avx512.c): y_t[c * ld_t + r] =
+ * x[r * ld_x + c] for the rows of whole TF_FP8_CT_BAND-row panels of [0, rows) and the columns
+ * [0, returned), a multiple of 64 (0 when there is no whole panel, or no memory for its buffer).
+ */
+int64_t tf_fp8_transpose_panels_avx512(const uint8_t *x, int64_t ld_x, int64_t rows, int64_t cols,
+                                       uint8_t *y_t, int64_t ld_t);
 #endif
 
 /*

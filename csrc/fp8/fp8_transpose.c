@@ -1,5 +1,8 @@
 #include "fp8_transpose.h"
 
+#include "fp8_kernels.h"
+#include "fp8_quantize.h"
+
 #include <string.h>
 
 #include "../common/cpu_features.h"
@@ -75,15 +78,12 @@ static void tile_buffered(const uint8_t *x, int64_t ld_x, uint8_t *y, int64_t ld
   for (int i = 0; i < TILE; ++i) memcpy(y + i * ld_y, out + i * TILE, TILE);
 }
 
-tf_status tf_fp8_transpose(const uint8_t *x, int64_t rows, int64_t cols, int64_t row_begin,
-                           int64_t row_end, uint8_t *y) {
-  if (rows < 0 || cols < 0 || !tf_range_ok(row_begin, row_end, rows)) return TF_ERR_BAD_SIZE;
-  if (!tf_mul_fits(rows, cols)) return TF_ERR_OVERFLOW;
-  if (row_end == row_begin || cols == 0) return TF_OK;
-  if (!x || !y) return TF_ERR_NULL_POINTER;
+/* Rows [row_begin, row_end) and columns [c_begin, cols) a tile at a time. */
+static void tile_range(const uint8_t *x, int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                       int64_t c_begin, uint8_t *y) {
   for (int64_t r0 = row_begin; r0 < row_end; r0 += TILE) {
     const int64_t rn = row_end - r0 < TILE ? row_end - r0 : TILE;
-    for (int64_t c0 = 0; c0 < cols; c0 += TILE) {
+    for (int64_t c0 = c_begin; c0 < cols; c0 += TILE) {
       const int64_t cn = cols - c0 < TILE ? cols - c0 : TILE;
       const uint8_t *xt = x + r0 * cols + c0;
       uint8_t *yt = y + c0 * rows + r0;
@@ -93,5 +93,25 @@ tf_status tf_fp8_transpose(const uint8_t *x, int64_t rows, int64_t cols, int64_t
         tile_blocks(xt, cols, rn, cn, yt, rows);
     }
   }
+}
+
+tf_status tf_fp8_transpose(const uint8_t *x, int64_t rows, int64_t cols, int64_t row_begin,
+                           int64_t row_end, uint8_t *y) {
+  if (rows < 0 || cols < 0 || !tf_range_ok(row_begin, row_end, rows)) return TF_ERR_BAD_SIZE;
+  if (!tf_mul_fits(rows, cols)) return TF_ERR_OVERFLOW;
+  if (row_end == row_begin || cols == 0) return TF_OK;
+  if (!x || !y) return TF_ERR_NULL_POINTER;
+#if TF_X86
+  if (tf_cpu_isa() >= TF_ISA_AVX512) { /* whole panels on AVX-512, then their right edge here */
+    const int64_t panel_rows = (row_end - row_begin) / TF_FP8_CT_BAND * TF_FP8_CT_BAND;
+    const int64_t done = tf_fp8_transpose_panels_avx512(x + row_begin * cols, cols, panel_rows, cols,
+                                                        y + row_begin, rows);
+    if (done > 0) {
+      tile_range(x, rows, cols, row_begin, row_begin + panel_rows, done, y);
+      row_begin += panel_rows;
+    }
+  }
+#endif
+  tile_range(x, rows, cols, row_begin, row_end, 0, y);
   return TF_OK;
 }

@@ -9,8 +9,11 @@
 
 #include "../common/tf_status.h"
 
-/* Rows of x a band of tf_fp8_transpose should cover (callers split rows at multiples of it). */
-#define TF_FP8_TRANSPOSE_BAND 64
+/*
+ * Rows of x a band of tf_fp8_transpose should cover (callers split rows at multiples of it): the
+ * AVX-512 path's panels (TF_FP8_CT_BAND, fp8_quantize.h).
+ */
+#define TF_FP8_TRANSPOSE_BAND 128
 
 /*
  * y[c * rows + r] = x[r * cols + c] for x's rows r in [row_begin, row_end) and every column c:

@@ -899,23 +899,33 @@ static void test_current_scaling(void) {
 /* The FP8 byte transpose against the definition: shapes with ragged 8 x 8, 16 x 16 and 64 x 64 edges, the
  * rows split into bands (each writes only its own bytes), and the size and pointer checks. */
 static void test_fp8_transpose(void) {
-  static const int64_t shapes[][2] = {{1, 1}, {8, 8}, {16, 16}, {17, 33}, {48, 80}, {64, 64}, {67, 131},
-                                       {129, 200}, {130, 7}, {3, 200}, {0, 5}, {5, 0}};
-  static uint8_t x[200 * 200], y[200 * 200];
+  /* The AVX-512 path's whole panels are 128 rows by up to 4096 columns in blocks of 64: shapes with
+   * whole and partial panels, blocks and tiles, under the portable cap (the SSE2 tiles) and without. */
+  static const int64_t shapes[][2] = {{1, 1},    {8, 8},     {16, 16},  {17, 33},   {48, 80},  {64, 64},
+                                       {67, 131}, {129, 200}, {130, 7},  {3, 200},   {0, 5},    {5, 0},
+                                       {128, 64}, {256, 192}, {300, 100}, {257, 4200}, {384, 4096}};
+  enum { MAX = 384 * 4200 };
+  static uint8_t x[MAX], y[MAX + PAD];
   uint32_t state = 99u;
   for (size_t i = 0; i < sizeof(shapes) / sizeof(shapes[0]); ++i) {
     const int64_t rows = shapes[i][0], cols = shapes[i][1];
     for (int64_t e = 0; e < rows * cols; ++e) x[e] = (uint8_t)((state = state * 1664525u + 1013904223u) >> 24);
-    memset(y, 0xA5, sizeof y);
-    const int64_t cut = rows > 64 ? 64 : rows; /* two bands where there are enough rows */
-    CHECK(tf_fp8_transpose(x, rows, cols, 0, cut, y) == TF_OK && tf_fp8_transpose(x, rows, cols, cut, rows, y) == TF_OK,
-          "transpose %lld x %lld", (long long)rows, (long long)cols);
-    int64_t bad = 0;
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) bad += y[c * rows + r] != x[r * cols + c];
-    for (int64_t e = rows * cols; e < (int64_t)sizeof y; ++e) bad += y[e] != 0xA5; /* nothing past the end */
-    CHECK(bad == 0, "transpose %lld x %lld: %lld bytes wrong", (long long)rows, (long long)cols, (long long)bad);
+    for (int capped = 0; capped < 2; ++capped) {
+      CHECK(tf_set_cpu_isa_cap(capped ? TF_ISA_PORTABLE : -1) == TF_OK, "set cap");
+      memset(y, 0xA5, sizeof y);
+      /* two bands, split at a multiple of TF_FP8_TRANSPOSE_BAND where there are enough rows */
+      const int64_t cut = rows > TF_FP8_TRANSPOSE_BAND ? TF_FP8_TRANSPOSE_BAND : rows;
+      CHECK(tf_fp8_transpose(x, rows, cols, 0, cut, y) == TF_OK && tf_fp8_transpose(x, rows, cols, cut, rows, y) == TF_OK,
+            "transpose %lld x %lld", (long long)rows, (long long)cols);
+      int64_t bad = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) bad += y[c * rows + r] != x[r * cols + c];
+      for (int64_t e = rows * cols; e < (int64_t)sizeof y; ++e) bad += y[e] != 0xA5; /* nothing past the end */
+      CHECK(bad == 0, "transpose %lld x %lld%s: %lld bytes wrong", (long long)rows, (long long)cols,
+            capped ? " (portable cap)" : "", (long long)bad);
+    }
   }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
   CHECK(tf_fp8_transpose(x, -1, 2, 0, 0, y) == TF_ERR_BAD_SIZE, "negative rows");
   CHECK(tf_fp8_transpose(x, 4, 4, 2, 5, y) == TF_ERR_BAD_SIZE, "band past the end");
   CHECK(tf_fp8_transpose(x, INT64_MAX / 2, 4, 0, 1, y) == TF_ERR_OVERFLOW, "rows * cols overflows");
