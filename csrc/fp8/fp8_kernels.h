@@ -43,6 +43,9 @@ typedef uint32_t (*tf_fp8_quantize_table_fn)(const void *x, int64_t begin, int64
  */
 typedef void (*tf_fp8_lookup16_fn)(const uint8_t *y, int64_t begin, int64_t end, const uint16_t *table,
                                    uint16_t *x);
+/* The same for float32 outputs, as their bits. */
+typedef void (*tf_fp8_lookup32_fn)(const uint8_t *y, int64_t begin, int64_t end, const uint32_t *table,
+                                   uint32_t *x);
 
 /*
  * Tables indexed [tf_dtype][tf_fp8_format] (amax: [tf_dtype]); the quantize table kernels
@@ -54,11 +57,14 @@ typedef struct tf_fp8_kernel_set {
   tf_fp8_cast_transpose_fn cast_transpose[3][2];
   tf_fp8_quantize_table_fn quantize_table[2];
   tf_fp8_lookup16_fn lookup16;
+  tf_fp8_lookup32_fn lookup32;
 } tf_fp8_kernel_set;
 
-/* The portable lookup16, which the AVX2 set shares (no 16-bit lookup of 256 entries pays there). */
+/* The portable lookups, which the AVX2 set shares (no lookup of 256 entries pays there). */
 void tf_fp8_lookup16_portable(const uint8_t *y, int64_t begin, int64_t end, const uint16_t *table,
                               uint16_t *x);
+void tf_fp8_lookup32_portable(const uint8_t *y, int64_t begin, int64_t end, const uint32_t *table,
+                              uint32_t *x);
 
 /*
  * The amax bits of 16-bit input from m, the largest of its |x| bit patterns (sign bit cleared),

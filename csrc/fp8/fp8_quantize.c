@@ -11,6 +11,7 @@
 
 /* Element stores from float32, rounded to nearest even. */
 #define TF_STORE_F32(p, i, v) (((float *)(p))[i] = (v))
+#define TF_STORE_F32_BITS(p, i, v) (((uint32_t *)(p))[i] = tf_f32_bits(v))
 #define TF_STORE_BF16(p, i, v) (((uint16_t *)(p))[i] = tf_f32_to_bf16(v))
 #define TF_STORE_F16(p, i, v) (((uint16_t *)(p))[i] = tf_f32_to_f16(v))
 
@@ -43,30 +44,24 @@ typedef void (*dequantize_fn)(const uint8_t *, int64_t, int64_t, float, void *);
 
 /*
  * Each output is one of 256 values, the code's decoded value times scale_inv rounded to the output
- * dtype: a call computes them once and then copies one per element; 16-bit outputs are copied by the
- * active set's lookup16 (AVX-512: 32 codes a step), from the same 256 values.
+ * dtype: a call computes them once and then copies one per element with the active set's lookup
+ * (AVX-512: 32 codes a step), from the same 256 values.
  */
-#define DEQUANTIZE_TABLE(T, DECODE, STORE, scale_inv) \
-  T table[256];                                       \
-  for (int c = 0; c < 256; ++c) STORE(table, c, DECODE((uint8_t)c) * scale_inv)
-
-#define DEFINE_DEQUANTIZE_F32(NAME, DECODE)                                                \
+#define DEFINE_DEQUANTIZE(NAME, DECODE, STORE, T, LOOKUP)                                  \
   static void NAME(const uint8_t *restrict y, int64_t begin, int64_t end, float scale_inv, \
                    void *restrict x) {                                                     \
-    DEQUANTIZE_TABLE(float, DECODE, TF_STORE_F32, scale_inv);                              \
-    float *restrict out = (float *)x;                                                      \
-    for (int64_t i = begin; i < end; ++i) out[i] = table[y[i]];                            \
-  }
-
-#define DEFINE_DEQUANTIZE_16(NAME, DECODE, STORE)                                          \
-  static void NAME(const uint8_t *restrict y, int64_t begin, int64_t end, float scale_inv, \
-                   void *restrict x) {                                                     \
-    DEQUANTIZE_TABLE(uint16_t, DECODE, STORE, scale_inv);                                  \
-    tf_fp8_kernels_active()->lookup16(y, begin, end, table, (uint16_t *)x);               \
+    T table[256];                                                                          \
+    for (int c = 0; c < 256; ++c) STORE(table, c, DECODE((uint8_t)c) * scale_inv);         \
+    tf_fp8_kernels_active()->LOOKUP(y, begin, end, table, (T *)x);                         \
   }
 
 void tf_fp8_lookup16_portable(const uint8_t *restrict y, int64_t begin, int64_t end,
                               const uint16_t *restrict table, uint16_t *restrict x) {
+  for (int64_t i = begin; i < end; ++i) x[i] = table[y[i]];
+}
+
+void tf_fp8_lookup32_portable(const uint8_t *restrict y, int64_t begin, int64_t end,
+                              const uint32_t *restrict table, uint32_t *restrict x) {
   for (int64_t i = begin; i < end; ++i) x[i] = table[y[i]];
 }
 
@@ -144,12 +139,12 @@ DEFINE_AMAX(amax_f32, TF_LOAD_F32)
 DEFINE_AMAX(amax_bf16, TF_LOAD_BF16)
 DEFINE_AMAX(amax_f16, TF_LOAD_F16)
 
-DEFINE_DEQUANTIZE_F32(dequantize_e4m3_f32, tf_fp8_e4m3_decode)
-DEFINE_DEQUANTIZE_F32(dequantize_e5m2_f32, tf_fp8_e5m2_decode)
-DEFINE_DEQUANTIZE_16(dequantize_e4m3_bf16, tf_fp8_e4m3_decode, TF_STORE_BF16)
-DEFINE_DEQUANTIZE_16(dequantize_e5m2_bf16, tf_fp8_e5m2_decode, TF_STORE_BF16)
-DEFINE_DEQUANTIZE_16(dequantize_e4m3_f16, tf_fp8_e4m3_decode, TF_STORE_F16)
-DEFINE_DEQUANTIZE_16(dequantize_e5m2_f16, tf_fp8_e5m2_decode, TF_STORE_F16)
+DEFINE_DEQUANTIZE(dequantize_e4m3_f32, tf_fp8_e4m3_decode, TF_STORE_F32_BITS, uint32_t, lookup32)
+DEFINE_DEQUANTIZE(dequantize_e5m2_f32, tf_fp8_e5m2_decode, TF_STORE_F32_BITS, uint32_t, lookup32)
+DEFINE_DEQUANTIZE(dequantize_e4m3_bf16, tf_fp8_e4m3_decode, TF_STORE_BF16, uint16_t, lookup16)
+DEFINE_DEQUANTIZE(dequantize_e5m2_bf16, tf_fp8_e5m2_decode, TF_STORE_BF16, uint16_t, lookup16)
+DEFINE_DEQUANTIZE(dequantize_e4m3_f16, tf_fp8_e4m3_decode, TF_STORE_F16, uint16_t, lookup16)
+DEFINE_DEQUANTIZE(dequantize_e5m2_f16, tf_fp8_e5m2_decode, TF_STORE_F16, uint16_t, lookup16)
 
 DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e4m3, TF_LOAD_F32, tf_fp8_e4m3_encode)
 DEFINE_CAST_TRANSPOSE(cast_transpose_f32_e5m2, TF_LOAD_F32, tf_fp8_e5m2_encode)
@@ -167,7 +162,8 @@ const tf_fp8_kernel_set tf_fp8_kernels_portable = {
                        {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
                        {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
     .quantize_table = {quantize_table_bf16, quantize_table_f16},
-    .lookup16 = tf_fp8_lookup16_portable};
+    .lookup16 = tf_fp8_lookup16_portable,
+    .lookup32 = tf_fp8_lookup32_portable};
 
 /* Indexed [dtype][format]; dtype and format are checked before indexing. */
 static const dequantize_fn dequantize_table[3][2] = {

@@ -562,7 +562,8 @@ static const tf_fp8_kernel_set avx2_kernels = {
                        {cast_transpose_bf16_e4m3, cast_transpose_bf16_e5m2},
                        {cast_transpose_f16_e4m3, cast_transpose_f16_e5m2}},
     .quantize_table = {quantize_table_bf16, quantize_table_f16},
-    .lookup16 = tf_fp8_lookup16_portable};
+    .lookup16 = tf_fp8_lookup16_portable,
+    .lookup32 = tf_fp8_lookup32_portable};
 
 const tf_fp8_kernel_set *const tf_fp8_kernels_avx2 = &avx2_kernels;
 

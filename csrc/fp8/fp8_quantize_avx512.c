@@ -12,8 +12,8 @@
  *   - the generic encoder narrows its 32-bit codes with vpmovdb.
  * No table kernels of their own: on this tier the fast encoder is quicker than a lookup, so
  * tf_fp8_table_pays turns the table path off, and the table kernels, still callable, are AVX2's.
- * Cast-transpose is fp8_cast_transpose_avx512.c's. Dequantize's 16-bit outputs are copied out of
- * their 256 values by lookup16, 32 codes a step.
+ * Cast-transpose is fp8_cast_transpose_avx512.c's. Dequantize's outputs are copied out of their 256
+ * values by lookup16 and lookup32, 32 codes a step.
  *
  * Only whole steps are done here; the elements past them are handed to the AVX2 kernels (which
  * hand their own remainder to the portable ones): the same bytes.
@@ -254,25 +254,59 @@ DEFINE_AMAX(amax_bf16, TF_BFLOAT16)
 DEFINE_AMAX(amax_f16, TF_FLOAT16)
 
 /*
- * x[i] = table[y[i]], 32 codes a step: the 256 16-bit values are 8 registers, vpermi2w looks a code's
- * low 6 bits up in a pair of them (64 values), and its bits 6 and 7 pick among the four pairs' answers.
+ * The words of 32 codes c (one per 16-bit lane) in a table of 256 16-bit values held in t[8]: vpermi2w
+ * looks a code's low 6 bits up in a pair of registers (64 values), and its bits 6 and 7 pick among the
+ * four pairs' answers.
  */
+TF_AVX512_INLINE __m512i lookup_words(const __m512i t[8], __m512i c) {
+  const __mmask32 high6 = _mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40));
+  const __m512i low = _mm512_mask_blend_epi16(high6, _mm512_permutex2var_epi16(t[0], c, t[1]),
+                                              _mm512_permutex2var_epi16(t[2], c, t[3]));
+  const __m512i high = _mm512_mask_blend_epi16(high6, _mm512_permutex2var_epi16(t[4], c, t[5]),
+                                               _mm512_permutex2var_epi16(t[6], c, t[7]));
+  return _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x80)), low, high);
+}
+
+TF_AVX512_INLINE __m512i codes32(const uint8_t *y) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)y));
+}
+
+/* x[i] = table[y[i]], 32 codes a step. */
 static TF_TARGET_AVX512 void lookup16(const uint8_t *y, int64_t begin, int64_t end, const uint16_t *table,
                                       uint16_t *x) {
   __m512i t[8];
   for (int k = 0; k < 8; ++k) t[k] = _mm512_loadu_si512(table + 32 * k);
-  const __m512i bit6 = _mm512_set1_epi16(0x40), bit7 = _mm512_set1_epi16(0x80);
+  int64_t i = begin;
+  for (; end - i >= 32; i += 32) _mm512_storeu_si512(x + i, lookup_words(t, codes32(y + i)));
+  tf_fp8_lookup16_portable(y, i, end, table, x);
+}
+
+/*
+ * The same for 32-bit values, 32 codes a step: their low and high halves looked up as two tables of
+ * words, then paired up (the in-lane unpacks leave 128-bit lanes of elements 0-3, 8-11, ... and 4-7,
+ * 12-15, ..., which one permute of 64-bit pairs per output puts in order).
+ */
+static TF_TARGET_AVX512 void lookup32(const uint8_t *y, int64_t begin, int64_t end, const uint32_t *table,
+                                      uint32_t *x) {
+  uint16_t halves[2][256];
+  for (int k = 0; k < 256; ++k) {
+    halves[0][k] = (uint16_t)table[k];
+    halves[1][k] = (uint16_t)(table[k] >> 16);
+  }
+  __m512i lo[8], hi[8];
+  for (int k = 0; k < 8; ++k) {
+    lo[k] = _mm512_loadu_si512(halves[0] + 32 * k);
+    hi[k] = _mm512_loadu_si512(halves[1] + 32 * k);
+  }
+  const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   int64_t i = begin;
   for (; end - i >= 32; i += 32) {
-    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(y + i)));
-    const __mmask32 high6 = _mm512_test_epi16_mask(c, bit6);
-    const __m512i low = _mm512_mask_blend_epi16(high6, _mm512_permutex2var_epi16(t[0], c, t[1]),
-                                                _mm512_permutex2var_epi16(t[2], c, t[3]));
-    const __m512i high = _mm512_mask_blend_epi16(high6, _mm512_permutex2var_epi16(t[4], c, t[5]),
-                                                 _mm512_permutex2var_epi16(t[6], c, t[7]));
-    _mm512_storeu_si512(x + i, _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, bit7), low, high));
+    const __m512i c = codes32(y + i), l = lookup_words(lo, c), h = lookup_words(hi, c);
+    const __m512i a = _mm512_unpacklo_epi16(l, h), b = _mm512_unpackhi_epi16(l, h);
+    _mm512_storeu_si512(x + i, _mm512_permutex2var_epi64(a, first, b));
+    _mm512_storeu_si512(x + i + 16, _mm512_permutex2var_epi64(a, second, b));
   }
-  tf_fp8_lookup16_portable(y, i, end, table, x);
+  tf_fp8_lookup32_portable(y, i, end, table, x);
 }
 
 static const tf_fp8_kernel_set avx512_kernels = {
@@ -284,7 +318,8 @@ static const tf_fp8_kernel_set avx512_kernels = {
                        {tf_fp8_cast_transpose_avx512_bf16_e4m3, tf_fp8_cast_transpose_avx512_bf16_e5m2},
                        {tf_fp8_cast_transpose_avx512_f16_e4m3, tf_fp8_cast_transpose_avx512_f16_e5m2}},
     .quantize_table = {quantize_table_bf16, quantize_table_f16},
-    .lookup16 = lookup16};
+    .lookup16 = lookup16,
+    .lookup32 = lookup32};
 
 const tf_fp8_kernel_set *const tf_fp8_kernels_avx512 = &avx512_kernels;
 

@@ -606,28 +606,36 @@ static void test_paths_f16_nan_payloads(const isa_path *path) {
 }
 
 /*
- * lookup16 (dequantize's 16-bit copy) against the portable one: random tables and codes, every code
- * value, every short length at several offsets, nothing written outside [begin, end).
+ * lookup16 and lookup32 (dequantize's copies) against the portable ones: random tables and codes, every
+ * code value, every short length at several offsets, nothing written outside [begin, end).
  */
-static void test_paths_lookup16(const isa_path *path) {
+static void test_paths_lookups(const isa_path *path) {
   enum { LEN = 300 };
   static uint8_t codes[LEN];
-  static uint16_t table[256], x[LEN + PAD], x_ref[LEN + PAD];
+  static uint16_t table16[256], x16[LEN + PAD], ref16[LEN + PAD];
+  static uint32_t table32[256], x32[LEN + PAD], ref32[LEN + PAD];
   int bad = 0;
   for (int round = 0; round < 4; ++round) {
-    for (int c = 0; c < 256; ++c) table[c] = (uint16_t)rand_u32();
+    for (int c = 0; c < 256; ++c) {
+      table16[c] = (uint16_t)rand_u32();
+      table32[c] = rand_u32();
+    }
     for (int i = 0; i < LEN; ++i) codes[i] = round == 0 ? (uint8_t)i : (uint8_t)rand_u32();
     for (int64_t begin = 0; begin < 9; ++begin)
       for (int64_t len = 0; begin + len <= LEN; ++len) {
-        memset(x, CANARY, sizeof x);
-        memset(x_ref, CANARY, sizeof x_ref);
-        path->set->lookup16(codes, begin, begin + len, table, x);
-        tf_fp8_lookup16_portable(codes, begin, begin + len, table, x_ref);
-        bad += memcmp(x, x_ref, sizeof x) != 0;
-        for (int64_t i = begin; i < begin + len; ++i) bad += x[i] != table[codes[i]];
+        memset(x16, CANARY, sizeof x16);
+        memset(ref16, CANARY, sizeof ref16);
+        memset(x32, CANARY, sizeof x32);
+        memset(ref32, CANARY, sizeof ref32);
+        path->set->lookup16(codes, begin, begin + len, table16, x16);
+        tf_fp8_lookup16_portable(codes, begin, begin + len, table16, ref16);
+        path->set->lookup32(codes, begin, begin + len, table32, x32);
+        tf_fp8_lookup32_portable(codes, begin, begin + len, table32, ref32);
+        bad += memcmp(x16, ref16, sizeof x16) != 0 || memcmp(x32, ref32, sizeof x32) != 0;
+        for (int64_t i = begin; i < begin + len; ++i) bad += x16[i] != table16[codes[i]] || x32[i] != table32[codes[i]];
       }
   }
-  CHECK(bad == 0, "%s: lookup16: %d cases differ from the table", path->name, bad);
+  CHECK(bad == 0, "%s: lookup16/lookup32: %d cases differ from the table", path->name, bad);
 }
 
 /*
@@ -813,7 +821,7 @@ static void test_isa_paths(void) {
     test_paths_amax_every_position(&paths[i]);
     test_paths_cast_transpose(&paths[i]);
     test_paths_f16_nan_payloads(&paths[i]);
-    test_paths_lookup16(&paths[i]);
+    test_paths_lookups(&paths[i]);
   }
   test_public_api_under_cap();
   test_dequantize_under_cap();
