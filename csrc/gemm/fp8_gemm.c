@@ -38,42 +38,6 @@ static int64_t covered(int64_t valid, int64_t block, int64_t limit) {
   return c < limit ? c : limit;
 }
 
-/* Decodes n FP8 codes to float32 (exact; branch-free, so the loop vectorizes). */
-static void decode_row(const uint8_t *src, int64_t n, tf_fp8_format f, float *dst) {
-  if (f == TF_FP8_E4M3)
-    for (int64_t i = 0; i < n; ++i) dst[i] = tf_fp8_e4m3_decode(src[i]);
-  else
-    for (int64_t i = 0; i < n; ++i) dst[i] = tf_fp8_e5m2_decode(src[i]);
-}
-
-/* Row r of a block: the decoded codes x[(r0 + r) * ld + k0 ...][0, kc), or zeros past `valid`. */
-static void block_row(const uint8_t *x, int64_t ld, int64_t r0, int64_t r, int64_t valid,
-                      int64_t k0, int64_t kc, tf_fp8_format f, float *dst) {
-  if (r < valid)
-    decode_row(x + (r0 + r) * ld + k0, kc, f, dst);
-  else
-    memset(dst, 0, sizeof(float) * (size_t)kc);
-}
-
-/* a block as float32 panels of TF_GEMM_MR rows, each row-major: [panel][MR][kc]. */
-static void pack_a_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
-                       int64_t kc, tf_fp8_format f, float *dst) {
-  for (int64_t r = 0; r < covered(valid, 96, TF_GEMM_MB); ++r)
-    block_row(x, ld, r0, r, valid, k0, kc, f, dst + r * kc);
-}
-
-/* b block as float32 panels of TF_GEMM_NR columns: [panel][kc][NR] (rows decoded, then
- * transposed through `row`, TF_GEMM_NR x kc floats). */
-static void pack_b_f32(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t k0,
-                       int64_t kc, tf_fp8_format f, float *row, float *dst) {
-  for (int64_t p = 0; p < covered(valid, 32, TF_GEMM_NB); p += TF_GEMM_NR) {
-    for (int64_t w = 0; w < TF_GEMM_NR; ++w) block_row(x, ld, r0, p + w, valid, k0, kc, f, row + w * kc);
-    float *panel = dst + p * kc;
-    for (int64_t kk = 0; kk < kc; ++kk)
-      for (int64_t w = 0; w < TF_GEMM_NR; ++w) panel[kk * TF_GEMM_NR + w] = row[w * kc + kk];
-  }
-}
-
 #if TF_X86
 /* The bf16 bits of every FP8 code of a format: FP8 values are bf16 values, so the table is exact
  * (what decoding to float32 and keeping the high half gives) and packing is one lookup an element
@@ -115,16 +79,16 @@ static void epilogue(const float *acc, int64_t rows, int64_t cols, float scale, 
 
 /* ---- driver ----------------------------------------------------------------------------- */
 
-/* Scratch of one call: the accumulator tile, the packed blocks and the rows being decoded. */
+/* Scratch of one call: the accumulator tile and the packed blocks. */
 typedef struct {
   float *acc;     /* MB x NB */
   void *a_pack;   /* MB x KC floats (the larger of the two layouts) */
   void *b_pack;   /* NB x KC floats */
-  float *row;     /* NR x KC floats */
+  size_t elem;    /* bytes of a packed element: float32 or bf16 */
   uint16_t codes_a[256], codes_b[256]; /* bf16 paths: the bf16 bits of a's and b's FP8 codes */
-  /* bf16 paths: a's packed blocks of one row of tiles, every k block ([k / KC][MB][KC] bf16), so the
-   * tiles of that row pack a once; NULL (pack per tile) when k makes them too large. */
-  uint16_t *a_row;
+  /* a's packed blocks of one row of tiles, every k block ([k / KC][MB][KC] elements), so the tiles
+   * of that row pack a once; NULL (pack per tile) when k makes them too large. */
+  void *a_row;
   int64_t a_row0; /* the row of tiles a_row holds, -1 for none */
   /* bf16 paths: b's packed blocks of every column of tiles ([n / NB][k / KC][NB][KC] bf16), each
    * column packed by the first tile that needs it, so a call spanning several rows of tiles packs b
@@ -133,52 +97,49 @@ typedef struct {
   uint8_t *b_packed; /* per column of tiles: whether b_all holds it yet */
 } scratch;
 
-/* The most bf16 elements a_row, and b_all, may hold (16 MiB each): k up to about 43000 for a_row,
- * n * k up to 8 Mi for b_all. */
-#define PACKED_MAX_ELEMENTS ((int64_t)8 << 20)
+/* The most bytes a_row, and b_all, may hold (16 MiB each): for a_row, k up to about 43000 in bf16
+ * and 21000 in float32; for b_all, n * k up to 8 Mi. */
+#define PACKED_MAX_BYTES ((int64_t)16 << 20)
 
 static void compute_tile(const uint8_t *a, tf_fp8_format fa, const uint8_t *b, tf_fp8_format fb,
                          int64_t m, int64_t n, int64_t k, tf_isa isa, int64_t row0, int64_t col0,
                          scratch *w) {
   const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
   const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
+  const int64_t a_rows = covered(rows, 96, TF_GEMM_MB), b_cols = covered(cols, 32, TF_GEMM_NB);
+  const int pack_a = !w->a_row || w->a_row0 != row0;
   memset(w->acc, 0, sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
   for (int64_t k0 = 0; k0 < k; k0 += TF_GEMM_KC) {
     const int64_t kc = k - k0 < TF_GEMM_KC ? k - k0 : TF_GEMM_KC;
+    void *a_block = w->a_row ? (char *)w->a_row + k0 / TF_GEMM_KC * TF_GEMM_MB * TF_GEMM_KC * w->elem : w->a_pack;
 #if TF_X86
     if (isa >= TF_ISA_AVX512_BF16) {
       const int64_t kc_pad = (kc + 31) / 32 * 32; /* whole AMX tiles; TF_GEMM_KC is a multiple */
-      uint16_t *a_block = w->a_row ? w->a_row + k0 / TF_GEMM_KC * TF_GEMM_MB * TF_GEMM_KC : w->a_pack;
-      if (!w->a_row || w->a_row0 != row0)
-        tf_gemm_pack_a_bf16(a, k, row0, rows, covered(rows, 96, TF_GEMM_MB), k0, kc, kc_pad, w->codes_a,
-                            a_block);
+      if (pack_a) tf_gemm_pack_a_bf16(a, k, row0, rows, a_rows, k0, kc, kc_pad, w->codes_a, a_block);
       const int64_t col_tile = col0 / TF_GEMM_NB, k_blocks = (k + TF_GEMM_KC - 1) / TF_GEMM_KC;
       uint16_t *b_block =
           w->b_all ? w->b_all + (col_tile * k_blocks + k0 / TF_GEMM_KC) * TF_GEMM_NB * TF_GEMM_KC : w->b_pack;
       if (!w->b_all || !w->b_packed[col_tile])
-        tf_gemm_pack_b_bf16(b, k, col0, cols, covered(cols, 32, TF_GEMM_NB), k0, kc, kc_pad, w->codes_b,
-                            b_block);
+        tf_gemm_pack_b_bf16(b, k, col0, cols, b_cols, k0, kc, kc_pad, w->codes_b, b_block);
       if (isa == TF_ISA_AMX)
         tf_gemm_block_bf16_amx(kc_pad, a_block, b_block, w->acc, rows, cols);
       else
         tf_gemm_block_bf16_avx512(kc_pad, a_block, b_block, w->acc, rows, cols);
-      if (k0 + TF_GEMM_KC >= k) { /* every k block of this row of a, and of this column of b, is packed now */
-        w->a_row0 = row0;
-        if (w->b_all) w->b_packed[col_tile] = 1;
-      }
+      if (w->b_all && k0 + TF_GEMM_KC >= k) w->b_packed[col_tile] = 1; /* every k block is packed now */
       continue;
     }
-#endif
-    pack_a_f32(a, k, row0, rows, k0, kc, fa, w->a_pack);
-    pack_b_f32(b, k, col0, cols, k0, kc, fb, w->row, w->b_pack);
-#if TF_X86
     if (isa >= TF_ISA_AVX2) {
-      tf_gemm_block_f32_avx2(kc, w->a_pack, w->b_pack, w->acc, rows, cols);
+      if (pack_a) tf_gemm_pack_a_f32_avx2(a, k, row0, rows, a_rows, k0, kc, fa, a_block);
+      tf_gemm_pack_b_f32_avx2(b, k, col0, cols, b_cols, k0, kc, fb, w->b_pack);
+      tf_gemm_block_f32_avx2(kc, a_block, w->b_pack, w->acc, rows, cols);
       continue;
     }
 #endif
-    tf_gemm_block_f32_portable(kc, w->a_pack, w->b_pack, w->acc, rows, cols);
+    if (pack_a) tf_gemm_pack_a_f32_portable(a, k, row0, rows, a_rows, k0, kc, fa, a_block);
+    tf_gemm_pack_b_f32_portable(b, k, col0, cols, b_cols, k0, kc, fb, w->b_pack);
+    tf_gemm_block_f32_portable(kc, a_block, w->b_pack, w->acc, rows, cols);
   }
+  w->a_row0 = row0;
 }
 
 tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t *b,
@@ -198,24 +159,23 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   w.acc = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
   w.a_pack = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_KC);
   w.b_pack = malloc(sizeof(float) * TF_GEMM_NB * TF_GEMM_KC);
-  w.row = malloc(sizeof(float) * TF_GEMM_NR * TF_GEMM_KC);
+  w.elem = sizeof(float);
   w.a_row = NULL;
   w.a_row0 = -1;
   w.b_all = NULL;
   w.b_packed = NULL;
-  const int64_t tiles_n = (n + TF_GEMM_NB - 1) / TF_GEMM_NB;
+  const int64_t tiles_n = (n + TF_GEMM_NB - 1) / TF_GEMM_NB, k_blocks = (k + TF_GEMM_KC - 1) / TF_GEMM_KC;
 #if TF_X86
   if (isa >= TF_ISA_AVX512_BF16) {
+    w.elem = sizeof(uint16_t);
     bf16_codes(format_a, w.codes_a);
     bf16_codes(format_b, w.codes_b);
-    const int64_t k_blocks = (k + TF_GEMM_KC - 1) / TF_GEMM_KC;
-    if (k_blocks * TF_GEMM_MB * TF_GEMM_KC <= PACKED_MAX_ELEMENTS)
-      w.a_row = malloc(sizeof(uint16_t) * (size_t)(k_blocks * TF_GEMM_MB * TF_GEMM_KC));
-    /* k_blocks <= PACKED_MAX_ELEMENTS / NB / KC before the product, so it cannot overflow */
+    /* k_blocks <= PACKED_MAX_BYTES / (NB * KC * elem) before the product, so it cannot overflow */
+    const int64_t block_bytes = TF_GEMM_NB * TF_GEMM_KC * (int64_t)w.elem;
     const int several_rows = (tile_end - 1) / tiles_n > tile_begin / tiles_n;
-    if (several_rows && k_blocks > 0 && k_blocks <= PACKED_MAX_ELEMENTS / (TF_GEMM_NB * TF_GEMM_KC) &&
-        tiles_n <= PACKED_MAX_ELEMENTS / (k_blocks * TF_GEMM_NB * TF_GEMM_KC)) {
-      w.b_all = malloc(sizeof(uint16_t) * (size_t)(tiles_n * k_blocks * TF_GEMM_NB * TF_GEMM_KC));
+    if (several_rows && k_blocks > 0 && k_blocks <= PACKED_MAX_BYTES / block_bytes &&
+        tiles_n <= PACKED_MAX_BYTES / (k_blocks * block_bytes)) {
+      w.b_all = malloc((size_t)(tiles_n * k_blocks * block_bytes));
       w.b_packed = calloc((size_t)tiles_n, 1);
       if (!w.b_all || !w.b_packed) { /* packing per tile needs neither */
         free(w.b_all);
@@ -226,8 +186,13 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
     }
   }
 #endif
+  /* k_blocks <= k / KC + 1, so the product cannot overflow before it is compared; a row of tiles
+   * packs a once only when it has several tiles */
+  const int several_cols = tile_end - tile_begin > 1 && tiles_n > 1;
+  if (several_cols && k_blocks <= PACKED_MAX_BYTES / (TF_GEMM_MB * TF_GEMM_KC * (int64_t)w.elem))
+    w.a_row = malloc((size_t)k_blocks * TF_GEMM_MB * TF_GEMM_KC * w.elem);
   tf_status result = TF_OK;
-  if (!w.acc || !w.a_pack || !w.b_pack || !w.row) {
+  if (!w.acc || !w.a_pack || !w.b_pack) {
     result = TF_ERR_BAD_ARGUMENT;
   } else {
     const float scale = scale_inv_a * scale_inv_b;
@@ -248,7 +213,6 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
   free(w.acc);
   free(w.a_pack);
   free(w.b_pack);
-  free(w.row);
   free(w.a_row);
   free(w.b_all);
   free(w.b_packed);

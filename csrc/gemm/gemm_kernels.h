@@ -25,6 +25,20 @@ _Static_assert(TF_GEMM_MB % 96 == 0, "TF_GEMM_MB must be a multiple of lcm(6, 32
 _Static_assert(TF_GEMM_NB % 32 == 0, "TF_GEMM_NB must be a multiple of 32");
 _Static_assert(TF_GEMM_KC % 32 == 0, "TF_GEMM_KC must be a multiple of 32");
 
+/* Packs rows [r0, r0 + rows) of x (FP8 codes of format f, row stride ld; rows past `valid` as
+ * zeros), k block [k0, k0 + kc), into a's float32 layout (pack_a) or b's (pack_b; rows a multiple of
+ * TF_GEMM_NR), decoded exactly (gemm_pack_f32.c): every packer writes the same bits. */
+void tf_gemm_pack_a_f32_portable(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
+                                 int64_t k0, int64_t kc, tf_fp8_format f, float *dst);
+void tf_gemm_pack_b_f32_portable(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t cols,
+                                 int64_t k0, int64_t kc, tf_fp8_format f, float *dst);
+#if TF_X86
+void tf_gemm_pack_a_f32_avx2(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
+                             int64_t k0, int64_t kc, tf_fp8_format f, float *dst);
+void tf_gemm_pack_b_f32_avx2(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t cols,
+                             int64_t k0, int64_t kc, tf_fp8_format f, float *dst);
+#endif
+
 /* acc[MB x NB] += a_pack . b_pack^T over kc (float32 layouts), for the register blocks that
  * cover the first `rows` rows and `cols` columns (the rest of the tile is left alone, so small
  * outputs cost what they hold; packed rows and columns past them within a block are zeros). */

@@ -10,6 +10,7 @@
 #include "common/cpu_features.h"
 #include "fp8/fp8_format.h"
 #include "gemm/fp8_gemm.h"
+#include "gemm/gemm_kernels.h"
 
 static uint32_t rng_state = 12345u;
 static uint32_t rnd(void) {
@@ -68,6 +69,41 @@ static void test_decode(void) {
       }
     }
   }
+}
+
+/* The AVX2 float32 packers write the portable packers' bits: every code (NaN and Inf included) at
+ * every position of a vector, ragged k blocks, offsets into a larger matrix, rows past `valid`. */
+static void test_f32_packing(void) {
+#if TF_X86
+  if (tf_cpu_isa_detected() < TF_ISA_AVX2) return;
+  enum { LD = 300, ROWS = 48 };
+  static uint8_t x[(ROWS + 3) * LD];
+  static float want[ROWS * 256 + 1], got[ROWS * 256 + 1]; /* one past the largest block */
+  for (size_t i = 0; i < sizeof x; ++i) x[i] = (uint8_t)(i % 251 + (i / 251) % 5); /* every code, shifted */
+  static const int64_t kcs[] = {1, 2, 7, 8, 9, 15, 16, 17, 31, 100, 255, 256};
+  for (int f = 0; f < 2; ++f) {
+    for (size_t ki = 0; ki < sizeof kcs / sizeof kcs[0]; ++ki) {
+      const int64_t kc = kcs[ki], k0 = (int64_t)(ki * 3 % 41), r0 = (int64_t)ki % 3;
+      for (int64_t valid = ROWS - 13; valid <= ROWS; valid += 13) {
+        memset(want, 0xAB, sizeof want), memset(got, 0xCD, sizeof got);
+        tf_gemm_pack_a_f32_portable(x, LD, r0, valid, ROWS, k0, kc, (tf_fp8_format)f, want);
+        tf_gemm_pack_a_f32_avx2(x, LD, r0, valid, ROWS, k0, kc, (tf_fp8_format)f, got);
+        CHECK(memcmp(want, got, sizeof(float) * (size_t)(ROWS * kc)) == 0,
+              "pack_a format %d kc %lld valid %lld differs", f, (long long)kc, (long long)valid);
+        memset(want, 0xAB, sizeof want), memset(got, 0xCD, sizeof got);
+        tf_gemm_pack_b_f32_portable(x, LD, r0, valid, ROWS, k0, kc, (tf_fp8_format)f, want);
+        tf_gemm_pack_b_f32_avx2(x, LD, r0, valid, ROWS, k0, kc, (tf_fp8_format)f, got);
+        CHECK(memcmp(want, got, sizeof(float) * (size_t)(ROWS * kc)) == 0,
+              "pack_b format %d kc %lld valid %lld differs", f, (long long)kc, (long long)valid);
+        /* nothing past the packed block is written */
+        const uint32_t untouched = 0xCDCDCDCDu;
+        uint32_t first_past;
+        memcpy(&first_past, got + ROWS * kc, sizeof first_past);
+        CHECK(first_past == untouched, "pack_b format %d kc %lld wrote past its block", f, (long long)kc);
+      }
+    }
+  }
+#endif
 }
 
 /* One GEMM on one path, checked against the double reference; returns the output (caller frees). */
@@ -258,6 +294,7 @@ static void test_cpu_features(void) {
 int main(void) {
   test_cpu_features();
   test_decode();
+  test_f32_packing();
   test_paths();
   test_epilogue();
   test_tile_ranges();
