@@ -23,30 +23,49 @@ test: install c-check
 
 # The C core on its own under AddressSanitizer and UndefinedBehaviorSanitizer, then the CUDA
 # FP8, fused-op and attention kernel sources run on the CPU (one fiber per CUDA thread, the
-# attention PTX replaced by a lane-exact model) and compared with the C core.
+# attention PTX replaced by a lane-exact model) and compared with the C core. The parts are
+# independent builds and runs, so they go JOBS at a time; -Otarget prints each part's output
+# whole, when it ends.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+EMULATED_PARTS = c-check/emulated-attention c-check/emulated-fp8 c-check/emulated-ops
+C_CHECK_PARTS = c-check/attention-native c-check/attention-amx-model c-check/emulated-attention \
+	c-check/fp8 c-check/emulated-fp8 c-check/ops c-check/emulated-ops c-check/gemm  # longest first
+.PHONY: $(C_CHECK_PARTS)
+
 c-check:
+	@$(MAKE) --no-print-directory -j$(JOBS) -Otarget $(C_CHECK_PARTS)
+
+c-check/fp8:
 	sh tests/c/run.sh
+c-check/ops:
 	sh tests/c/run_ops.sh
-	sh tests/c/run_attention.sh
+c-check/attention-native:
+	sh tests/c/run_attention.sh native
+c-check/attention-amx-model:
+	sh tests/c/run_attention.sh amx-model
+c-check/gemm:
 	sh tests/c/run_gemm.sh
-	sh tests/c/cuda_emulation/run.sh fp8
-	sh tests/c/cuda_emulation/run.sh ops
-	sh tests/c/cuda_emulation/run.sh attention
+$(EMULATED_PARTS): c-check/emulated-%:
+	sh tests/c/cuda_emulation/run.sh $*
 
 # Every CUDA source compiles for sm_80 and sm_90a, and the CUDA binding files
-# compile against the stable ABI headers, although no GPU is here.
+# compile against the stable ABI headers, although no GPU is here. One part per file, JOBS at a time.
+NVCC_PARTS = $(addprefix nvcc/,$(sort $(shell find csrc/cuda -name '*.cu')))
+SYNTAX_PARTS = $(addprefix syntax/,$(sort $(shell find csrc/binding -name '*_cuda.cpp')))
+CUDA_CHECK_PARTS = $(NVCC_PARTS) $(SYNTAX_PARTS)
+.PHONY: $(CUDA_CHECK_PARTS)
+
 cuda-check:
 	@mkdir -p $(CUDA_CHECK_DIR)
-	@set -e; for f in $$(find csrc/cuda -name '*.cu' | sort); do \
-	  echo "nvcc $$f"; \
-	  $(NVCC) -std=c++17 -O3 -Werror=all-warnings $(CUDA_ARCH_FLAGS) -Icsrc -c $$f \
-	    -o $(CUDA_CHECK_DIR)/$$(echo $$f | tr / _).o; \
-	done
-	@set -e; for f in $$(find csrc/binding -name '*_cuda.cpp' | sort); do \
-	  echo "c++ -fsyntax-only $$f"; \
-	  c++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -Icsrc $(TORCH_INCLUDES) \
-	    -DTORCH_TARGET_VERSION=0x020a000000000000 -DTE_FUSER_WITH_CUDA $$f; \
-	done
+	@$(MAKE) --no-print-directory -j$(JOBS) -Otarget $(CUDA_CHECK_PARTS)
+
+$(NVCC_PARTS): nvcc/%:
+	$(NVCC) -std=c++17 -O3 -Werror=all-warnings $(CUDA_ARCH_FLAGS) -Icsrc -c $* \
+	  -o $(CUDA_CHECK_DIR)/$(subst /,_,$*).o
+
+$(SYNTAX_PARTS): syntax/%:
+	c++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -Icsrc $(TORCH_INCLUDES) \
+	  -DTORCH_TARGET_VERSION=0x020a000000000000 -DTE_FUSER_WITH_CUDA $*
 
 bench: install
 	$(PYTHON) benchmarks/bench_quantize.py
