@@ -40,7 +40,10 @@ tf_status tf_fp8_gemm_check(int64_t m, int64_t n, int64_t k, tf_fp8_format forma
 
 /* Computes the output tiles [tile_begin, tile_end) with the given path. isa must not exceed
  * tf_cpu_isa_detected() (TF_ERR_BAD_ARGUMENT otherwise). bias (n elements of bias_dtype) may be
- * NULL. Allocates its packing buffers (about 0.3 MiB) per call; TF_ERR_BAD_ARGUMENT if that fails. */
+ * NULL. Allocates its packing buffers per call: about 0.3 MiB, plus a's packed row of tiles (k x 192
+ * elements, at most 16 MiB) when the call spans several tiles of a row, and on the bf16 paths b's
+ * packed blocks (at most 16 MiB) when it spans several rows of tiles. TF_ERR_BAD_ARGUMENT if the
+ * 0.3 MiB cannot be had; without the larger two it packs per tile. */
 tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t *b,
                          tf_fp8_format format_b, int64_t m, int64_t n, int64_t k,
                          float scale_inv_a, float scale_inv_b, const void *bias,
