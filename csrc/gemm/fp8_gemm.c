@@ -186,8 +186,8 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
     }
   }
 #endif
-  /* k_blocks <= k / KC + 1, so the product cannot overflow before it is compared; a row of tiles
-   * packs a once only when it has several tiles */
+  /* compared by division, so nothing overflows; a call packs a once per row of tiles only when a
+   * row holds several of its tiles */
   const int several_cols = tile_end - tile_begin > 1 && tiles_n > 1;
   if (several_cols && k_blocks <= PACKED_MAX_BYTES / (TF_GEMM_MB * TF_GEMM_KC * (int64_t)w.elem))
     w.a_row = malloc((size_t)k_blocks * TF_GEMM_MB * TF_GEMM_KC * w.elem);
