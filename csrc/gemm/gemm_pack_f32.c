@@ -39,9 +39,12 @@ void tf_gemm_pack_b_f32_portable(const uint8_t *x, int64_t ld, int64_t r0, int64
   for (int64_t p = 0; p < cols; p += TF_GEMM_NR) {
     float *panel = dst + p * kc;
     for (int64_t w = 0; w < TF_GEMM_NR; ++w) {
+      if (p + w >= valid) {
+        for (int64_t kk = 0; kk < kc; ++kk) panel[kk * TF_GEMM_NR + w] = 0.0f;
+        continue;
+      }
       const uint8_t *src = x + (r0 + p + w) * ld + k0;
-      for (int64_t kk = 0; kk < kc; ++kk)
-        panel[kk * TF_GEMM_NR + w] = p + w < valid ? decode(src[kk], f) : 0.0f;
+      for (int64_t kk = 0; kk < kc; ++kk) panel[kk * TF_GEMM_NR + w] = decode(src[kk], f);
     }
   }
 }
