@@ -3,15 +3,13 @@
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import distributed, fp8, memory, ops, recipe, tensor, utils
 from .attention import DotProductAttention
-from .float8_tensor import Float8Tensor
 from .fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
 from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
 from .tensor.utils import cast_master_weights_to_fp8
 from .module import (GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
                      TransformerLayer)
-from .quantized_tensor import QuantizedTensor
-from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
-from .saved_tensors import prepare_for_saving, restore_from_saved
+from .tensor import (Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, prepare_for_saving,
+                     restore_from_saved)
 
 __version__ = "0.1.0"
 

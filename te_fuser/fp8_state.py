@@ -17,7 +17,7 @@ import torch
 import torch.utils.checkpoint
 
 from .kernels import fp8 as fp8_kernels
-from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
+from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .recipe import DelayedScaling, Float8CurrentScaling
 
 

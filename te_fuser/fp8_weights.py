@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .float8_tensor import Float8Tensor
+from .tensor.float8_tensor import Float8Tensor
 from .recipe import DelayedScaling, Float8CurrentScaling
 
 # Attributes tensor parallelism and optimizers read off a weight; a new FP8 parameter keeps them.

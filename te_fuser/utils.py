@@ -4,7 +4,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .float8_tensor import Float8Tensor
+from .tensor.float8_tensor import Float8Tensor
 
 
 def _sizes(length: int, split_size_or_sections: Union[int, Sequence[int]]) -> list:

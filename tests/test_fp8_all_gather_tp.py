@@ -23,7 +23,7 @@ from _gloo_ranks import run_cases
 
 import te_fuser
 from te_fuser import recipe
-from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.ops import _fp8_gather
 from te_fuser.ops.basic import linear as linear_module
 
@@ -421,7 +421,7 @@ def _scale_mismatch_case(rank):
     # codes differ from its own; neither saturates (|x| < 18).
     scales = (torch.tensor([16.0]), torch.tensor([24.0]))
     amax = torch.zeros(1)
-    quantizer = te_fuser.quantizer.Float8Quantizer(scales[rank].clone(), amax, e4m3)
+    quantizer = te_fuser.tensor.float8_tensor.Float8Quantizer(scales[rank].clone(), amax, e4m3)
     shard = _fp8_gather.quantize_shard(_shard(x_full, rank), quantizer, group)
     assert amax.item() == _shard(x_full, rank).float().abs().max().item()  # this shard's amax recorded
     gathered = _fp8_gather.all_gather_fp8_dim0(shard, group)

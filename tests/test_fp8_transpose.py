@@ -4,7 +4,7 @@ own transpose of the same bytes, its errors, and its fake kernel under torch.com
 import pytest
 import torch
 
-from te_fuser.float8_tensor import fp8_transpose
+from te_fuser.tensor.float8_tensor import fp8_transpose
 from te_fuser.kernels import cpu, fp8
 
 # AVX-512 CPUs transpose whole panels of 128 rows by up to 4096 columns, in blocks of 64 columns,

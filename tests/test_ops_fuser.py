@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import te_fuser
 from te_fuser import ops, recipe
-from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.ops.basic.linear import BasicLinear
 
 from _no_grad_path import run_with_and_without_grad

@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..float8_tensor import Float8Tensor
+from ..tensor.float8_tensor import Float8Tensor
 from ..kernels import attention as attn_kernels
 from ..ops._fp8_io import high_precision
-from ..quantizer import Float8CurrentScalingQuantizer
-from ..saved_tensors import prepare_for_saving, restore_from_saved
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer
+from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 
 
 def to_kernel_layout(t: torch.Tensor, qkv_format: str) -> torch.Tensor:

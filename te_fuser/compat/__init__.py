@@ -43,8 +43,6 @@ _ROOT = "transformer_engine"
 _RENAMED = {
     "transformer_engine.pytorch": "te_fuser",
     "transformer_engine.pytorch.quantization": "te_fuser.fp8",
-    "transformer_engine.pytorch.tensor.float8_tensor": "te_fuser.float8_tensor",
-    "transformer_engine.pytorch.tensor.quantized_tensor": "te_fuser.quantized_tensor",
     "transformer_engine.common.recipe": "te_fuser.recipe",
 }
 # Names of TE's modules that are te_fuser objects of another name.

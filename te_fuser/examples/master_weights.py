@@ -9,7 +9,7 @@ from typing import List
 
 import torch
 
-from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.tensor.utils import cast_master_weights_to_fp8
 
 

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from ..float8_tensor import Float8Tensor
+from ..tensor.float8_tensor import Float8Tensor
 
 _FLOAT8_PARTS = ("_data", "_transpose", "_scale_inv")
 

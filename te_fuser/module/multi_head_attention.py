@@ -8,10 +8,10 @@ import torch
 from ..attention.dot_product_attention import DotProductAttention
 from ..attention.rope import apply_rotary_pos_emb
 from ..distributed import checkpoint as te_checkpoint
-from ..float8_tensor import Float8Tensor
+from ..tensor.float8_tensor import Float8Tensor
 from ..fp8_state import FP8GlobalState
 from ..ops import _tensor_parallel as tp
-from ..quantized_tensor import QuantizedTensor
+from ..tensor.quantized_tensor import QuantizedTensor
 from ..utils import SplitAlongDim
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear

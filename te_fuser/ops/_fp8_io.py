@@ -4,8 +4,8 @@ from typing import Optional
 
 import torch
 
-from ..float8_tensor import Float8Tensor, fp8_transpose
-from ..quantizer import Float8Quantizer
+from ..tensor.float8_tensor import Float8Tensor, fp8_transpose
+from ..tensor.float8_tensor import Float8Quantizer
 
 
 def direct_fp8_args(quantizer) -> Optional[tuple]:

@@ -31,9 +31,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..float8_tensor import Float8Tensor
+from ..tensor.float8_tensor import Float8Tensor
 from ..fp8_state import FP8GlobalState
-from ..saved_tensors import prepare_for_saving, restore_from_saved
+from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
 from .basic.bias import Bias

@@ -30,7 +30,7 @@ import torch
 from ..kernels import cpu
 from ..kernels import fp8 as fp8_kernels
 from ..kernels import gemm as gemm_kernels
-from ..quantized_tensor import QuantizedTensor
+from ..tensor.quantized_tensor import QuantizedTensor
 
 FP8_GEMM_ALIGNMENT = 16
 

@@ -1,7 +1,7 @@
-"""Quantized tensor types and their quantizers (TransformerEngine's `pytorch.tensor` names)."""
+"""Quantized tensor types and their quantizers (TransformerEngine's `pytorch.tensor` package)."""
 
-from ..float8_tensor import Float8Tensor
-from ..quantized_tensor import QuantizedTensor
-from ..quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
+from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .quantized_tensor import QuantizedTensor, Quantizer, prepare_for_saving, restore_from_saved
 
-__all__ = ["Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Tensor", "QuantizedTensor"]
+__all__ = ["Float8CurrentScalingQuantizer", "Float8Quantizer", "Float8Tensor", "QuantizedTensor", "Quantizer",
+           "prepare_for_saving", "restore_from_saved"]

@@ -4,7 +4,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ..float8_tensor import Float8Tensor
+from .float8_tensor import Float8Tensor
 from ..kernels import fp8 as fp8_kernels
 
 __all__ = ["cast_master_weights_to_fp8"]

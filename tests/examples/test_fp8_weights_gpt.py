@@ -9,7 +9,7 @@ from te_fuser.examples import train
 from te_fuser.examples.corpus import load_tokens, sample_batch
 from te_fuser.examples.gpt import GPT, GPTConfig
 from te_fuser.examples.master_weights import MasterWeights
-from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.memory import MemoryTracker
 from te_fuser.recipe import DelayedScaling
 

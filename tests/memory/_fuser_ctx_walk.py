@@ -14,10 +14,10 @@ import gc
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.memory import MemoryTracker
 from te_fuser.ops.fuser import OperationFuser
-from te_fuser.quantizer import Quantizer
+from te_fuser.tensor.quantized_tensor import Quantizer
 
 # Parameter holders and scaling state: allowed to be reachable.
 _SKIP = (torch.nn.Module, OperationFuser, Quantizer, type, str, bytes, int, float, bool, type(None),

@@ -17,7 +17,7 @@ import te_fuser
 from te_fuser.attention import dot_product_attention as dpa_module
 from te_fuser.attention.function import FusedAttentionFunction
 from te_fuser.memory import MemoryTracker, audit_autograd
-from te_fuser.saved_tensors import restore_from_saved
+from te_fuser.tensor.quantized_tensor import restore_from_saved
 
 from _fuser_ctx_walk import retained_cpu_bytes
 

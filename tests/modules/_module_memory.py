@@ -17,7 +17,7 @@ from _fuser_ctx_walk import allowed_storages, reachable_tensors, retained_cpu_by
 from te_fuser.attention import dot_product_attention as dpa_module  # noqa: E402
 from te_fuser.attention.function import FusedAttentionFunction  # noqa: E402
 from te_fuser.ops import fuser as fuser_module  # noqa: E402
-from te_fuser.saved_tensors import restore_from_saved  # noqa: E402
+from te_fuser.tensor.quantized_tensor import restore_from_saved  # noqa: E402
 
 
 def reachable_after_backward(model, forward, grad_seed: int = 0):

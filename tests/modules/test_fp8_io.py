@@ -12,7 +12,7 @@ import torch
 
 import te_fuser
 from te_fuser import Float8Tensor, recipe
-from te_fuser import quantizer as quantizer_module
+from te_fuser.tensor import float8_tensor
 
 import layer_reference as ref
 from fp8_reference import reference_current_scale, reference_quantize
@@ -111,13 +111,13 @@ class _QuantizeSpy:
 
     def __init__(self, monkeypatch):
         self.amaxes = []
-        original = quantizer_module.Float8Quantizer.quantize
+        original = float8_tensor.Float8Quantizer.quantize
 
         def spy(quantizer, x):
             self.amaxes.append(quantizer.amax.data_ptr())
             return original(quantizer, x)
 
-        monkeypatch.setattr(quantizer_module.Float8Quantizer, "quantize", spy)
+        monkeypatch.setattr(float8_tensor.Float8Quantizer, "quantize", spy)
 
 
 @pytest.mark.parametrize("fp8_output", [True, False], ids=["fp8_chain", "control_plain_chain"])

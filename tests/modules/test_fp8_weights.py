@@ -11,7 +11,7 @@ import torch
 
 import te_fuser
 from te_fuser import recipe
-from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.tensor.utils import cast_master_weights_to_fp8
 
 from _module_checks import ctx_walk_check, retained_bytes_check

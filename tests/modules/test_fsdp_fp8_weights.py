@@ -12,7 +12,7 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
 import te_fuser
 from te_fuser import recipe
-from te_fuser.float8_tensor import Float8Tensor
+from te_fuser.tensor.float8_tensor import Float8Tensor
 
 from _module_checks import spawn
 

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from ...float8_tensor import Float8Tensor
+from ...tensor.float8_tensor import Float8Tensor
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation

@@ -6,9 +6,9 @@ from typing import Optional
 import torch
 
 from ... import fp8_weights
-from ...float8_tensor import Float8Tensor, fp8_transpose
+from ...tensor.float8_tensor import Float8Tensor, fp8_transpose
 from ...fp8_state import FP8GlobalState, make_recipe_state
-from ...quantizer import Float8Quantizer
+from ...tensor.float8_tensor import Float8Quantizer
 from .. import _tensor_parallel as tp
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose

@@ -1,6 +1,6 @@
 """Quantize: casts to FP8 in the forward and/or backward pass (a no-op outside fp8_autocast)."""
 
-from ...float8_tensor import Float8Tensor
+from ...tensor.float8_tensor import Float8Tensor
 from .._fp8_io import high_precision
 from ..op import BasicOperation
 
