@@ -1,10 +1,10 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import distributed, fp8, memory, ops, recipe, tensor, utils
+from . import distributed, fp8, memory, ops, quantization, recipe, tensor, utils
 from .attention import DotProductAttention
-from .fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
-from .fp8_state import autocast, checkpoint, fp8_autocast, FP8GlobalState
+from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
+                           quantized_model_init)
 from .tensor.utils import cast_master_weights_to_fp8
 from .module import (GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
                      TransformerLayer)

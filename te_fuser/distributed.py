@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.utils.checkpoint
 
-from .fp8_state import FP8GlobalState, _replay, _snapshot
+from .quantization import FP8GlobalState, _replay, _snapshot
 
 __all__ = ["CudaRNGStatesTracker", "activation_recompute_forward", "checkpoint", "get_all_rng_states",
            "in_fp8_activation_recompute_phase", "is_fp8_activation_recompute_enabled", "prepare_te_modules_for_fsdp",

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import te_fuser
-from te_fuser.fp8_state import FP8GlobalState, make_recipe_state
+from te_fuser.quantization import FP8GlobalState, make_recipe_state
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 from _gloo_ranks import free_port

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from ..fp8_state import DelayedScalingState, FP8GlobalState, make_recipe_state
+from ..quantization import DelayedScalingState, FP8GlobalState, make_recipe_state
 from ..kernels.validate import FLOAT_DTYPES
 from ..ops._fp8_io import dequantized_with_grad
 from .function import FusedAttentionFunction, attention_forward

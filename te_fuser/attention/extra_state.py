@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ..fp8_state import DelayedScalingState
+from ..quantization import DelayedScalingState
 from ..module._extra_state import empty_te_slots, from_te_history, read_te_state, te_state_payload
 
 DPA_NUM_GEMMS = 3  # TE's DotProductAttention runs prepare_forward(num_gemms=3)

@@ -38,11 +38,9 @@ import types
 TE_API_VERSION = "2.6.0"
 
 _ROOT = "transformer_engine"
-# TE module paths whose te_fuser module has another name; other transformer_engine.pytorch.X
-# paths map to te_fuser.X.
-_RENAMED = {
+# The roots: transformer_engine.pytorch.X maps to te_fuser.X, te_fuser's tree being TE's.
+_ROOTS = {
     "transformer_engine.pytorch": "te_fuser",
-    "transformer_engine.pytorch.quantization": "te_fuser.fp8",
     "transformer_engine.common.recipe": "te_fuser.recipe",
 }
 # Names of TE's modules that are te_fuser objects of another name.
@@ -57,8 +55,8 @@ def _target(alias: str):
     """The te_fuser module name an alias stands for, or None for a namespace."""
     if alias in _NAMESPACES:
         return None
-    if alias in _RENAMED:
-        return _RENAMED[alias]
+    if alias in _ROOTS:
+        return _ROOTS[alias]
     prefix = "transformer_engine.pytorch."
     if alias.startswith(prefix):
         return "te_fuser." + alias[len(prefix):]

@@ -35,7 +35,7 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..fp8_state import DelayedScalingState
+from ..quantization import DelayedScalingState
 from ..ops.op import BasicOperation
 from ..recipe import DelayedScaling, Format
 from ._te_pickle import (PickledFormat, PickledRecipe, TEFormat, TERecipe, UnsafeExtraStateError, safe_loads,

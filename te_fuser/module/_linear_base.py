@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from .. import fp8_weights
+from ..quantization import current_init
+from ..tensor.utils import initialize_weight, quantize_weights
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.linear import BasicLinear
 from ..ops.fuser import OperationFuser
@@ -121,7 +122,7 @@ class LinearWeights:
         self.prefix = prefix
         self.split = split_sizes(parameters_split, linear_op.out_features)
         self._weight_names, self._bias_names = self.names("weight"), self.names("bias")
-        self.fp8_init = fp8_weights.current_init()  # quantized_model_init at construction
+        self.fp8_init = current_init()  # quantized_model_init at construction
         if self.fp8_init.enabled and self.split is not None:
             raise NotImplementedError("te_fuser does not support parameters_split with FP8 weights "
                                       "(quantized_model_init): the split weights would be concatenated in 16 bits")
@@ -173,12 +174,12 @@ class LinearWeights:
                 torch.nn.init.normal_(w, mean=0.0, std=_DEFAULT_INIT_STD)
 
         for w in self.weights(module):
-            fp8_weights.initialize_weight(w, init_fn)
+            initialize_weight(w, init_fn)
         with torch.no_grad():
             for b in self.biases(module):
                 b.zero_()
         if self.fp8_init.enabled:  # weight slot 1 of BasicLinear's forward quantizers
-            fp8_weights.quantize_weights(module, [(name, self.op, 1) for name in self._weight_names], self.fp8_init)
+            quantize_weights(module, [(name, self.op, 1) for name in self._weight_names], self.fp8_init)
 
     def weights(self, module):
         return [getattr(module, n) for n in self._weight_names]

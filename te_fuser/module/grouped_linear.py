@@ -4,7 +4,8 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
-from .. import fp8_weights
+from ..quantization import current_init
+from ..tensor.utils import initialize_weight, quantize_weights
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.grouped_linear import GroupedBasicLinear, validate_m_splits
 from ._linear_base import _DEFAULT_INIT_STD, FusedModule, rng_fork
@@ -39,7 +40,7 @@ class GroupedLinear(FusedModule):
                  single_grouped_bias: bool = False, name: Optional[str] = None,
                  use_grouped_tensor: Optional[bool] = None):
         super().__init__()
-        self._fp8_init = fp8_weights.current_init()  # quantized_model_init at construction
+        self._fp8_init = current_init()  # quantized_model_init at construction
         unsupported = {"ub_overlap_rs": ub_overlap_rs, "ub_overlap_ag": ub_overlap_ag,
                        "ub_name": ub_name is not None, "delay_wgrad_compute": delay_wgrad_compute,
                        "save_original_input": save_original_input, "single_grouped_weight": single_grouped_weight,
@@ -116,13 +117,13 @@ class GroupedLinear(FusedModule):
 
         with rng_fork(self.get_rng_state_tracker, self.rng_tracker_name):
             for w in self._weights():
-                fp8_weights.initialize_weight(w, init_fn)
+                initialize_weight(w, init_fn)
         with torch.no_grad():
             for b in self._biases():
                 b.zero_()
         if self._fp8_init.enabled:  # GEMM i's weight is forward quantizer 2i + 1
             op = self._ops[0]
-            fp8_weights.quantize_weights(self, [(f"weight{i}", op, 2 * i + 1) for i in range(self.num_gemms)],
+            quantize_weights(self, [(f"weight{i}", op, 2 * i + 1) for i in range(self.num_gemms)],
                                          self._fp8_init)
 
     # Read with getattr, not self._parameters: under FSDP1 the parameters are attributes only.

@@ -9,7 +9,7 @@ from ..attention.dot_product_attention import DotProductAttention
 from ..attention.rope import apply_rotary_pos_emb
 from ..distributed import checkpoint as te_checkpoint
 from ..tensor.float8_tensor import Float8Tensor
-from ..fp8_state import FP8GlobalState
+from ..quantization import FP8GlobalState
 from ..ops import _tensor_parallel as tp
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..utils import SplitAlongDim

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..tensor.float8_tensor import Float8Tensor
-from ..fp8_state import FP8GlobalState
+from ..quantization import FP8GlobalState
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation

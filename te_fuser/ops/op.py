@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..fp8_state import make_recipe_state
+from ..quantization import make_recipe_state
 
 
 class OperationContext:

@@ -1,5 +1,8 @@
-"""TransformerEngine's `pytorch.tensor.utils`: casting float32 master weights into FP8 model weights."""
+"""TransformerEngine's `pytorch.tensor.utils`: FP8 weight parameters, made (inside
+`quantized_model_init`) and written from float32 master weights (`cast_master_weights_to_fp8`)."""
 
+import copy
+import types
 from typing import List, Optional, Sequence
 
 import torch
@@ -8,6 +11,10 @@ from .float8_tensor import Float8Tensor
 from ..kernels import fp8 as fp8_kernels
 
 __all__ = ["cast_master_weights_to_fp8"]
+
+# Attributes tensor parallelism and optimizers read off a weight; a new FP8 parameter keeps them.
+_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
+                     "allreduce", "shared")
 
 
 def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_weights: Sequence[Optional[torch.Tensor]],
@@ -98,3 +105,62 @@ def _cast_shard(model: Float8Tensor, shard: Optional[torch.Tensor], offset: int,
             model._refresh_transpose()
         else:
             model._transpose = None
+
+
+def rowwise_copy(quantizer):
+    """The quantizer a weight keeps: the same scaling state, without the transposed data (the GEMMs
+    transpose the weight's bytes when they need to, so the parameter never holds a second copy)."""
+    own = copy.copy(quantizer)
+    own.set_usage(columnwise=False)
+    return own
+
+
+def fp8_weight_parameter(values: torch.Tensor, quantizer, init,
+                         like: Optional[torch.Tensor] = None) -> torch.nn.Parameter:
+    """A Float8Tensor parameter holding `values` quantized by `quantizer` (which it keeps)."""
+    values = values.detach()
+    quantizer = rowwise_copy(quantizer)
+    fp8 = quantizer.quantize(values.contiguous())
+    fp8._quantizer = quantizer
+    param = torch.nn.Parameter(fp8, requires_grad=True if like is None else like.requires_grad)
+    for name in _PARAM_ATTRIBUTES:
+        if like is not None and hasattr(like, name):
+            setattr(param, name, getattr(like, name))
+    if init.preserve_high_precision_init_val:
+        param._high_precision_init_val = values.to("cpu", copy=True)
+        param.get_high_precision_init_val = types.MethodType(_get_high_precision_init_val, param)
+        param.clear_high_precision_init_val = types.MethodType(_clear_high_precision_init_val, param)
+    return param
+
+
+def _get_high_precision_init_val(self) -> Optional[torch.Tensor]:
+    return getattr(self, "_high_precision_init_val", None)
+
+
+def _clear_high_precision_init_val(self) -> None:
+    self._high_precision_init_val = None
+
+
+def quantize_weights(module: torch.nn.Module, named: Sequence[tuple], init) -> None:
+    """Replace module.<name> (initialized, high precision) by an FP8 parameter, for each (name, op, slot):
+    the op's forward quantizer `slot` of init.recipe quantizes it."""
+    for name, op, slot in named:
+        weight = getattr(module, name)
+        if isinstance(weight, Float8Tensor):
+            continue
+        quantizer = op.forward_quantizer_for_init(init.recipe, weight.device, slot)
+        module.register_parameter(name, fp8_weight_parameter(weight, quantizer, init, like=weight))
+
+
+def initialize_weight(weight: torch.Tensor, init_fn) -> torch.Tensor:
+    """init_fn applied to a high-precision tensor of weight's shape: the weight itself, or for an FP8
+    weight (re-initialized) a fresh tensor of its nominal dtype that the caller quantizes back."""
+    target = weight
+    if isinstance(weight, Float8Tensor):
+        target = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        init_fn(target)
+    if target is not weight:
+        with torch.no_grad():
+            weight.copy_(target)
+    return weight

@@ -7,7 +7,7 @@ import torch
 
 import te_fuser
 from te_fuser.fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
-from te_fuser.fp8_state import FP8GlobalState
+from te_fuser.quantization import FP8GlobalState
 from te_fuser.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
                              MXFP8BlockScaling, NVFP4BlockScaling)
 

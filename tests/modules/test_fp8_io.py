@@ -260,7 +260,7 @@ def test_fp8_mha_feeds_fp8_through_attention_within_fp8_tolerance(layout, fp8_re
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         assert torch.equal(t._scale_inv, projected._scale_inv), name
         assert (t._data.untyped_storage().data_ptr() == storage) != (name == "q" and copied_q), name
-    if isinstance(module.core_attention._fp8_state, te_fuser.fp8_state.DelayedScalingState):
+    if isinstance(module.core_attention._fp8_state, te_fuser.quantization.DelayedScalingState):
         # The attention's own q, k, v quantizers never ran: the bytes came in quantized.
         assert not module.core_attention._fp8_state.amax.any()
 

@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from ... import fp8_weights
 from ...tensor.float8_tensor import Float8Tensor, fp8_transpose
-from ...fp8_state import FP8GlobalState, make_recipe_state
+from ...quantization import FP8GlobalState, current_init, make_recipe_state
+from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from ...tensor.float8_tensor import Float8Quantizer
 from .. import _tensor_parallel as tp
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
@@ -51,7 +51,7 @@ def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
     """Point an FP8 weight at the running recipe's quantizer for its slot (the recipe state may have
     been made anew since the weight was built), when it casts to the weight's format."""
     if quantizer.fp8_dtype == weight._fp8_dtype:
-        weight._quantizer = fp8_weights.rowwise_copy(quantizer)
+        weight._quantizer = rowwise_copy(quantizer)
 
 
 def _saved_input(x: Float8Tensor, caller_owned: bool) -> tuple:
@@ -114,7 +114,7 @@ class BasicLinear(BasicOperation):
         # Keep the high-precision input for the weight gradient (quantized again in backward under
         # FP8), not an FP8 copy: saves memory when the caller keeps that input alive anyway.
         self.save_original_input = False
-        self._fp8_init = fp8_weights.current_init()  # quantized_model_init at construction
+        self._fp8_init = current_init()  # quantized_model_init at construction
         if create_weight:
             self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features,
                                                          device=device, dtype=dtype))
@@ -145,9 +145,9 @@ class BasicLinear(BasicOperation):
     def reset_parameters(self) -> None:
         if self.weight is None:
             return
-        fp8_weights.initialize_weight(self.weight, lambda w: torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
+        initialize_weight(self.weight, lambda w: torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
         if self._fp8_init.enabled:
-            fp8_weights.quantize_weights(self, [("weight", self, 1)], self._fp8_init)
+            quantize_weights(self, [("weight", self, 1)], self._fp8_init)
 
     def op_params(self, weight=None, **kwargs):
         del kwargs

@@ -1,24 +1,31 @@
-"""fp8_autocast / autocast, and the per-module recipe state they drive.
+"""FP8 global state: autocast / fp8_autocast, quantized_model_init, and the recipe states they drive.
 
-Inside the context, te_fuser modules take their quantizers from a recipe
-state. Delayed-scaling states record amaxes while tensors are cast; when the
-outermost context exits, the recorded amaxes are all-reduced (MAX) over the
-amax reduction group, when one is given, and the scales are updated.
-Backward runs after the context has exited, so backward amaxes are folded in
-at the exit of the next context, as in TransformerEngine.
+Inside autocast, te_fuser modules take their quantizers from a recipe state. Delayed-scaling states
+record amaxes while tensors are cast; when the outermost context exits, the recorded amaxes are
+all-reduced (MAX) over the amax reduction group, when one is given, and the scales are updated.
+Backward runs after the context has exited, so backward amaxes are folded in at the exit of the next
+context, as in TransformerEngine.
+
+FP8GlobalStateManager answers TE's global-state API from this state. What only serves TE's CUDA-graph
+capture (its global amax buffers of `fp8_meta` dicts, the skip-weight-update tensor) has no te_fuser
+counterpart and raises NotImplementedError naming itself.
+
+FP8 availability: te_fuser runs FP8 on the CPU always (quantization kernels in C, GEMMs emulated
+exactly by dequantizing); on CUDA its GEMMs use torch._scaled_mm, which needs compute capability 8.9
+or newer.
 """
 
 import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
 
 from .kernels import fp8 as fp8_kernels
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 
 @dataclass
@@ -142,6 +149,66 @@ def _replay(snapshot):
 def autocast(enabled: bool = True, recipe=None, amax_reduction_group=None):
     """The newer TransformerEngine name for fp8_autocast."""
     return fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_reduction_group)
+
+
+@dataclass
+class _InitState:
+    enabled: bool = False
+    recipe: object = None
+    preserve_high_precision_init_val: bool = False
+
+
+_STATE = _InitState()
+
+
+def current_init() -> _InitState:
+    """What the innermost quantized_model_init says (a copy: modules keep it from their construction)."""
+    return _InitState(_STATE.enabled, _STATE.recipe, _STATE.preserve_high_precision_init_val)
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precision_init_val: bool = False):
+    """Build te_fuser modules with FP8 weights (TE's context; `recipe` defaults to DelayedScaling()).
+
+    Modules built inside (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear, ops.BasicLinear) hold
+    their linear weights as Float8Tensor parameters (te_fuser.tensor.utils makes them): one byte per
+    element plus a float32 scale_inv, quantized from the initialized high-precision values with the
+    weight's forward quantizer of the recipe (DelayedScaling: the weight slot's scale, 1 until the first
+    update, as in TE; Float8CurrentScaling: the tensor's own amax). The quantizer stays attached
+    (`param._quantizer`), so copy_, in-place ops and `cast_master_weights_to_fp8` write through it.
+    Norm weights and biases stay high precision, as in TE.
+
+    Inside autocast the FP8 GEMMs read the weight's bytes directly (no 16-bit copy); outside it the
+    forward uses the dequantized values (a transient high-precision copy, as any op on a Float8Tensor).
+    Gradients of FP8 weights are high precision, in the nominal dtype. Loading a state_dict copies FP8
+    weights byte for byte with their scales (Float8Tensor.copy_ from a Float8Tensor of the same format).
+
+    FSDP2 (fully_shard) shards FP8 weights as Float8Tensors and all-gathers their bytes
+    (Float8Tensor.fsdp_pre_all_gather / fsdp_post_all_gather); the ranks must agree on each weight's
+    scale, as they do when the weights were quantized before sharding. torch.compile (without
+    fullgraph: the FP8 scaling-state updates break the graph) trains FP8 weights bitwise like eager
+    (tests/test_compile_fp8.py). Not supported: parameters_split with FP8 weights (NotImplementedError).
+
+    preserve_high_precision_init_val=True keeps each weight's initial high-precision values on the
+    CPU: `param.get_high_precision_init_val()` returns them, `param.clear_high_precision_init_val()`
+    frees them (e.g. once fp32 master weights were made from them).
+    """
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    global _STATE
+    saved = _STATE
+    _STATE = _InitState(bool(enabled), recipe if recipe is not None else DelayedScaling(),
+                        bool(preserve_high_precision_init_val))
+    try:
+        yield
+    finally:
+        _STATE = saved
+
+
+def fp8_model_init(enabled: bool = True, recipe=None, preserve_high_precision_init_val: bool = False):
+    """TE's older name for quantized_model_init."""
+    return quantized_model_init(enabled=enabled, recipe=recipe,
+                                preserve_high_precision_init_val=preserve_high_precision_init_val)
 
 
 class DelayedScalingState:
@@ -278,3 +345,170 @@ def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=
     if isinstance(recipe, Float8CurrentScaling):
         return CurrentScalingState(recipe, num_quantizers, forward, device)
     raise TypeError(f"unknown FP8 recipe {type(recipe).__name__}")
+
+
+def check_fp8_support() -> Tuple[bool, str]:
+    """(available, reason): always on the CPU; on CUDA when the current GPU has compute capability >= 8.9."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            return False, (f"te_fuser's CUDA FP8 GEMMs need compute capability 8.9+, this GPU has {major}.{minor} "
+                           "(FP8 on the CPU is always available)")
+    return True, ""
+
+
+def check_mxfp8_support() -> Tuple[bool, str]:
+    return False, "te_fuser does not implement MXFP8 (MXFP8BlockScaling)"
+
+
+def check_fp8_block_scaling_support() -> Tuple[bool, str]:
+    return False, "te_fuser does not implement FP8 block scaling (Float8BlockScaling)"
+
+
+def get_default_fp8_recipe() -> DelayedScaling:
+    return DelayedScaling()
+
+
+def get_fp8_torch_dtype(fp8_recipe, fprop_tensor: bool = True) -> torch.dtype:
+    return fp8_recipe.fp8_format.fwd_dtype if fprop_tensor else fp8_recipe.fp8_format.bwd_dtype
+
+
+def get_fp8_max(fp8_recipe, fprop_tensor: bool = True) -> float:
+    return fp8_recipe.fp8_format.max_fwd if fprop_tensor else fp8_recipe.fp8_format.max_bwd
+
+
+def _cuda_graph_path(name: str):
+    raise NotImplementedError(f"FP8GlobalStateManager.{name} serves TE's CUDA-graph capture of FP8 modules, "
+                              "which te_fuser does not support")
+
+
+class QuantizationState:
+    """A live view of te_fuser's FP8 state with the field names of TE's `quantization_state`."""
+
+    @property
+    def fp8_enabled(self) -> bool:
+        return FP8GlobalState.is_enabled()
+
+    @property
+    def fp8_calibration(self) -> bool:
+        return FP8GlobalState.is_calibrating()
+
+    @property
+    def fp8_recipe(self) -> Optional[Recipe]:
+        return FP8GlobalState.get_recipe()
+
+    @property
+    def fp8_distributed_group(self):
+        return FP8GlobalState.get_group()
+
+    @property
+    def autocast_depth(self) -> int:
+        return len(FP8GlobalState._stack)
+
+    @property
+    def is_first_fp8_module(self) -> bool:
+        return FP8GlobalState.is_first_module
+
+    @is_first_fp8_module.setter
+    def is_first_fp8_module(self, value: bool) -> None:
+        FP8GlobalState.is_first_module = bool(value)
+
+    @property
+    def fp8_parameters(self) -> bool:
+        return current_init().enabled
+
+    @property
+    def high_precision_init_val(self) -> bool:
+        return current_init().preserve_high_precision_init_val
+
+    fp8_graph_capturing = False
+    skip_fp8_weight_update_tensor = None
+
+
+class FP8GlobalStateManager:
+    """TE's FP8 global state API, answered from te_fuser's fp8_autocast state."""
+
+    quantization_state = QuantizationState()
+
+    @classmethod
+    def reset(cls) -> None:
+        """Forget every fp8_autocast context and pending scale update (for tests and restarts)."""
+        FP8GlobalState._stack.clear()
+        FP8GlobalState._pending.clear()
+        FP8GlobalState.is_first_module = False
+
+    @classmethod
+    def is_fp8_available(cls) -> Tuple[bool, str]:
+        return check_fp8_support()
+
+    @classmethod
+    def is_mxfp8_available(cls) -> Tuple[bool, str]:
+        return check_mxfp8_support()
+
+    @classmethod
+    def is_fp8_block_scaling_available(cls) -> Tuple[bool, str]:
+        return check_fp8_block_scaling_support()
+
+    @classmethod
+    def is_fp8_enabled(cls) -> bool:
+        return FP8GlobalState.is_enabled()
+
+    @classmethod
+    def is_fp8_calibration(cls) -> bool:
+        return FP8GlobalState.is_calibrating()
+
+    @classmethod
+    def with_fp8_parameters(cls) -> bool:
+        """True inside quantized_model_init(enabled=True): modules built now get FP8 weights."""
+        return current_init().enabled
+
+    @classmethod
+    def with_high_precision_init_val(cls) -> bool:
+        return current_init().preserve_high_precision_init_val
+
+    @classmethod
+    def fp8_graph_capturing(cls) -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    @classmethod
+    def is_first_fp8_module(cls) -> bool:
+        """True once per outermost fp8_autocast: the first call inside it; later calls give False."""
+        first = FP8GlobalState.is_first_module
+        FP8GlobalState.is_first_module = False
+        return first
+
+    @classmethod
+    def get_fp8_recipe(cls):
+        """The innermost fp8_autocast's recipe; TE's default DelayedScaling() outside any."""
+        recipe = FP8GlobalState.get_recipe()
+        return recipe if recipe is not None else get_default_fp8_recipe()
+
+    @classmethod
+    def get_fp8_group(cls):
+        return FP8GlobalState.get_group()
+
+    @classmethod
+    def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
+        """All-reduce (MAX) the recorded amaxes and update the scales of the delayed-scaling states
+        waiting for it, forward (input/weight) or backward (gradient) ones; te_fuser does this itself
+        when the outermost fp8_autocast exits."""
+        FP8GlobalState.update_pending(forward=bool(forward))
+
+    @classmethod
+    def add_fp8_tensors_to_global_buffer(cls, fp8_meta) -> None:
+        del fp8_meta
+        _cuda_graph_path("add_fp8_tensors_to_global_buffer")
+
+    @classmethod
+    def set_skip_fp8_weight_update_tensor(cls, skip: bool) -> None:
+        del skip
+        _cuda_graph_path("set_skip_fp8_weight_update_tensor")
+
+    @classmethod
+    def get_skip_fp8_weight_update_tensor(cls):
+        return None  # never set: te_fuser updates weight scales on every step
+
+
+__all__ = ["FP8GlobalState", "FP8GlobalStateManager", "QuantizationState", "autocast", "check_fp8_block_scaling_support",
+           "check_fp8_support", "check_mxfp8_support", "checkpoint", "fp8_autocast", "fp8_model_init",
+           "get_default_fp8_recipe", "get_fp8_max", "get_fp8_torch_dtype", "quantized_model_init"]
