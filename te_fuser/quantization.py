@@ -190,8 +190,9 @@ def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precis
     (tests/test_compile_fp8.py). Not supported: parameters_split with FP8 weights (NotImplementedError).
 
     preserve_high_precision_init_val=True keeps each weight's initial high-precision values on the
-    CPU: `param.get_high_precision_init_val()` returns them, `param.clear_high_precision_init_val()`
-    frees them (e.g. once fp32 master weights were made from them).
+    CPU: `param.get_high_precision_init_val()` returns them (reset_parameters() replaces them with its
+    new values), `param.clear_high_precision_init_val()` frees them (e.g. once fp32 master weights were
+    made from them).
     """
     if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise TypeError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")

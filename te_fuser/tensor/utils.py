@@ -163,4 +163,6 @@ def initialize_weight(weight: torch.Tensor, init_fn) -> torch.Tensor:
     if target is not weight:
         with torch.no_grad():
             weight.copy_(target)
+        if getattr(weight, "_high_precision_init_val", None) is not None:  # kept, not yet cleared
+            weight._high_precision_init_val = target.to("cpu", copy=True)
     return weight
