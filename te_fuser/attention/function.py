@@ -22,10 +22,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..tensor.float8_tensor import Float8Tensor
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Tensor
 from ..kernels import attention as attn_kernels
 from ..ops._fp8_io import high_precision
-from ..tensor.float8_tensor import Float8CurrentScalingQuantizer
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 
 

@@ -17,9 +17,8 @@ quantized whole tensor, as TransformerEngine does:
 import torch
 import torch.distributed as dist
 
-from ..tensor.float8_tensor import Float8Tensor
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from ..kernels import fp8 as fp8_kernels
-from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from . import _tensor_parallel as tp
 
 

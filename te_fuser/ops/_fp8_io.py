@@ -4,8 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..tensor.float8_tensor import Float8Tensor, fp8_transpose
-from ..tensor.float8_tensor import Float8Quantizer
+from ..tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_transpose
 
 
 def direct_fp8_args(quantizer) -> Optional[tuple]:

@@ -9,9 +9,8 @@ FP8 the same way).
 
 import torch
 
-from ...tensor.float8_tensor import Float8Tensor
+from ...tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Tensor
 from ...kernels import fused
-from ...tensor.float8_tensor import Float8CurrentScalingQuantizer
 from .._fp8_io import direct_fp8_args, high_precision, wrap_kernel_output
 from ..op import BasicOperation
 

@@ -5,10 +5,9 @@ from typing import Optional
 
 import torch
 
-from ...tensor.float8_tensor import Float8Tensor, fp8_transpose
+from ...tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_transpose
 from ...quantization import FP8GlobalState, current_init, make_recipe_state
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
-from ...tensor.float8_tensor import Float8Quantizer
 from .. import _tensor_parallel as tp
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
