@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lease of a lent GPU machine (the device tool): machine facts, then the stages named on the
+# One run on a GPU machine: machine facts, then the stages named on the
 # command line, each under its own time limit, each logged in full to $OUT/<stage>.log with its
 # tail printed. te_fuser comes either prebuilt (te_fuser/_C.abi3.so carried in .devbuild/, built
 # here with TE_FUSER_CUDA=1 against the CUDA build of torch; the stable ABI lets it load in the
@@ -8,8 +8,8 @@
 #   bash benchmarks/gpu_session.sh facts cuda_tests bench_gpu      # GPU kernels
 #   bash benchmarks/gpu_session.sh facts cpu_tests c_core bench_cpu  # the CPU tiers the host has
 #   bash benchmarks/gpu_session.sh tests demo                        # the whole suite; the demo on the GPU
-# Other stages: c_attention, bench_fp8_linear. The test stages need pytest-xdist and pytest-timeout
-# (the lent machines' image has both).
+#   bash benchmarks/gpu_session.sh facts bench_layer                  # a Llama-3-8B layer's training step
+# Other stages: c_attention, bench_fp8_linear. The test stages need pytest-xdist and pytest-timeout.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -58,6 +58,11 @@ c_core() { sh tests/c/run_gemm.sh && sh tests/c/run_attention.sh && sh tests/c/r
 c_attention() { sh tests/c/run_attention.sh; }
 
 bench_fp8_linear() { taskset -c 2,3 $PY benchmarks/bench_fp8_linear.py --threads 2 --all-isa; }
+# issue 29's layer step: b=1 and b=2 at s=4096, eager and compiled, torchao where it imports.
+bench_layer() {
+  $PY benchmarks/bench_layer_step.py --batch 1 --iters 10 --compile --torchao
+  $PY benchmarks/bench_layer_step.py --batch 2 --iters 10
+}
 bench_gpu() {
   $PY benchmarks/bench_attention_cuda.py --iters 20
   $PY benchmarks/bench_quantize.py --device cuda
@@ -76,7 +81,7 @@ bench_cpu() {
 }
 
 export PY
-export -f bench_fp8_linear facts cuda_tests cpu_tests tests demo c_core c_attention bench_gpu bench_cpu
+export -f bench_fp8_linear bench_layer facts cuda_tests cpu_tests tests demo c_core c_attention bench_gpu bench_cpu
 prepare
 for stage in "$@"; do
   case $stage in
@@ -89,6 +94,7 @@ for stage in "$@"; do
     c_attention) run_stage c_attention 150 c_attention ;;
     bench_gpu) run_stage bench_gpu 200 bench_gpu ;;
     bench_fp8_linear) run_stage bench_fp8_linear 120 bench_fp8_linear ;;
+    bench_layer) run_stage bench_layer 240 bench_layer ;;
     bench_cpu) run_stage bench_cpu 450 bench_cpu ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
