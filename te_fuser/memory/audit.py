@@ -97,10 +97,13 @@ def _collect(value, path, depth, found, on_path):
     if isinstance(value, torch.Tensor):
         key, nbytes = _storage_of(value)
         if key is None:
-            # A wrapper subclass (Float8Tensor) owns no storage: what it holds is its buffers.
-            depth = max(depth, 1)
-            names = value.__tensor_flatten__()[0] if hasattr(value, "__tensor_flatten__") else vars(value)
-            children = ((name, getattr(value, name, None)) for name in names)
+            # A wrapper subclass (Float8Tensor) owns no storage: what it holds is whatever its
+            # attributes reach, its buffers and any other (a part's link to the tensor it was cut from),
+            # and the tensor it is a view of; a level further than a plain object's attributes.
+            depth = max(depth, 1) + 1
+            children = list(_object_attributes(value))
+            if value._base is not None:
+                children.append(("_base", value._base))
         else:
             found.append(HeldTensor(path, tuple(value.shape), value.dtype, str(value.device), nbytes, key))
             children = _object_attributes(value) if depth > 0 else ()
@@ -140,7 +143,8 @@ def audit_autograd(output, *, max_depth=4):
     node (the ctx) the plain attributes are searched for tensors, recursively through
     lists, tuples, dicts, sets and objects' attributes (``__dict__``/``__slots__``), up to
     ``max_depth`` levels below the attribute. This finds quantized-tensor objects such as
-    a Float8Tensor holding ``_data`` / ``_transpose`` / ``_scale_inv``. Tensors saved with
+    a Float8Tensor holding ``_data`` / ``_transpose`` / ``_scale_inv``, or an emptied one still
+    reaching bytes through any other attribute or the tensor it is a view of. Tensors saved with
     ``save_for_backward``, nn.Parameters and nn.Modules are not reported. Works before and
     after backward (torch frees saved tensors at backward; plain attributes stay).
     """

@@ -210,11 +210,13 @@ class Float8Tensor(QuantizedTensor):
     def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], "Float8Tensor"]:
         """Hand the buffers over for ctx.save_for_backward; self becomes an empty shell.
 
-        Under torch.compile a traced tensor subclass cannot be emptied in place: the shell is then
-        a Float8Record (metadata only), and restoring builds a new Float8Tensor.
+        Under torch.compile a traced tensor subclass cannot be emptied in place, and a view (a part
+        cut from a bigger Float8Tensor, a reshape of one) keeps the tensor it views alive through
+        autograd's view link, which emptying does not cut: the shell is then a Float8Record (metadata
+        only), and restoring builds a new Float8Tensor.
         """
         tensors = [self._data, self._transpose, self._scale_inv]
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or self._base is not None:
             return tensors, Float8Record(self._fp8_dtype, self.dtype, self._quantizer)
         self._data = self._transpose = self._scale_inv = self._whole = None
         return tensors, self
@@ -278,6 +280,9 @@ class Float8Tensor(QuantizedTensor):
                            None if self._transpose is None else self._transpose.clone(),
                            quantizer=copy.deepcopy(self._quantizer, memo), requires_grad=self.requires_grad)
         memo[id(self)] = out
+        for name, value in vars(self).items():  # as torch copies a subclass's __dict__: a parameter's flag,
+            if name not in vars(out):           # the attributes TP code sets on a weight
+                setattr(out, name, copy.deepcopy(value, memo))
         return out
 
     def __repr__(self, *, tensor_contents=None) -> str:

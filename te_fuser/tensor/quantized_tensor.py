@@ -25,14 +25,21 @@ def _dequantized(t):
 
 
 def _written_arguments(func, args, kwargs, high_args, high_kwargs):
-    """(original, high-precision stand-in) of every argument the op writes to."""
+    """(original, high-precision stand-in) of every argument the op writes to; a written list (the
+    foreach ops optimizers call with foreach=True or fused=True) item by item."""
     for i, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         if i < len(args):
-            yield args[i], high_args[i]
+            original, high = args[i], high_args[i]
         elif argument.name in kwargs:
-            yield kwargs[argument.name], high_kwargs[argument.name]
+            original, high = kwargs[argument.name], high_kwargs[argument.name]
+        else:
+            continue
+        if isinstance(original, (list, tuple)):
+            yield from zip(original, high)
+        else:
+            yield original, high
 
 
 class QuantizedTensor(torch.Tensor):

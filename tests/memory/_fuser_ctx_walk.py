@@ -2,7 +2,8 @@
 
 reachable_tensors: walks the graph from an output's grad_fn and collects every
 tensor reachable from a node -- saved tensors still alive, and anything on a
-custom Function's ctx attributes (through lists, dicts, objects, Float8Tensors).
+custom Function's ctx attributes (through lists, dicts, objects, and every
+attribute a Float8Tensor or its shell carries: tests/_reachable.py).
 
 retained_cpu_bytes: the bytes torch's CPU allocator allocated during a call and
 that are still alive afterwards (te_fuser's MemoryTracker, which the bug-on
@@ -14,14 +15,19 @@ import gc
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.memory import MemoryTracker
 from te_fuser.ops.fuser import OperationFuser
 from te_fuser.tensor.quantized_tensor import Quantizer
 
+from _reachable import reachable_storages
+
 # Parameter holders and scaling state: allowed to be reachable.
-_SKIP = (torch.nn.Module, OperationFuser, Quantizer, type, str, bytes, int, float, bool, type(None),
-         torch.dtype, torch.device, torch.Size)
+ALIVE_ANYWAY = (torch.nn.Module, OperationFuser, Quantizer)
+
+
+def reachable_from(obj, path: str = "") -> list:
+    """[(path, tensor)] of every storage obj reaches, except through modules, fusers and quantizers."""
+    return reachable_storages(obj, path, skip=ALIVE_ANYWAY)
 
 
 def allowed_storages(*modules) -> set:
@@ -29,11 +35,7 @@ def allowed_storages(*modules) -> set:
     keys = set()
 
     def add(t):
-        if isinstance(t, Float8Tensor):  # a wrapper: its buffers hold the bytes
-            for part in (t._data, t._transpose, t._scale_inv):
-                add(part)
-        elif isinstance(t, torch.Tensor):
-            keys.add(t.untyped_storage().data_ptr())
+        keys.update(found.untyped_storage().data_ptr() for _, found in reachable_from(t))
 
     for module in modules:
         for t in list(module.parameters()) + list(module.buffers()):
@@ -47,32 +49,17 @@ def allowed_storages(*modules) -> set:
     return keys
 
 
-def _collect(obj, path, out, seen, depth=0):
-    if depth > 12 or id(obj) in seen or isinstance(obj, _SKIP):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, Float8Tensor):  # a wrapper without storage: its buffers
-        for name in ("_data", "_transpose", "_scale_inv"):
-            _collect(getattr(obj, name, None), f"{path}.{name}", out, seen, depth + 1)
-    elif isinstance(obj, torch.Tensor):
-        out.append((path, obj))
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _collect(v, f"{path}[{k!r}]", out, seen, depth + 1)
-    elif isinstance(obj, (list, tuple, set)):
-        for i, v in enumerate(obj):
-            _collect(v, f"{path}[{i}]", out, seen, depth + 1)
-    else:
-        fields = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
-        for name in getattr(type(obj), "__slots__", ()):
-            fields[name] = getattr(obj, name, None)
-        for k, v in fields.items():
-            _collect(v, f"{path}.{k}", out, seen, depth + 1)
+def reachable_tensors(output: torch.Tensor, allowed: set, saved: bool = True) -> list:
+    """[(path, tensor)] reachable from output's graph, except the allowed storages; saved=False: only
+    what custom Functions' ctx attributes reach, not what they saved with save_for_backward."""
+    found, seen_nodes, seen_tensors = [], set(), set()
 
+    def collect(value, path):
+        for p, t in reachable_from(value, path):
+            if id(t) not in seen_tensors:
+                seen_tensors.add(id(t))
+                found.append((p, t))
 
-def reachable_tensors(output: torch.Tensor, allowed: set) -> list:
-    """[(path, tensor)] reachable from output's graph, except the allowed storages."""
-    found, seen_nodes, seen_objs = [], set(), set()
     # Nodes and the lists, dicts and values read from them stay referenced until the walk ends:
     # the seen sets hold ids, and a freed object's id could be reused by the next one, which
     # would then be skipped.
@@ -89,20 +76,21 @@ def reachable_tensors(output: torch.Tensor, allowed: set) -> list:
             stack.append((nxt, f"{name}.next[{i}]"))
         if isinstance(node, BackwardCFunction):
             try:
-                saved = node.saved_tensors
+                saved_tensors = node.saved_tensors if saved else ()
             except RuntimeError:  # freed after backward
-                saved = ()
-            temporaries += [list(saved), dict(vars(node))]
-            _collect(temporaries[-2], f"{name}.saved_tensors", found, seen_objs)
-            _collect(temporaries[-1], name, found, seen_objs)
-        for attr in dir(node):
+                saved_tensors = ()
+            temporaries += [list(saved_tensors), dict(vars(node))]
+            collect(temporaries[-2], f"{name}.saved_tensors")
+            for attr, value in temporaries[-1].items():
+                collect(value, f"{name}.{attr}")
+        for attr in dir(node) if saved else ():
             if attr.startswith("_saved_"):
                 try:
                     value = getattr(node, attr)
                 except RuntimeError:
                     continue
                 temporaries.append(value)
-                _collect(value, f"{name}.{attr}", found, seen_objs)
+                collect(value, f"{name}.{attr}")
     return [(p, t) for p, t in found if t.untyped_storage().data_ptr() not in allowed and t.numel() > 0]
 
 

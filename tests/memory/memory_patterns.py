@@ -125,3 +125,13 @@ class TeFuserQuantizedLinearFunction(torch.autograd.Function):
         if ctx.clear_tensor_objects:
             ctx.tensor_objects = None  # the fix
         return grad @ qw.dequantize().t(), qx.dequantize().t() @ grad, None
+
+
+def shell_keeps_a_link(prepare_for_saving):
+    """A quantized tensor's prepare_for_saving with the bug: the shell left on ctx keeps a link to the
+    bytes it handed over, under a name no list of buffer names knows."""
+    def keeping(self):
+        tensors, shell = prepare_for_saving(self)
+        shell.__dict__["handed_over"] = [tensors]
+        return tensors, shell
+    return keeping

@@ -5,6 +5,7 @@ import torch
 from memory_patterns import Float8TensorLike, QuantizedLinearFunction
 
 from te_fuser.memory import audit_autograd
+from te_fuser.tensor import Float8Quantizer
 
 
 def _inputs():
@@ -114,6 +115,35 @@ def test_identical_findings_printed_once_with_a_count_and_several_roots():
     lines = str(report).splitlines()
     assert lines[1] == "  3 x QuantizedLinearFunctionBackward.tensor_objects: 40.0 KiB in 6 tensor(s)"
     assert len(lines) == 2 + 6  # header, the grouped finding, its six tensors
+
+
+class _KeepsEmptiedFloat8Tensors(torch.autograd.Function):
+    """Keeps on ctx two emptied Float8Tensors that still reach bytes: a part (a view of its whole), and
+    one with a tensor under an attribute no list of buffer names knows."""
+
+    @staticmethod
+    def forward(ctx, x, whole):
+        part = whole[2:6]
+        part.clear()
+        other = whole.clone()
+        other.clear()
+        other.cached = torch.ones(100)
+        ctx.shells = [part, other]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def test_every_attribute_of_an_emptied_float8_tensor_is_searched():
+    quantizer = Float8Quantizer(torch.ones(1), torch.zeros(1), torch.float8_e4m3fn, columnwise=True)
+    whole = quantizer(torch.randn(16, 32))
+    out = _KeepsEmptiedFloat8Tensors.apply(torch.randn(4, requires_grad=True), whole)
+    (finding,) = audit_autograd(out).findings
+    assert {held.path for held in finding.tensors} == {
+        "shells[0]._base._data", "shells[0]._base._transpose", "shells[0]._base._scale_inv", "shells[1].cached"}
+    assert finding.nbytes == 2 * 16 * 32 + 4 + 100 * 4
 
 
 def test_leaf_and_bad_arguments():

@@ -8,7 +8,9 @@ DotProductAttention under fp8_dpa and one block of the example GPT. The checks:
     (a 16-bit copy found by value: the FP8 data times one scale, in either layout);
   * no operand is saved both row-major and transposed (the same FP8 bytes in both layouts);
   * under fp8_mha the attention output's FP8 bytes are saved once: the output projection keeps the
-    attention's bytes, not a transposed copy (the FP8 bytes saved equal the sum of what each op needs).
+    attention's bytes, not a transposed copy (the FP8 bytes saved equal the sum of what each op needs);
+  * what the ctxs keep besides (the shells of the saved FP8 tensors, through every attribute they
+    carry) reaches no tensor bytes.
 Each check runs once more on the bug it is meant to catch (monkeypatched back in) and must fail there.
 """
 
@@ -23,6 +25,10 @@ from te_fuser.examples.gpt import GPT, GPTConfig
 from te_fuser.memory.saved import saved_for_backward
 from te_fuser.ops.basic import activation as activation_module
 from te_fuser.ops.basic import linear as linear_module
+from te_fuser.tensor import Float8Tensor
+
+from _fuser_ctx_walk import reachable_tensors
+from memory_patterns import shell_keeps_a_link
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 WIDE = (torch.bfloat16, torch.float16, torch.float32)
@@ -94,6 +100,11 @@ def violations(saved, operand_numels=(), op_filter=""):
     return found
 
 
+def ctx_held(out):
+    """What the forward's ctx attributes reach besides what it saved (quantizers and modules aside)."""
+    return [f"{path}: {tuple(t.shape)} {t.dtype}" for path, t in reachable_tensors(out, set(), saved=False)]
+
+
 def seed_from(generator):
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
 
@@ -161,6 +172,7 @@ def test_linear_saves_one_fp8_layout_per_operand(recipe, generator):
     fp8 = [e for e in saved if e.dtype in FP8]
     # x.T for the weight gradient, W.T for the input gradient: one byte per element each.
     assert sorted(e.shape for e in fp8) == [(128, 96), (128, 128)], listing(saved)
+    assert ctx_held(out) == []
     out.float().sum().backward()  # what was kept is what backward needs
 
 
@@ -172,6 +184,7 @@ def test_attention_saves_q_k_v_and_out_in_fp8(recipe, generator):
     assert violations(saved, operands) == [], listing(saved)
     fp8 = [e for e in saved if e.dtype in FP8]
     assert [e.shape for e in fp8] == [(48, 2, 4, 64)] * 4 and all(e.nbytes == 48 * 2 * 4 * 64 for e in fp8)
+    assert ctx_held(out) == []
     out.float().sum().backward()
 
 
@@ -182,6 +195,7 @@ def test_gpt_block_saves_no_16_bit_copy_of_an_fp8_operand(generator):
     assert gpt_violations(saved, operands) == [], listing(saved)
     # q, k, v, o; x.T and W.T of four linears; GELU's input
     assert sum(e.dtype in FP8 for e in saved) == 4 + 2 * 4 + 1, listing(saved)
+    assert ctx_held(out) == []
     out.float().sum().backward()
 
 
@@ -207,6 +221,13 @@ def test_fp8_mha_saves_the_attention_output_once(generator):
 
 
 # -- bug-on controls -------------------------------------------------------------------------------------------------
+
+def test_ctx_check_catches_a_shell_that_keeps_its_bytes(monkeypatch, generator):
+    seed_from(generator)
+    monkeypatch.setattr(Float8Tensor, "prepare_for_saving", shell_keeps_a_link(Float8Tensor.prepare_for_saving))
+    out, _, _ = gpt_forward(RECIPES["delayed"]())
+    assert ctx_held(out)
+
 
 def _input_transposed_copy(x, caller_owned):
     """The bug: the projection saves a transposed copy of the attention's FP8 output."""

@@ -13,8 +13,10 @@ import torch
 import te_fuser
 from te_fuser import ops, recipe
 from te_fuser.ops import fuser as fuser_module
+from te_fuser.tensor import Float8Tensor
 
 from _fuser_ctx_walk import allowed_storages, assert_nothing_reachable, reachable_tensors, retained_cpu_bytes
+from memory_patterns import shell_keeps_a_link
 
 RECIPES = {
     "no_fp8": None,
@@ -82,6 +84,20 @@ def test_graph_check_catches_the_leak_without_clearing(model, recipe_name, monke
         # TE's exact bug: Float8Tensors with their buffers back on ctx.tensor_objects.
         objects = _fuser_node(out).state.tensor_objects
         assert any(o is not None and o._data is not None for o in objects)
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_ctx_holds_only_empty_shells_before_backward(model, recipe_name, monkeypatch):
+    """Between forward and backward the FP8 tensors live in save_for_backward only: what the fuser's ctx
+    attributes reach (every attribute of every shell) holds no tensor bytes."""
+    x = torch.randn(TOKENS, HIDDEN, requires_grad=True)
+    allowed = allowed_storages(model)
+    out = _forward(model, x, RECIPES[recipe_name])
+    assert reachable_tensors(out, allowed)  # what was saved
+    assert reachable_tensors(out, allowed, saved=False) == []
+    monkeypatch.setattr(Float8Tensor, "prepare_for_saving", shell_keeps_a_link(Float8Tensor.prepare_for_saving))
+    out = _forward(model, x, RECIPES[recipe_name])
+    assert reachable_tensors(out, allowed, saved=False), "bug-on control: the walk must see the link"
 
 
 def _retained(model, recipe_name):

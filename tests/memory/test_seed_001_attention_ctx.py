@@ -19,30 +19,15 @@ from te_fuser.attention.function import FusedAttentionFunction
 from te_fuser.memory import MemoryTracker, audit_autograd
 from te_fuser.tensor.quantized_tensor import restore_from_saved
 
-from _fuser_ctx_walk import retained_cpu_bytes
+from _fuser_ctx_walk import reachable_from, retained_cpu_bytes
+from memory_patterns import shell_keeps_a_link
 
 HEADS, DIM, SEQ = 2, 64, 512
 
 
-def tensors_in(value, seen=None):
-    """Every torch.Tensor reachable from value through lists, tuples, dicts and Float8Tensor slots."""
-    seen = set() if seen is None else seen
-    if id(value) in seen:
-        return []
-    seen.add(id(value))
-    if isinstance(value, te_fuser.Float8Tensor):  # a wrapper: what it holds is its buffers
-        return [t for slot in ("_data", "_scale_inv", "_transpose") for t in tensors_in(getattr(value, slot), seen)]
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in tensors_in(item, seen)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in tensors_in(item, seen)]
-    return []
-
-
 def ctx_tensors(output):
-    """(node name, attribute, tensor) for every tensor held by a plain attribute of a graph node behind output."""
+    """(node name, attribute, tensor) for every tensor a plain attribute of a graph node behind output
+    reaches (through containers, objects and every attribute of a Float8Tensor or its shell)."""
     found, stack, visited = [], [output.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -50,7 +35,7 @@ def ctx_tensors(output):
             continue
         visited.add(id(node))
         for name, value in getattr(node, "__dict__", {}).items():
-            found.extend((type(node).__name__, name, t) for t in tensors_in(value))
+            found.extend((type(node).__name__, name, t) for _, t in reachable_from(value))
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
 
@@ -116,14 +101,23 @@ def test_the_same_checks_catch_the_seed_001_bug(fp8, monkeypatch):
         assert held - expected >= 4 * SEQ * HEADS * DIM
 
 
-def test_fp8_shells_on_ctx_hold_no_buffers_before_backward():
-    """Between forward and backward the FP8 q, k, v, out live only in save_for_backward; ctx keeps empty shells."""
+def _fp8_forward():
     module = te_fuser.DotProductAttention(HEADS, DIM, qkv_format="bshd")
     q, k, v = (torch.randn(1, SEQ, HEADS, DIM, requires_grad=True) for _ in range(3))
     with te_fuser.fp8_autocast(fp8_recipe=te_fuser.recipe.DelayedScaling(fp8_dpa=True)):
-        out = module(q, k, v)
+        return module(q, k, v)
+
+
+def test_fp8_shells_on_ctx_hold_no_buffers_before_backward(monkeypatch):
+    """Between forward and backward the FP8 q, k, v, out live only in save_for_backward; ctx keeps empty
+    shells, which reach no bytes through any attribute."""
+    out = _fp8_forward()
     node = out.grad_fn.next_functions[0][0]  # behind the reshape to [b, s, h*d]
     shells = [obj for obj in node.tensor_objects if obj is not None]
     assert len(shells) == 4 and all(s._data is None for s in shells)
     assert ctx_tensors(out) == []
     assert len(node.saved_tensors) == 4 * 3 + 5  # FP8 parts of q, k, v, out; lse, 4 length slots
+    # Bug-on control: a shell keeping a link to its bytes, under any name, is seen.
+    monkeypatch.setattr(te_fuser.Float8Tensor, "prepare_for_saving",
+                        shell_keeps_a_link(te_fuser.Float8Tensor.prepare_for_saving))
+    assert ctx_tensors(_fp8_forward())
