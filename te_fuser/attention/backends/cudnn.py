@@ -34,8 +34,13 @@ EXPECTED_SCHEMAS = {
 _DTYPES = (torch.bfloat16, torch.float16)
 
 
+def cudnn_version():
+    """The cuDNN version torch runs (91000 for 9.10), or None without cuDNN."""
+    return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+
+
 def _max_head_dim(problem) -> int:
-    version = torch.backends.cudnn.version() if problem.device == "cuda" else None
+    version = cudnn_version() if problem.device == "cuda" else None
     return 256 if problem.capability == (9, 0) and version is not None and version >= 91000 else 128
 
 
@@ -44,7 +49,7 @@ def _on_hardware(problem):
         return True, ""
     if problem.device != "cuda":
         return False, f"a CUDA kernel, not for {problem.device} tensors"
-    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    version = cudnn_version()
     return refuse_unless(
         (version is not None, f"torch {torch.__version__} has no cuDNN"),
         (version is not None and version >= 90000, f"it needs cuDNN 9 or newer, not {version}"),

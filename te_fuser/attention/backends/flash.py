@@ -48,6 +48,11 @@ _DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 
 
+def flash_built() -> bool:
+    """Whether torch was built with FlashAttention."""
+    return torch.backends.cuda.is_flash_attention_available()
+
+
 def _on_hardware(problem):
     """(ok, reason) of the CUDA device and torch build; meta tensors (shapes only) pass."""
     if problem.device == "meta":
@@ -55,7 +60,7 @@ def _on_hardware(problem):
     if problem.device != "cuda":
         return False, f"a CUDA kernel, not for {problem.device} tensors"
     return refuse_unless(
-        (torch.backends.cuda.is_flash_attention_available(), f"torch {torch.__version__} was built without it"),
+        (flash_built(), f"torch {torch.__version__} was built without it"),
         (problem.capability >= (8, 0), f"it needs compute capability 8.0 or newer, not {problem.capability}"))
 
 
