@@ -5,10 +5,11 @@
 # here with TE_FUSER_CUDA=1 against the CUDA build of torch; the stable ABI lets it load in the
 # machine's torch) or, failing that, built there.
 #
-#   bash benchmarks/gpu_session.sh facts cuda_tests bench_gpu      # GPU kernels
+#   bash benchmarks/gpu_session.sh facts cuda_tests bench_attention bench_gpu  # GPU kernels
 #   bash benchmarks/gpu_session.sh facts cpu_tests c_core bench_cpu  # the CPU tiers the host has
 #   bash benchmarks/gpu_session.sh tests demo                        # the whole suite; the demo on the GPU
-# Other stages: c_attention, bench_fp8_linear. The test stages need pytest-xdist and pytest-timeout
+# Other stages: c_attention, bench_fp8_linear. bench_attention is te_fuser.DotProductAttention on each
+# attention backend against SDPA's flash and cuDNN (benchmarks/bench_attention_cuda.py). The test stages need pytest-xdist and pytest-timeout
 # (the lent machines' image has both).
 set -u
 cd "$(dirname "$0")/.."
@@ -58,8 +59,8 @@ c_core() { sh tests/c/run_gemm.sh && sh tests/c/run_attention.sh && sh tests/c/r
 c_attention() { sh tests/c/run_attention.sh; }
 
 bench_fp8_linear() { taskset -c 2,3 $PY benchmarks/bench_fp8_linear.py --threads 2 --all-isa; }
+bench_attention() { $PY benchmarks/bench_attention_cuda.py --iters 20; }
 bench_gpu() {
-  $PY benchmarks/bench_attention_cuda.py --iters 20
   $PY benchmarks/bench_quantize.py --device cuda
   $PY benchmarks/bench_linear.py --device cuda
 }
@@ -67,8 +68,8 @@ bench_gpu() {
 # The issue's shapes on two cores of this host, pinned, so the figures compare with the 2-core machine.
 bench_cpu() {
   local pin="taskset -c 2,3"
-  $pin $PY benchmarks/bench_attention.py --device cpu --dtype bfloat16
-  $pin $PY benchmarks/bench_attention.py --device cpu --dtype float32
+  $pin $PY benchmarks/bench_attention.py --device cpu --dtype bfloat16 --backends auto,te_fuser,cpu_flash
+  $pin $PY benchmarks/bench_attention.py --device cpu --dtype float32 --backends auto,te_fuser,cpu_flash
   $pin $PY benchmarks/bench_attention.py --device cpu --dtype bfloat16 --fp8-dpa
   $pin $PY benchmarks/bench_fp8_linear.py --threads 2
   $pin $PY benchmarks/bench_quantize.py --device cpu --heap
@@ -76,7 +77,7 @@ bench_cpu() {
 }
 
 export PY
-export -f bench_fp8_linear facts cuda_tests cpu_tests tests demo c_core c_attention bench_gpu bench_cpu
+export -f bench_fp8_linear facts cuda_tests cpu_tests tests demo c_core c_attention bench_attention bench_gpu bench_cpu
 prepare
 for stage in "$@"; do
   case $stage in
@@ -87,7 +88,8 @@ for stage in "$@"; do
     demo) run_stage demo 120 demo ;;
     c_core) run_stage c_core 240 c_core ;;
     c_attention) run_stage c_attention 150 c_attention ;;
-    bench_gpu) run_stage bench_gpu 200 bench_gpu ;;
+    bench_attention) TAIL=80 run_stage bench_attention 420 bench_attention ;;
+    bench_gpu) run_stage bench_gpu 120 bench_gpu ;;
     bench_fp8_linear) run_stage bench_fp8_linear 120 bench_fp8_linear ;;
     bench_cpu) run_stage bench_cpu 450 bench_cpu ;;
     *) echo "unknown stage $stage"; exit 2 ;;

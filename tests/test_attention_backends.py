@@ -1,6 +1,7 @@
-"""The CPU attention backends (te_fuser's kernels, torch's CPU flash kernel, the unfused math path) as
-DotProductAttention runs them, against float64 SDPA per sequence: forward, gradients and lse, on every
-mask, layout and GQA case each one says it supports, and a clear refusal of the others. Then the overrides
+"""The attention backends as DotProductAttention runs them, against float64 SDPA per sequence: forward,
+gradients and lse, on every mask, layout and GQA case each one says it supports, and a clear refusal of the
+others. On the CPU: te_fuser's kernels, torch's CPU flash kernel, the unfused math path; on a GPU, where
+there is one, te_fuser's CUDA kernels, cuDNN, FlashAttention and the unfused path. Then the overrides
 (TE_FUSER_ATTENTION_BACKEND, TE's NVTE_* switches, the module's attention_backend), the debug log, and FP8
 q/k/v, which never reach a 16-bit library kernel."""
 
@@ -20,6 +21,10 @@ from attention_reference import attention as reference_attention
 from attention_reference import segments
 
 CPU_BACKENDS = ("te_fuser", "cpu_flash", "unfused")
+GPU_BACKENDS = ("te_fuser", "cudnn", "flash", "unfused")
+HAS_GPU = torch.cuda.is_available() and te_fuser._extension.has_cuda_kernels()
+DEVICE_BACKENDS = [("cpu", b) for b in CPU_BACKENDS] + [("cuda", b) for b in GPU_BACKENDS if HAS_GPU]
+DIM = 32
 TOLERANCES = {torch.float32: (2e-5, 1e-4, 1e-4), torch.bfloat16: (2e-2, 6e-2, 2e-2)}
 
 # (name, qkv_format, mask type, seq_q, seq_kv, kv heads): heads are 4, batch 2 (thd: 3 packed sequences).
@@ -34,12 +39,20 @@ CASES = [
     ("thd_padding_causal_gqa", "thd", "padding_causal", 70, 70, 2),
 ]
 
-# What each CPU backend declares it runs (backends/*.py), checked both ways below.
-RUNS = {
-    "te_fuser": lambda fmt, mask: True,
-    "cpu_flash": lambda fmt, mask: fmt != "thd" and "padding" not in mask,
-    "unfused": lambda fmt, mask: True,
-}
+
+def runs(device, backend, fmt, mask, dtype, square):
+    """What each backend declares it runs (backends/*.py), checked both ways below."""
+    padded, causal_ok = fmt != "thd" and "padding" in mask, "causal" not in mask or square
+    if backend == "unfused":
+        return True
+    if backend == "te_fuser":
+        return device == "cpu" or dtype != torch.float32
+    if backend == "cpu_flash":
+        return fmt != "thd" and not padded
+    sixteen_bit = dtype != torch.float32
+    if backend == "flash":
+        return sixteen_bit and not padded and causal_ok
+    return sixteen_bit and fmt != "thd" and not padded and causal_ok  # cudnn
 
 
 @pytest.fixture(autouse=True)
@@ -52,40 +65,41 @@ def fresh_choices(monkeypatch):
     clear_cache()
 
 
-def _inputs(fmt, seq_q, seq_kv, kv_heads, dtype, generator):
-    """q, k, v (4 heads, head dim 24) with a few rows of large values, and the lengths of the case."""
+def _inputs(fmt, seq_q, seq_kv, kv_heads, dtype, generator, device="cpu"):
+    """q, k, v (4 heads, head dim DIM) with a few rows of large values, and the lengths of the case."""
     def one(seq, heads):
-        shape = {"sbhd": (seq, 2, heads, 24), "bshd": (2, seq, heads, 24), "thd": (seq, heads, 24)}[fmt]
+        shape = {"sbhd": (seq, 2, heads, DIM), "bshd": (2, seq, heads, DIM), "thd": (seq, heads, DIM)}[fmt]
         t = torch.randn(shape, generator=generator)
-        t.view(-1, 24)[::7] *= 6.0  # edge values: scores far from 0
-        return t.to(dtype).requires_grad_()
+        t.view(-1, DIM)[::7] *= 6.0  # edge values: scores far from 0
+        return t.to(device=device, dtype=dtype).requires_grad_()
     return one(seq_q, 4), one(seq_kv, kv_heads), one(seq_kv, kv_heads)
 
 
-def _case_kwargs(fmt, mask, seq_q, seq_kv):
-    """(forward kwargs, lens_q, lens_kv, cu_seqlens) of a case."""
+def _case_kwargs(fmt, mask, seq_q, seq_kv, device="cpu"):
+    """(forward kwargs, lens_q, lens_kv, cu_seqlens) of a case (the lengths on the CPU for the reference)."""
     if fmt == "thd":
         cu = torch.tensor([0, 31, 31, seq_q - 4], dtype=torch.int32)  # an empty sequence, 4 tokens in none
-        return dict(cu_seqlens_q=cu, cu_seqlens_kv=cu), None, None, cu
+        on_device = cu.to(device)
+        return dict(cu_seqlens_q=on_device, cu_seqlens_kv=on_device), None, None, cu
     if "padding" in mask:
         lens = torch.tensor([seq_q, seq_q // 3], dtype=torch.int32)
         padding = (torch.arange(seq_q)[None, :] >= lens[:, None]).view(2, 1, 1, seq_q)
-        return dict(attention_mask=padding), lens, lens, None
+        return dict(attention_mask=padding.to(device)), lens, lens, None
     return {}, None, None, None
 
 
 def _reference(q, k, v, fmt, causal, scale, lens, cu, dout):
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     kq, kk, kv = (to_kernel_layout(t, fmt) for t in leaves)
     segs = segments(kq.shape[0], kq.shape[1], kk.shape[1], lens, lens, cu, cu)
     out = reference_attention(kq, kk, kv, segs, causal, scale)
-    grads = torch.autograd.grad(out, leaves, to_kernel_layout(dout.double(), fmt))
+    grads = torch.autograd.grad(out, leaves, to_kernel_layout(dout.cpu().double(), fmt))
     return out, grads
 
 
 def _close(actual, expected, atol, rtol, what):
     """Close within atol of the largest expected magnitude (the large-score rows make gradients of tens)."""
-    actual = actual.detach().double()
+    actual = actual.detach().cpu().double()
     atol = atol * max(1.0, expected.abs().max().item())
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
@@ -93,23 +107,23 @@ def _close(actual, expected, atol, rtol, what):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_cpu_backend_against_float64_sdpa(backend, case, dtype, generator):
+@pytest.mark.parametrize("device, backend", DEVICE_BACKENDS, ids=[f"{d}-{b}" for d, b in DEVICE_BACKENDS])
+def test_backend_against_float64_sdpa(device, backend, case, dtype, generator):
     _, fmt, mask, seq_q, seq_kv, kv_heads = case
-    q, k, v = _inputs(fmt, seq_q, seq_kv, kv_heads, dtype, generator)
-    kwargs, lens, _, cu = _case_kwargs(fmt, mask, seq_q, seq_kv)
-    module = te_fuser.DotProductAttention(4, 24, num_gqa_groups=kv_heads, qkv_format=fmt, attn_mask_type=mask,
+    q, k, v = _inputs(fmt, seq_q, seq_kv, kv_heads, dtype, generator, device)
+    kwargs, lens, _, cu = _case_kwargs(fmt, mask, seq_q, seq_kv, device)
+    module = te_fuser.DotProductAttention(4, DIM, num_gqa_groups=kv_heads, qkv_format=fmt, attn_mask_type=mask,
                                           attention_type="self" if seq_q == seq_kv else "cross",
                                           softmax_scale=0.3, attention_backend=backend)
-    if not RUNS[backend](fmt, mask):
+    if not runs(device, backend, fmt, mask, dtype, seq_q == seq_kv):
         with pytest.raises(ValueError, match=f"attention backend '{backend}'.*cannot run this problem: .+"):
             module(q, k, v, **kwargs)
         return
     out = module(q, k, v, **kwargs)
     assert out.grad_fn.next_functions[0][0].backend == backend
-    dout = torch.randn(out.shape, generator=generator).to(dtype)
+    dout = torch.randn(out.shape, generator=generator).to(device=device, dtype=dtype)
     out.backward(dout)
-    heads_out = out.view(*out.shape[:-1], 4, 24)
+    heads_out = out.view(*out.shape[:-1], 4, DIM)
     ref, grads = _reference(q, k, v, fmt, "causal" in mask, 0.3, lens, cu, dout.view(heads_out.shape))
     atol, gatol, rtol = TOLERANCES[dtype]
     _close(to_kernel_layout(heads_out, fmt), ref, atol, rtol, "out")
