@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import te_fuser
-from te_fuser.attention.backends import ENV_BACKEND
+from te_fuser.attention.backends import ENV_BACKEND, clear_cache
 from te_fuser.attention.function import from_kernel_layout, to_kernel_layout
 from te_fuser.kernels import attention as attn_kernels
 from te_fuser.kernels import cpu as cpu_kernels
@@ -27,6 +27,10 @@ def te_fuser_cpu_kernels(monkeypatch):
     table prefers on this CPU (attention_fwd / attention_bwd always do; tests/test_attention_backends.py
     tests the other backends)."""
     monkeypatch.setenv(ENV_BACKEND, "te_fuser")
+    clear_cache()  # the selection reads the environment once per kind of problem
+    yield
+    monkeypatch.undo()
+    clear_cache()
 
 
 @pytest.fixture(params=ISA_PATHS)

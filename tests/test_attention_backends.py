@@ -146,6 +146,13 @@ def test_lse_is_the_natural_log_sum_exp(backend, causal, generator):
 
 # Overrides ---------------------------------------------------------------------------------------------------
 
+def setenv(monkeypatch, name, value):
+    """Sets a variable the selection reads, and makes it read again (it reads the environment once per
+    kind of problem, as TE does)."""
+    monkeypatch.setenv(name, value)
+    clear_cache()
+
+
 def _qkv():
     return tuple(torch.randn(1, 32, 2, 16, requires_grad=True) for _ in range(3))
 
@@ -158,18 +165,18 @@ def _ran(module):
 def test_the_environment_names_one_backend(monkeypatch):
     module = te_fuser.DotProductAttention(2, 16, qkv_format="bshd")
     for name in CPU_BACKENDS:
-        monkeypatch.setenv(ENV_BACKEND, name)
+        setenv(monkeypatch, ENV_BACKEND, name)
         assert _ran(module) == name
-    monkeypatch.setenv(ENV_BACKEND, "flash")
+    setenv(monkeypatch, ENV_BACKEND, "flash")
     with pytest.raises(ValueError, match="'flash' \\(TE_FUSER_ATTENTION_BACKEND=flash\\) cannot run .*CUDA kernel"):
         module(*_qkv())
-    monkeypatch.setenv(ENV_BACKEND, "fastest")
+    setenv(monkeypatch, ENV_BACKEND, "fastest")
     with pytest.raises(ValueError, match="TE_FUSER_ATTENTION_BACKEND='fastest' is not an attention backend"):
         module(*_qkv())
 
 
 def test_the_module_argument_wins_over_the_environment(monkeypatch):
-    monkeypatch.setenv(ENV_BACKEND, "te_fuser")
+    setenv(monkeypatch, ENV_BACKEND, "te_fuser")
     module = te_fuser.DotProductAttention(2, 16, qkv_format="bshd", attention_backend="unfused")
     assert _ran(module) == "unfused"
     module.attention_backend = "cpu_flash"
@@ -196,9 +203,9 @@ def test_te_switches_take_backends_out_of_the_automatic_choice(isa, preferred, m
         row = selection.preference_for(describe(*_qkv()[:2], Lengths(), True, "none", 0.25))
         assert preferred is None or row.order[0] == preferred
         assert _ran(module) == row.order[0]
-        monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+        setenv(monkeypatch, "NVTE_FLASH_ATTN", "0")
         assert _ran(module) == "te_fuser"
-        monkeypatch.setenv(ENV_BACKEND, "cpu_flash")  # a named backend is not subject to TE's switches
+        setenv(monkeypatch, ENV_BACKEND, "cpu_flash")  # a named backend is not subject to TE's switches
         assert _ran(module) == "cpu_flash"
 
 
@@ -215,7 +222,7 @@ def test_backend_for_explains_the_choice(monkeypatch):
     assert seeded.backend == "te_fuser" and seeded.passed_over["cpu_flash"] == "it has no dropout"
     assert "CUDA kernel" in padded.passed_over["cudnn"] and "CUDA kernel" in padded.passed_over["flash"]
     assert str(padded).splitlines()[0].startswith("te_fuser runs it")
-    monkeypatch.setenv("NVTE_UNFUSED_ATTN", "0")
+    setenv(monkeypatch, "NVTE_UNFUSED_ATTN", "0")
     with cpu_kernels.isa("portable"):
         assert attn_kernels.backend_for(q, k, v).passed_over["unfused"] == "NVTE_UNFUSED_ATTN=0"
     assert dense.passed_over["te_fuser"] == "supported, after cpu_flash in this device's order"
@@ -223,8 +230,8 @@ def test_backend_for_explains_the_choice(monkeypatch):
 
 @pytest.mark.parametrize("level", [0, 1, 2])
 def test_nvte_debug_logs_the_choice(level, monkeypatch, caplog):
-    monkeypatch.setenv("NVTE_DEBUG", "1")
-    monkeypatch.setenv("NVTE_DEBUG_LEVEL", str(level))
+    setenv(monkeypatch, "NVTE_DEBUG", "1")
+    setenv(monkeypatch, "NVTE_DEBUG_LEVEL", str(level))
     with caplog.at_level(logging.DEBUG, logger="te_fuser.attention"):
         te_fuser.DotProductAttention(2, 16, qkv_format="bshd", attention_backend="unfused")(*_qkv())
     messages = [r.getMessage() for r in caplog.records if r.name == "te_fuser.attention"]

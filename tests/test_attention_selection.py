@@ -5,7 +5,6 @@ private aten ops (a schema that moved makes its backend unavailable, with the re
 
 import pathlib
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +12,10 @@ import torch
 import te_fuser
 from te_fuser.attention.backends import BACKENDS, PREFERENCES, Problem, choose, clear_cache
 from te_fuser.attention.backends import cpu_flash, cudnn, flash, schema
+
+def replace(problem, **fields):
+    return problem._replace(**fields)
+
 
 H100 = Problem(device="cuda", capability=(9, 0), isa=None, dtype=torch.bfloat16, head_dim=128, gqa=False,
                layout="dense", causal=True, square=True, single_key=False, dropout="none", positive_scale=True,

@@ -75,8 +75,8 @@ def choose_backend(q, k, qkv_format: str, lengths: Lengths, softmax_scale: float
                    fp8: bool, backend: Optional[str] = None) -> str:
     """The name of the backend that runs this problem (q, k in qkv_format; dropout one of
     backends.problem.DROPOUT_KINDS); backend names one explicitly."""
-    problem = describe(to_kernel_layout(q, qkv_format), to_kernel_layout(k, qkv_format), lengths, causal, dropout,
-                       softmax_scale, dtype=torch.float8_e4m3fn if fp8 else None)
+    problem = describe(q, k, lengths, causal, dropout, softmax_scale, torch.float8_e4m3fn if fp8 else None,
+                       qkv_format)
     return choose(problem, backend).backend
 
 

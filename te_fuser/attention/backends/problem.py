@@ -5,7 +5,6 @@ Tensors are in te_fuser's kernel layout (te_fuser/kernels/attention.py): q [batc
 k and v [batch, seq_kv, heads_kv, head_dim]; packed (thd) problems have batch 1 and cu_seqlens offsets.
 """
 
-from dataclasses import dataclass
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -18,8 +17,7 @@ from ...kernels import cpu
 DROPOUT_KINDS = ("none", "seeded", "generator")
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """The properties of an attention problem that decide which backend may run it (hashable: selections
     are cached by it). Sequence lengths enter only through what a backend's semantics depend on."""
     device: str                  # "cpu", "cuda" or "meta" (shapes only)
@@ -63,12 +61,25 @@ def _capability(device: torch.device) -> Optional[Tuple[int, int]]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
+def _dims(t, qkv_format):
+    """(batch, seq, heads, head_dim) of a tensor in qkv_format ("kernel": te_fuser's kernel layout)."""
+    if qkv_format == "sbhd":
+        seq, batch, heads, dim = t.shape
+        return batch, seq, heads, dim
+    if qkv_format == "thd":
+        seq, heads, dim = t.shape
+        return 1, seq, heads, dim
+    return tuple(t.shape)  # bshd and the kernel layout
+
+
 def describe(q, k, lengths: Lengths, causal: bool, dropout: str, softmax_scale: float,
-             dtype: Optional[torch.dtype] = None) -> Problem:
-    """The Problem of kernel-layout q and k with these lengths; dtype is what the kernel is given, when not
-    q's (float8_e4m3fn for 16-bit q, k, v that fp8_dpa quantizes)."""
+             dtype: Optional[torch.dtype] = None, qkv_format: str = "kernel") -> Problem:
+    """The Problem of q and k (in qkv_format, by default te_fuser's kernel layout) with these lengths; dtype
+    is what the kernel is given, when not q's (float8_e4m3fn for 16-bit q, k, v that fp8_dpa quantizes)."""
     if dropout not in DROPOUT_KINDS:
         raise ValueError(f"dropout must be one of {DROPOUT_KINDS}, got {dropout!r}")
+    _, seq_q, heads_q, head_dim = _dims(q, qkv_format)
+    _, seq_kv, heads_kv, _ = _dims(k, qkv_format)
     cu_q, cu_kv, lens_q, lens_kv = lengths
     if cu_q is not None:
         # Packed sequences are known square without reading the offsets when q and kv share one tensor
@@ -77,10 +88,10 @@ def describe(q, k, lengths: Lengths, causal: bool, dropout: str, softmax_scale: 
     elif lens_q is not None or lens_kv is not None:
         layout, square = "padded", False
     else:
-        layout, square = "dense", q.shape[1] == k.shape[1]
+        layout, square = "dense", seq_q == seq_kv
+    device = q.device
     return Problem(
-        device=q.device.type, capability=_capability(q.device),
-        isa=cpu.current_isa() if q.device.type == "cpu" else None, dtype=dtype or q.dtype, head_dim=int(q.shape[3]),
-        gqa=q.shape[2] != k.shape[2], layout=layout, causal=bool(causal), square=bool(square),
-        single_key=k.shape[1] == 1, dropout=dropout, positive_scale=softmax_scale > 0.0,
-        empty=q.numel() == 0 or k.numel() == 0, deterministic=torch.are_deterministic_algorithms_enabled())
+        device.type, _capability(device) if device.type == "cuda" else None,
+        cpu.current_isa() if device.type == "cpu" else None, dtype or q.dtype,
+        int(head_dim), heads_q != heads_kv, layout, bool(causal), bool(square), seq_kv == 1, dropout,
+        softmax_scale > 0.0, q.numel() == 0 or k.numel() == 0, torch.are_deterministic_algorithms_enabled())

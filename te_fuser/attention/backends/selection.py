@@ -11,6 +11,9 @@ Order of decision:
 
 NVTE_DEBUG=1 with NVTE_DEBUG_LEVEL=1 logs each choice (logger "te_fuser.attention", to stderr), level 2
 also why each other backend was passed over, as TE does.
+
+A choice is made once per kind of problem (a Problem) and named backend, and kept: the environment is read
+then, as TE reads its variables once (clear_cache() makes the next calls read it again).
 """
 
 import logging
@@ -124,12 +127,11 @@ def _environment():
 
 def choose(problem: Problem, backend: Optional[str] = None) -> Choice:
     """The Choice for problem; backend names one explicitly (a module's attention_backend)."""
-    environment = _environment()
-    key = (problem, backend, environment)
+    key = (problem, backend)
     compiling = torch.compiler.is_compiling()
     choice = None if compiling else _cache.get(key)
     if choice is None:
-        choice = _choose(problem, backend, environment)
+        choice = _choose(problem, backend, _environment())
         if not compiling:
             _cache[key] = choice
             _log(choice)
@@ -192,5 +194,6 @@ def _log(choice: Choice) -> None:
 
 
 def clear_cache() -> None:
-    """Forget the choices made (they are kept per problem, override and environment)."""
+    """Forget the choices made (they are kept per problem and named backend): the next calls read the
+    environment again."""
     _cache.clear()
