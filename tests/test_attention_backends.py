@@ -273,3 +273,17 @@ def test_fp8_dpa_stays_on_te_fusers_fp8_kernels(monkeypatch):
 
 def _ran_with(module, qkv):
     return module(*qkv).grad_fn.next_functions[0][0].backend
+
+
+def test_the_function_refuses_a_library_kernel_named_for_fp8_inputs():
+    """FusedAttentionFunction called directly with quantizers and a library backend's name: refused, not run."""
+    from te_fuser.attention.function import FusedAttentionFunction
+
+    q, k, v = (torch.randn(1, 32, 2, 16, requires_grad=True) for _ in range(3))
+    quantizers = [te_fuser.Float8CurrentScalingQuantizer(torch.float8_e4m3fn) for _ in range(3)]
+    with pytest.raises(ValueError, match="'cpu_flash'.*float8_e4m3fn"):
+        FusedAttentionFunction.apply(q, k, v, "bshd", None, None, None, None, 0.25, True, 0.0, 0, 0, "cpu_flash",
+                                     None, quantizers, None)
+    out = FusedAttentionFunction.apply(q, k, v, "bshd", None, None, None, None, 0.25, True, 0.0, 0, 0, "te_fuser",
+                                       None, quantizers, None)
+    assert out.grad_fn.backend == "te_fuser"

@@ -92,9 +92,9 @@ def attention_forward(q, k, v, qkv_format: str, cu_seqlens_q, cu_seqlens_kv, seq
     from (seed, offset). max_seqlens is TE's (max_seqlen_q, max_seqlen_kv) of packed inputs, when known.
     """
     lengths = Lengths(cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
-    if backend is None:
+    if backend is None or quantizers is not None:  # FP8 q/k/v: a named backend must take them (ValueError)
         backend = choose_backend(q, k, qkv_format, lengths, softmax_scale, causal,
-                                 "seeded" if dropout_p > 0.0 else "none", quantizers is not None)
+                                 "seeded" if dropout_p > 0.0 else "none", quantizers is not None, backend)
     impl = BACKENDS[backend]
     max_q, max_kv = max_seqlens or (None, None)
     call = Call(float(softmax_scale), bool(causal), float(dropout_p), int(seed or 0), int(offset or 0), max_q, max_kv)
