@@ -158,7 +158,8 @@ def test_each_schema_is_checked_once(monkeypatch):
     checked = []
     real = schema._check
     monkeypatch.setattr(schema, "_check", lambda name, expected: checked.append(name) or real(name, expected))
-    for problem in (H100, replace(H100, head_dim=64), replace(H100, layout="packed"), replace(H100, dropout="generator")):
+    for problem in (H100, replace(H100, head_dim=64), replace(H100, layout="packed"),
+                    replace(H100, dropout="generator")):
         clear_cache()
         choose(problem)
     assert sorted(checked) == sorted([*cudnn.EXPECTED_SCHEMAS, *flash.DENSE_SCHEMAS, *flash.PACKED_SCHEMAS])

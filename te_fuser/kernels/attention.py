@@ -162,13 +162,14 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
 
 def _kernel_scalars(q, softmax_scale, causal, dropout_p, seed, offset):
     """The op's (softmax_scale, causal, dropout_p, seed, offset) when the problem goes straight to te_fuser's
-    CPU kernel, else None: the checked path, with the routing.
+    CPU kernel, else None: the checked path.
 
     The CPU binding checks every argument itself, so that path checks them in Python only after the binding
     refused them (validate.call_checked): on a small problem the Python checks cost more than the kernel.
-    It is decided on q alone: a CPU tensor, not under torch.compile. The checked path still takes an empty q (attention_bwd answers it without the kernel), a
-    dropout_p outside [0, 1) (the binding rounds a tiny negative one to -0.0 and takes it) and any argument
-    these conversions fail on: it raises the error that names the first bad argument.
+    It is decided on q alone: a CPU tensor, not under torch.compile. The checked path still takes an empty q
+    (attention_bwd answers it without the kernel), a dropout_p outside [0, 1) (the binding rounds a tiny
+    negative one to -0.0 and takes it) and any argument these conversions fail on: it raises the error that
+    names the first bad argument.
     """
     if torch.compiler.is_compiling() or type(q) is not torch.Tensor or not q.is_cpu or not q.numel():
         return None

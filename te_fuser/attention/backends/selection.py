@@ -141,7 +141,8 @@ def choose(problem: Problem, backend: Optional[str] = None) -> Choice:
 def _choose(problem, backend, environment) -> Choice:
     named, switches = environment[0], dict(zip(TE_SWITCHES, environment[1:]))
     if backend is not None:
-        named, why_named = check_backend_name(backend, "attention_backend"), f"the module's attention_backend={backend!r}"
+        named = check_backend_name(backend, "attention_backend")
+        why_named = f"the module's attention_backend={backend!r}"
     elif named is not None:
         check_backend_name(named, ENV_BACKEND)
         why_named = f"{ENV_BACKEND}={named}"

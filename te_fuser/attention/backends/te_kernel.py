@@ -26,14 +26,14 @@ class TeFuserKernels(Backend):
     def forward(self, q, k, v, lengths, call, descales=NO_DESCALES, out_dtype=None):
         out, lse = attn_kernels.attention_fwd(
             q, k, v, cu_seqlens_q=lengths.cu_seqlens_q, cu_seqlens_kv=lengths.cu_seqlens_kv,
-            seqlens_q=lengths.seqlens_q, seqlens_kv=lengths.seqlens_kv, softmax_scale=call.softmax_scale, causal=call.causal,
-            dropout_p=call.dropout_p, seed=call.seed, offset=call.offset, q_descale=descales[0],
+            seqlens_q=lengths.seqlens_q, seqlens_kv=lengths.seqlens_kv, softmax_scale=call.softmax_scale,
+            causal=call.causal, dropout_p=call.dropout_p, seed=call.seed, offset=call.offset, q_descale=descales[0],
             k_descale=descales[1], v_descale=descales[2], out_dtype=out_dtype)
         return out, lse, ()
 
     def backward(self, dout, q, k, v, out, lse, state, lengths, call, descales=NO_DESCALES):
         return attn_kernels.attention_bwd(
             dout, q, k, v, out, lse, cu_seqlens_q=lengths.cu_seqlens_q, cu_seqlens_kv=lengths.cu_seqlens_kv,
-            seqlens_q=lengths.seqlens_q, seqlens_kv=lengths.seqlens_kv, softmax_scale=call.softmax_scale, causal=call.causal,
-            dropout_p=call.dropout_p, seed=call.seed, offset=call.offset, q_descale=descales[0],
+            seqlens_q=lengths.seqlens_q, seqlens_kv=lengths.seqlens_kv, softmax_scale=call.softmax_scale,
+            causal=call.causal, dropout_p=call.dropout_p, seed=call.seed, offset=call.offset, q_descale=descales[0],
             k_descale=descales[1], v_descale=descales[2])
