@@ -5,11 +5,13 @@
 # here with TE_FUSER_CUDA=1 against the CUDA build of torch; the stable ABI lets it load in the
 # machine's torch) or, failing that, built there.
 #
-#   bash benchmarks/gpu_session.sh facts cuda_tests bench_gpu      # GPU kernels
+#   bash benchmarks/gpu_session.sh facts cuda_tests bench_attention bench_gpu  # GPU kernels
 #   bash benchmarks/gpu_session.sh facts cpu_tests c_core bench_cpu  # the CPU tiers the host has
 #   bash benchmarks/gpu_session.sh tests demo                        # the whole suite; the demo on the GPU
 #   bash benchmarks/gpu_session.sh facts bench_layer                  # a Llama-3-8B layer's training step
-# Other stages: c_attention, bench_fp8_linear. The test stages need pytest-xdist and pytest-timeout.
+# Other stages: c_attention, bench_fp8_linear. bench_attention is te_fuser.DotProductAttention on each
+# attention backend against SDPA's flash and cuDNN (benchmarks/bench_attention_cuda.py). The test stages
+# need pytest-xdist and pytest-timeout.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -63,8 +65,8 @@ bench_layer() {
   $PY benchmarks/bench_layer_step.py --batch 1 --iters 10 --compile --torchao
   $PY benchmarks/bench_layer_step.py --batch 2 --iters 10
 }
+bench_attention() { $PY benchmarks/bench_attention_cuda.py --iters 20; }
 bench_gpu() {
-  $PY benchmarks/bench_attention_cuda.py --iters 20
   $PY benchmarks/bench_quantize.py --device cuda
   $PY benchmarks/bench_linear.py --device cuda
 }
@@ -72,8 +74,8 @@ bench_gpu() {
 # The issue's shapes on two cores of this host, pinned, so the figures compare with the 2-core machine.
 bench_cpu() {
   local pin="taskset -c 2,3"
-  $pin $PY benchmarks/bench_attention.py --device cpu --dtype bfloat16
-  $pin $PY benchmarks/bench_attention.py --device cpu --dtype float32
+  $pin $PY benchmarks/bench_attention.py --device cpu --dtype bfloat16 --backends auto,te_fuser,cpu_flash
+  $pin $PY benchmarks/bench_attention.py --device cpu --dtype float32 --backends auto,te_fuser,cpu_flash
   $pin $PY benchmarks/bench_attention.py --device cpu --dtype bfloat16 --fp8-dpa
   $pin $PY benchmarks/bench_fp8_linear.py --threads 2
   $pin $PY benchmarks/bench_quantize.py --device cpu --heap
@@ -81,7 +83,7 @@ bench_cpu() {
 }
 
 export PY
-export -f bench_fp8_linear bench_layer facts cuda_tests cpu_tests tests demo c_core c_attention bench_gpu bench_cpu
+export -f bench_fp8_linear bench_layer facts cuda_tests cpu_tests tests demo c_core c_attention bench_attention bench_gpu bench_cpu
 prepare
 for stage in "$@"; do
   case $stage in
@@ -92,7 +94,8 @@ for stage in "$@"; do
     demo) run_stage demo 120 demo ;;
     c_core) run_stage c_core 240 c_core ;;
     c_attention) run_stage c_attention 150 c_attention ;;
-    bench_gpu) run_stage bench_gpu 200 bench_gpu ;;
+    bench_attention) TAIL=80 run_stage bench_attention 420 bench_attention ;;
+    bench_gpu) run_stage bench_gpu 120 bench_gpu ;;
     bench_fp8_linear) run_stage bench_fp8_linear 120 bench_fp8_linear ;;
     bench_layer) run_stage bench_layer 240 bench_layer ;;
     bench_cpu) run_stage bench_cpu 450 bench_cpu ;;

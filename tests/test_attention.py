@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import te_fuser
+from te_fuser.attention.backends import ENV_BACKEND, clear_cache
 from te_fuser.attention.function import from_kernel_layout, to_kernel_layout
 from te_fuser.kernels import attention as attn_kernels
 from te_fuser.kernels import cpu as cpu_kernels
@@ -22,9 +23,14 @@ ISA_PATHS = sorted({"portable", cpu_kernels.detected_isa()}, key=cpu_kernels.TIE
 
 @pytest.fixture(autouse=True)
 def te_fuser_cpu_kernels(monkeypatch):
-    """These tests are of te_fuser's own kernels: no CPU problem goes to torch's flash attention here
-    (tests/test_attention_torch_route.py runs a selection of them with that route)."""
-    monkeypatch.setattr(attn_kernels, "ROUTE_TO_TORCH_CPU_FLASH", False)
+    """These tests are of te_fuser's own kernels: DotProductAttention runs them, whatever the selection
+    table prefers on this CPU (attention_fwd / attention_bwd always do; tests/test_attention_backends.py
+    tests the other backends)."""
+    monkeypatch.setenv(ENV_BACKEND, "te_fuser")
+    clear_cache()  # the selection reads the environment once per kind of problem
+    yield
+    monkeypatch.undo()
+    clear_cache()
 
 
 @pytest.fixture(params=ISA_PATHS)

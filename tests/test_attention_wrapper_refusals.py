@@ -1,7 +1,6 @@
 """attention_fwd / attention_bwd on te_fuser's CPU kernel check their arguments in Python only after the
 binding refused them (validate.call_checked): every case they name is a refusal of the binding too, the
-checks the binding lacks still run before it, and valid input skips the Python checks (or is still routed
-to torch's CPU flash attention on the routed tier)."""
+checks the binding lacks still run before it, and valid input skips the Python checks."""
 
 import math
 
@@ -20,12 +19,6 @@ FWD_DEFAULTS = dict(cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=None, seqle
                     causal=False, dropout_p=0.0, seed=0, offset=0, q_descale=None, k_descale=None, v_descale=None,
                     out_dtype=None)
 BWD_DEFAULTS = {name: value for name, value in FWD_DEFAULTS.items() if name != "out_dtype"}
-
-
-@pytest.fixture(autouse=True)
-def te_fuser_cpu_kernels(monkeypatch):
-    """te_fuser's own CPU kernel on every ISA tier: no problem goes to torch's CPU flash attention here."""
-    monkeypatch.setattr(attn, "ROUTE_TO_TORCH_CPU_FLASH", False)
 
 
 def _fwd(q, k, v, **kwargs):
@@ -278,31 +271,6 @@ def test_valid_cpu_calls_skip_the_python_checks(dtype, monkeypatch):
     for actual, expected in zip((*again, *grads_again), (out, lse, *grads)):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
         assert actual.stride() == expected.stride()
-
-
-class _NoKernels:
-    """Stands in for torch.ops.te_fuser: any call of te_fuser's attention kernels fails."""
-
-    def __getattr__(self, name):
-        raise AssertionError(f"te_fuser's kernel {name} was called")
-
-
-def test_the_routed_tier_still_routes_valid_input_and_checks_first(monkeypatch):
-    q, k, v, dout, _ = _problem(torch.float32)
-    expected = attn.attention_fwd(q, k, v, causal=True)
-    expected_grads = attn.attention_bwd(dout, q, k, v, *expected, causal=True)
-    monkeypatch.setattr(attn, "ROUTE_TO_TORCH_CPU_FLASH", True)
-    monkeypatch.setattr(attn, "ROUTED_ISAS", ("portable",))
-    monkeypatch.setattr(attn, "_ops", _NoKernels())
-    with cpu_kernels.isa("portable"):
-        out, lse = attn.attention_fwd(q, k, v, causal=True)
-        grads = attn.attention_bwd(dout, q, k, v, out, lse, causal=True)
-        with pytest.raises(ValueError, match="k has head_dim 8 but q has 16"):
-            attn.attention_fwd(q, k[..., :8], v[..., :8])
-        with pytest.raises(ValueError, match="lse must be a contiguous float32 tensor"):
-            attn.attention_bwd(dout, q, k, v, out, lse[:, :1])
-    for actual, wanted in zip((out, lse, *grads), (*expected, *expected_grads)):
-        torch.testing.assert_close(actual, wanted, atol=2e-6, rtol=1e-4)
 
 
 def test_torch_compile_checks_before_the_fake_kernel():

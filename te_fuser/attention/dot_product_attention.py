@@ -9,7 +9,9 @@ import torch
 from ..quantization import DelayedScalingState, FP8GlobalState, make_recipe_state
 from ..kernels.validate import FLOAT_DTYPES
 from ..ops._fp8_io import dequantized_with_grad
-from .function import FusedAttentionFunction, attention_forward
+from .backends import Lengths
+from .backends.selection import check_backend_name
+from .function import FusedAttentionFunction, attention_forward, choose_backend
 from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
@@ -62,6 +64,22 @@ class DotProductAttention(torch.nn.Module):
     dequantized. forward(fp8_output=True) under FP8 attention (and any forward under a recipe
     with fp8_mha=True, as in TE) returns the output as a Float8Tensor, quantized with an O scaling slot of its own (delayed scaling: its own amax
     history; current scaling: the output's amax); otherwise it is ignored.
+
+    Backends. Each call runs on one of te_fuser's attention backends, inside one autograd Function
+    that saves only through save_for_backward: "te_fuser" (its own kernels: C on the CPU, CUDA C on
+    the GPU; the only one for FP8 q/k/v), "cudnn" and "flash" (torch's cuDNN and FlashAttention
+    kernels, CUDA), "cpu_flash" (torch's CPU flash-attention kernel) and "unfused" (torch's math ops,
+    memory quadratic in the sequence length). By default the fastest backend measured on the device that
+    supports the problem runs it (the table in te_fuser/attention/backends/selection.py); one that cannot
+    express a case (a padding mask, dropout from a given seed, a head dim, FP8 inputs) is not chosen
+    for it. attention_backend (constructor argument and attribute; te_fuser's, TE has none) names one
+    backend for this module, else the environment variable TE_FUSER_ATTENTION_BACKEND does; TE's
+    NVTE_FLASH_ATTN=0, NVTE_FUSED_ATTN=0 and NVTE_UNFUSED_ATTN=0 take FlashAttention (and torch's CPU
+    flash kernel), cuDNN and the unfused path out of the automatic choice. NVTE_DEBUG=1 with
+    NVTE_DEBUG_LEVEL=1 or 2 logs the choice (and the reasons for the others).
+    te_fuser.kernels.attention.backend_for says which backend a problem gets, and why.
+    With dropout, a library kernel draws its mask from torch's generator; the call runs inside
+    get_rng_state_tracker().fork() when a tracker is given, as TE's does.
     """
 
     def __init__(self, num_attention_heads: int, kv_channels, num_gqa_groups: Optional[int] = None,
@@ -69,7 +87,8 @@ class DotProductAttention(torch.nn.Module):
                  window_size=None, sequence_parallel: bool = False, tp_size: int = 1,
                  get_rng_state_tracker=None, tp_group=None, layer_number: Optional[int] = None,
                  attention_type: str = "self", cp_group=None, cp_global_ranks=None, cp_stream=None,
-                 cp_comm_type: str = "p2p", softmax_scale: Optional[float] = None):
+                 cp_comm_type: str = "p2p", softmax_scale: Optional[float] = None,
+                 attention_backend: Optional[str] = None):
         super().__init__()
         if isinstance(kv_channels, (tuple, list)):
             if len(kv_channels) != 2 or kv_channels[0] != kv_channels[1]:
@@ -105,11 +124,21 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.attention_type = attention_type
         self.softmax_scale = 1.0 / math.sqrt(kv_channels) if softmax_scale is None else float(softmax_scale)
+        self.attention_backend = attention_backend
         # Scaling state of the q, k, v quantizers, made for the recipe and device in use.
         self._fp8_recipe = None
         self._fp8_device = None
         self._fp8_state = None
         self._fp8_output_state = None  # the O quantizer's (fp8_output), made on first use
+
+    @property
+    def attention_backend(self) -> Optional[str]:
+        """The backend this module's calls run on (None: chosen per problem)."""
+        return self._attention_backend
+
+    @attention_backend.setter
+    def attention_backend(self, name: Optional[str]) -> None:
+        self._attention_backend = check_backend_name(name, "attention_backend")
 
     def _check_inputs(self, q, k, v, qkv_format):
         rank = 3 if qkv_format == "thd" else 4
@@ -224,7 +253,7 @@ class DotProductAttention(torch.nn.Module):
                 fast_zero_fill: bool = True, inference_params=None, pad_between_seqs: Optional[bool] = None,
                 fp8_output: bool = False):
         """Attention output: [s, b, h*d] (sbhd), [b, s, h*d] (bshd) or [t, h*d] (thd)."""
-        del max_seqlen_q, max_seqlen_kv, fast_zero_fill  # lengths come from the tensors and cu_seqlens
+        del fast_zero_fill  # rows outside every sequence are always 0
         unsupported = {
             "cu_seqlens_q_padded": cu_seqlens_q_padded is not None,
             "cu_seqlens_kv_padded": cu_seqlens_kv_padded is not None,
@@ -245,11 +274,6 @@ class DotProductAttention(torch.nn.Module):
                                                      attention_mask, cu_seqlens_q, cu_seqlens_kv)
 
         dropout_p = self.attention_dropout if self.training else 0.0
-        seed = offset = 0
-        if dropout_p > 0.0:
-            tracker = self.get_rng_state_tracker
-            with tracker().fork() if tracker is not None else contextlib.nullcontext():
-                seed, offset = _dropout_seed(query_layer.device)
         quantizers = self._fp8_quantizers(query_layer.device)
         if quantizers is None:  # high-precision attention: FP8 inputs are read as their values
             query_layer, key_layer, value_layer = (dequantized_with_grad(t)
@@ -258,12 +282,22 @@ class DotProductAttention(torch.nn.Module):
         output_quantizer = None
         if quantizers is not None and (fp8_output or getattr(FP8GlobalState.get_recipe(), "fp8_mha", False)):
             output_quantizer = self._fp8_output_quantizer(query_layer.device)
+        causal = "causal" in mask_type
+        backend = choose_backend(query_layer, key_layer, qkv_format, Lengths(cu_q, cu_kv, lens_q, lens_kv),
+                                 self.softmax_scale, causal, "generator" if dropout_p > 0.0 else "none",
+                                 quantizers is not None, self._attention_backend)
         query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv = _distinct(
             query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv)
-        args = (query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q, lens_kv, self.softmax_scale,
-                "causal" in mask_type, dropout_p, seed, offset, quantizers, output_quantizer)
-        if torch.is_grad_enabled():
-            out = FusedAttentionFunction.apply(*args)
-        else:  # nothing to keep for a backward, and no autograd Function to call
-            out = attention_forward(*args, for_backward=False)[0]
+        tracker = self.get_rng_state_tracker if dropout_p > 0.0 else None
+        with tracker().fork() if tracker is not None else contextlib.nullcontext():
+            # te_fuser's kernels draw the mask of a (seed, offset) taken from the generator here; the library
+            # kernels draw from the generator themselves.
+            seed, offset = _dropout_seed(query_layer.device) if dropout_p > 0.0 and backend == "te_fuser" else (0, 0)
+            args = (query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q, lens_kv,
+                    self.softmax_scale, causal, dropout_p, seed, offset, backend, (max_seqlen_q, max_seqlen_kv),
+                    quantizers, output_quantizer)
+            if torch.is_grad_enabled():
+                out = FusedAttentionFunction.apply(*args)
+            else:  # nothing to keep for a backward, and no autograd Function to call
+                out = attention_forward(*args, for_backward=False)[0]
         return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])

@@ -6,8 +6,11 @@ csrc/attention/attention.h. Tensors are in the kernel layout: q is
 [batch, seq_q, heads_q, head_dim], k and v [batch, seq_kv, heads_kv, head_dim]
 with a contiguous last dim (other strides free, so an sbhd tensor permuted to
 bshd needs no copy). Packed (thd) inputs have batch 1 and cu_seqlens offsets.
-Dense 16/32-bit CPU problems may instead run torch's CPU flash attention (ROUTE_TO_TORCH_CPU_FLASH below),
-and CUDA problems the CUDA kernels do not cover (float32, other head dims) torch's math (attention_math.py).
+attention_fwd / attention_bwd always run te_fuser's kernels (CUDA problems the CUDA kernels do not cover,
+float32 and other head dims, run torch's math, attention_math.py). DotProductAttention chooses among
+these kernels and torch's library kernels (cuDNN, FlashAttention, the CPU flash kernel) per problem:
+backend_for says which one it would run and why the others were passed over
+(te_fuser/attention/backends/selection.py).
 """
 
 import math
@@ -15,27 +18,11 @@ from typing import Optional
 
 import torch
 
-from . import attention_math, cpu
+from . import attention_math
 from .validate import (call_checked, check_dtype, check_one_device_in_fake, check_same_device, check_scalar_f32,
                        check_tensor, FLOAT_DTYPES)
 
 _ops = torch.ops.te_fuser
-
-# Dense 16/32-bit CPU problems without dropout go to torch's flash-attention kernel for the CPU
-# (aten::_scaled_dot_product_flash_attention_for_cpu, SDPA's CPU path) on the tiers where that was
-# measured faster (ROUTED_ISAS): the portable tier, where te_fuser's baseline x86-64 build took 9x torch's time
-# forward and 7x forward+backward (Zen 1, [8, 256, 8, 64] causal fp32). The avx2 tier keeps te_fuser's kernels
-# (their AVX2 build, csrc/attention/attention_*_avx2.c). Measured on Zen 1, 2 threads, with
-# benchmarks/bench_attention.py --no-route --isa avx2 (medians; torch's time / te_fuser's in the same run, the
-# range over 3 runs): [1, 2048, 8, 64] causal 1.23-1.26x forward and 1.26-1.47x forward+backward in fp32,
-# 1.17-1.34x and 4.6x in bf16; [8, 256, 8, 64] causal (gpt.py's layout) 1.66-1.77x and 1.55-1.66x in fp32,
-# 1.73-1.79x and 4.1x in bf16. Without the causal mask, [1, 2048, 8, 64] fp32 is even (1.00-1.02x forward,
-# 1.08x forward+backward). AVX-512 and AMX CPUs keep te_fuser's kernels too (AMX: its tile kernels).
-# Same math: float32 scores, softmax and sums, one rounding of the output; lse is the same natural-log
-# logsumexp.
-# The tests of te_fuser's own kernels turn this off (tests/test_attention*.py).
-ROUTE_TO_TORCH_CPU_FLASH = True
-ROUTED_ISAS = ("portable",)
 
 FP8_INPUT_DTYPES = (torch.float8_e4m3fn,)
 _QKV_DTYPES = FLOAT_DTYPES + FP8_INPUT_DTYPES
@@ -162,14 +149,12 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
         return call_checked(check, _ops.attention_fwd, q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q,
                             seqlens_kv, *scalars, q_descale, k_descale, v_descale, out_dtype)
     softmax_scale, fp8 = check()
-    if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8, softmax_scale):
-        return _torch_cpu_flash_fwd(q, k, v, softmax_scale, bool(causal))
     if attention_math.applies(q):
         attention_math.refuse_dropout(q, dropout_p)
         out, lse = attention_math.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
                                                 softmax_scale, bool(causal), (q_descale, k_descale, v_descale))
         # One pass: the conversion to the output dtype happens in the copy into q's dim order.
-        return _empty_in_order_of(q, out_dtype or (torch.float32 if fp8 else q.dtype)).copy_(out), lse
+        return empty_in_order_of(q, out_dtype or (torch.float32 if fp8 else q.dtype)).copy_(out), lse
     return _ops.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale,
                               bool(causal), float(dropout_p), int(seed), int(offset), q_descale, k_descale,
                               v_descale, out_dtype)
@@ -177,17 +162,16 @@ def attention_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=N
 
 def _kernel_scalars(q, softmax_scale, causal, dropout_p, seed, offset):
     """The op's (softmax_scale, causal, dropout_p, seed, offset) when the problem goes straight to te_fuser's
-    CPU kernel, else None: the checked path, with the routing.
+    CPU kernel, else None: the checked path.
 
     The CPU binding checks every argument itself, so that path checks them in Python only after the binding
     refused them (validate.call_checked): on a small problem the Python checks cost more than the kernel.
-    It is decided on q alone: a CPU tensor, torch's CPU flash route off for this tier, not under
-    torch.compile. The checked path still takes an empty q (attention_bwd answers it without the kernel), a
-    dropout_p outside [0, 1) (the binding rounds a tiny negative one to -0.0 and takes it) and any argument
-    these conversions fail on: it raises the error that names the first bad argument.
+    It is decided on q alone: a CPU tensor, not under torch.compile. The checked path still takes an empty q
+    (attention_bwd answers it without the kernel), a dropout_p outside [0, 1) (the binding rounds a tiny
+    negative one to -0.0 and takes it) and any argument these conversions fail on: it raises the error that
+    names the first bad argument.
     """
-    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or not q.is_cpu or not q.numel()
-            or (ROUTE_TO_TORCH_CPU_FLASH and cpu.current_isa() in ROUTED_ISAS)):
+    if torch.compiler.is_compiling() or type(q) is not torch.Tensor or not q.is_cpu or not q.numel():
         return None
     try:
         scalars = (1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale), bool(causal),
@@ -197,42 +181,11 @@ def _kernel_scalars(q, softmax_scale, causal, dropout_p, seed, offset):
     return scalars if 0.0 <= scalars[2] < 1.0 else None
 
 
-def _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8,
-                             softmax_scale) -> bool:
-    """Whether this problem runs on torch's CPU flash attention (see ROUTE_TO_TORCH_CPU_FLASH). Its causal
-    mask is aligned to the top left, like te_fuser's (TE's `causal`), but only self-attention lengths
-    were measured, so causal cross-attention stays here; so does a scale <= 0, for which its causal path
-    gives NaN (it scales the -inf it masks with)."""
-    return (ROUTE_TO_TORCH_CPU_FLASH and cpu.current_isa() in ROUTED_ISAS and q.is_cpu and not fp8
-            and dropout_p == 0.0
-            and softmax_scale > 0.0
-            and cu_seqlens_q is None and seqlens_q is None and seqlens_kv is None
-            and q.shape[2] == k.shape[2] and (not causal or q.shape[1] == k.shape[1])
-            and q.numel() > 0 and k.numel() > 0 and not torch.compiler.is_compiling())
-
-
-def _in_order_of(t, like):
+def in_order_of(t, like):
     """t ([b, s, h, d]) with dims 0..2 in like's stride order (the kernels' output contract): t itself when it
     already has the strides of such a tensor, else a copy."""
-    target = _empty_in_order_of(like, t.dtype)
+    target = empty_in_order_of(like, t.dtype)
     return t if target.stride() == t.stride() else target.copy_(t)
-
-
-def _torch_cpu_flash_fwd(q, k, v, softmax_scale, causal):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=softmax_scale)
-    return _in_order_of(out.transpose(1, 2), q), lse.contiguous()
-
-
-def _torch_cpu_flash_bwd(dout, q, k, v, out, lse, softmax_scale, causal):
-    operands = [t.transpose(1, 2) for t in (dout, q, k, v, out)]
-    if q.dtype != torch.float32:
-        # torch's 16-bit backward ran 4.5x faster on dense [b, h, s, d] operands than on gpt.py's q, k, v
-        # (views of one QKV projection), on AVX2 ([8, 256, 8, 64], bf16); float32 showed no difference.
-        operands = [t.contiguous() for t in operands]
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *operands, lse, 0.0, causal, scale=softmax_scale)
-    return tuple(_in_order_of(g.transpose(1, 2), like) for g, like in zip(grads, (q, k, v)))
 
 
 def fp8_tensor_cores(device) -> bool:
@@ -282,20 +235,40 @@ def attention_bwd(dout, q, k, v, out, lse, *, cu_seqlens_q=None, cu_seqlens_kv=N
     if scalars is not None:
         return call_checked(check, _ops.attention_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv,
                             seqlens_q, seqlens_kv, *scalars, q_descale, k_descale, v_descale)
-    softmax_scale, fp8 = check()
+    softmax_scale, _ = check()
     if q.numel() == 0:  # no query: nothing reaches k or v
-        return (_empty_in_order_of(q, dout.dtype), _empty_in_order_of(k, dout.dtype).zero_(),
-                _empty_in_order_of(v, dout.dtype).zero_())
-    if _torch_cpu_flash_applies(q, k, cu_seqlens_q, seqlens_q, seqlens_kv, causal, dropout_p, fp8, softmax_scale):
-        return _torch_cpu_flash_bwd(dout, q, k, v, out, lse, softmax_scale, bool(causal))
+        return (empty_in_order_of(q, dout.dtype), empty_in_order_of(k, dout.dtype).zero_(),
+                empty_in_order_of(v, dout.dtype).zero_())
     if attention_math.applies(q):
         attention_math.refuse_dropout(q, dropout_p)
         grads = attention_math.attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q,
                                              seqlens_kv, softmax_scale, bool(causal), (q_descale, k_descale, v_descale))
-        return tuple(_empty_in_order_of(like, dout.dtype).copy_(g) for g, like in zip(grads, (q, k, v)))
+        return tuple(empty_in_order_of(like, dout.dtype).copy_(g) for g, like in zip(grads, (q, k, v)))
     return _ops.attention_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv,
                               softmax_scale, bool(causal), float(dropout_p), int(seed), int(offset),
                               q_descale, k_descale, v_descale)
+
+
+def backend_for(q, k, v=None, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_q=None, seqlens_kv=None,
+                softmax_scale: Optional[float] = None, causal: bool = False, dropout_p: float = 0.0,
+                seeded_dropout: bool = False, backend: Optional[str] = None):
+    """Which attention backend DotProductAttention would run for these kernel-layout tensors (arguments as
+    attention_fwd's), and why each other backend was passed over: a Choice, whose str() explains it.
+
+    dropout_p > 0 is dropout drawn from torch's generator at call time, as DotProductAttention draws it;
+    seeded_dropout=True is dropout from a given (seed, offset) (attention_fwd's, which only te_fuser's kernels
+    can draw). backend names one backend as a module's attention_backend does. The environment
+    (TE_FUSER_ATTENTION_BACKEND, NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN) counts as it did when
+    the calls first met this kind of problem (te_fuser.attention.backends.clear_cache() re-reads it).
+    Raises what the call would raise when no backend (or not the one named) can run the problem.
+    """
+    from ..attention.backends import Lengths, choose, describe
+
+    _check_qkv(q, k, k if v is None else v)
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    dropout = "none" if dropout_p == 0.0 else ("seeded" if seeded_dropout else "generator")
+    lengths = Lengths(cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv)
+    return choose(describe(q, k, lengths, causal, dropout, scale), backend)
 
 
 def _lse_shape(q, cu_seqlens_q):
@@ -303,7 +276,7 @@ def _lse_shape(q, cu_seqlens_q):
     return (h, s) if cu_seqlens_q is not None else (b, h, s)
 
 
-def _empty_in_order_of(like, dtype):
+def empty_in_order_of(like, dtype):
     """An empty tensor of like's shape with dims 0..2 in the order of like's strides, as the kernels allocate."""
     order = sorted(range(3), key=lambda d: -like.stride(d))  # stable: ties keep their dim order
     t = like.new_empty([like.shape[o] for o in order] + [like.shape[3]], dtype=dtype)
@@ -317,7 +290,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_kv, softmax_scale
                              seqlens_q=seqlens_q, seqlens_kv=seqlens_kv, q_descale=q_descale,
                              k_descale=k_descale, v_descale=v_descale)
     dtype = (out_dtype or torch.float32) if q.dtype in FP8_INPUT_DTYPES else q.dtype
-    return _empty_in_order_of(q, dtype), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
+    return empty_in_order_of(q, dtype), q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32)
 
 
 @torch.library.register_fake("te_fuser::attention_bwd")
@@ -326,5 +299,5 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seqlens_q, seqlens_k
     check_one_device_in_fake(q=q, k=k, v=v, dout=dout, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                              cu_seqlens_kv=cu_seqlens_kv, seqlens_q=seqlens_q, seqlens_kv=seqlens_kv,
                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    return (_empty_in_order_of(q, dout.dtype), _empty_in_order_of(k, dout.dtype),
-            _empty_in_order_of(v, dout.dtype))
+    return (empty_in_order_of(q, dout.dtype), empty_in_order_of(k, dout.dtype),
+            empty_in_order_of(v, dout.dtype))

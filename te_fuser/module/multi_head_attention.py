@@ -57,7 +57,8 @@ class MultiheadAttention(torch.nn.Module):
     checkpoint_core_attention=True recomputes the attention in backward (te_fuser.distributed.checkpoint).
     Not supported (NotImplementedError naming it): userbuffer overlap (ub_*),
     qk_norm_type, softmax_type other than "vanilla", bottom_right_diagonal=True,
-    and the DotProductAttention options it lacks.
+    and the DotProductAttention options it lacks. attention_backend (te_fuser's) is passed on to
+    DotProductAttention: the backend its attention runs on, None for the automatic choice.
     With a recipe with fp8_mha=True (TE's semantics, without rotary_pos_emb), the QKV
     projections return FP8, q, k and v are FP8 views of those bytes (one scale), the attention
     runs on them without a 16-bit copy and returns FP8, which the output projection's FP8 GEMM
@@ -80,7 +81,8 @@ class MultiheadAttention(torch.nn.Module):
                  bias: bool = True, normalization: str = "LayerNorm", device: Union[torch.device, str, None] = None,
                  qkv_format: str = "sbhd", name: Optional[str] = None, qk_norm_type: Optional[str] = None,
                  qk_norm_eps: float = 1e-6, qk_norm_before_rope: bool = False, seq_length: Optional[int] = None,
-                 micro_batch_size: Optional[int] = None, softmax_type: str = "vanilla"):
+                 micro_batch_size: Optional[int] = None, softmax_type: str = "vanilla",
+                 attention_backend: Optional[str] = None):
         super().__init__()
         del qk_norm_eps, qk_norm_before_rope, seq_length, micro_batch_size  # JIT warm-up hints / qk_norm only
         check_unsupported("MultiheadAttention", {
@@ -166,7 +168,8 @@ class MultiheadAttention(torch.nn.Module):
             num_attention_heads, kv_channels, num_gqa_groups=num_gqa_groups, attention_dropout=attention_dropout,
             qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window_size,
             tp_size=self.tp_size, get_rng_state_tracker=get_rng_state_tracker, sequence_parallel=sequence_parallel,
-            tp_group=tp_group, layer_number=self.layer_number, attention_type=attention_type)
+            tp_group=tp_group, layer_number=self.layer_number, attention_type=attention_type,
+            attention_backend=attention_backend)
 
         self.proj = Linear(self.hidden_size_q, hidden_size, init_method=output_layer_init_method, bias=bias,
                            return_bias=return_bias, parallel_mode="row" if set_parallel_mode else None,

@@ -7,14 +7,20 @@ each shown to catch the buggy pattern:
      (and no Float8Tensor holding buffers) on any node's plain attributes;
   2. the bytes torch's allocator still holds after forward + backward, while
      the output is alive, are exactly the output and the input grads.
-Both are cross-checked with te_fuser.memory (audit_autograd, MemoryTracker).
+Both are cross-checked with te_fuser.memory (audit_autograd, MemoryTracker). Every backend runs in the
+same Function: the CPU ones (te_fuser's kernels, torch's CPU flash kernel, the unfused path) are measured
+with the allocator; the GPU library ones (cuDNN, flash) on meta tensors, where the graph walk applies and
+the retention is seen through weak references to what their aten ops returned.
 """
+
+import weakref
 
 import pytest
 import torch
 
 import te_fuser
 from te_fuser.attention import dot_product_attention as dpa_module
+from te_fuser.attention.backends import clear_cache, cudnn, flash
 from te_fuser.attention.function import FusedAttentionFunction
 from te_fuser.memory import MemoryTracker, audit_autograd
 from te_fuser.tensor.quantized_tensor import restore_from_saved
@@ -54,8 +60,12 @@ class LeakyFunction(FusedAttentionFunction):
         return grads
 
 
-def run(fp8: bool):
-    module = te_fuser.DotProductAttention(HEADS, DIM, qkv_format="bshd")
+# (backend, fp8): FP8 attention runs on te_fuser's kernels only.
+CPU_RUNS = [("te_fuser", False), ("te_fuser", True), ("cpu_flash", False), ("unfused", False)]
+
+
+def run(fp8: bool, backend: str = "te_fuser"):
+    module = te_fuser.DotProductAttention(HEADS, DIM, qkv_format="bshd", attention_backend=backend)
     q, k, v = (torch.randn(1, SEQ, HEADS, DIM, requires_grad=True) for _ in range(3))
     recipe = te_fuser.recipe.DelayedScaling(fp8_dpa=True)
 
@@ -78,19 +88,20 @@ def run(fp8: bool):
     return out, held, expected, tracker.retained_bytes, out_again
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_no_tensor_on_ctx_and_nothing_retained(fp8):
-    out, held, expected, tracked, out_again = run(fp8)
+@pytest.mark.parametrize("backend, fp8", CPU_RUNS)
+def test_no_tensor_on_ctx_and_nothing_retained(backend, fp8):
+    out, held, expected, tracked, out_again = run(fp8, backend)
+    assert out.grad_fn.next_functions[0][0].backend == backend
     assert ctx_tensors(out) == []
     assert held == expected, f"{held - expected} bytes beyond the output and the grads are still held"
     assert audit_autograd(out_again).clean
     assert tracked == expected
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_the_same_checks_catch_the_seed_001_bug(fp8, monkeypatch):
+@pytest.mark.parametrize("backend, fp8", CPU_RUNS)
+def test_the_same_checks_catch_the_seed_001_bug(backend, fp8, monkeypatch):
     monkeypatch.setattr(dpa_module, "FusedAttentionFunction", LeakyFunction)
-    out, held, expected, tracked, out_again = run(fp8)
+    out, held, expected, tracked, out_again = run(fp8, backend)
     leaked = ctx_tensors(out)
     assert leaked, "the graph walk missed tensors left on ctx"
     assert held > expected, "the allocator measurement missed the retained tensors"
@@ -121,3 +132,61 @@ def test_fp8_shells_on_ctx_hold_no_buffers_before_backward(monkeypatch):
     monkeypatch.setattr(te_fuser.Float8Tensor, "prepare_for_saving",
                         shell_keeps_a_link(te_fuser.Float8Tensor.prepare_for_saving))
     assert ctx_tensors(_fp8_forward())
+
+
+class Recorder:
+    """Stands in for torch.ops.aten in a library backend: weak references to every tensor its ops return."""
+
+    def __init__(self):
+        self.returned = []
+
+    def __getattr__(self, name):
+        op = getattr(torch.ops.aten, name)
+
+        def call(*args, **kwargs):
+            result = op(*args, **kwargs)
+            outputs = result if isinstance(result, tuple) else (result,)
+            self.returned.append((name, [(i, weakref.ref(t)) for i, t in enumerate(outputs)
+                                         if isinstance(t, torch.Tensor)]))
+            return result
+        return call
+
+    def alive(self):
+        """(op, output index) of every returned tensor still alive, except the forward's output (the
+        module's result is a view of it) and the backward's gradients (now the leaves' .grad)."""
+        return [(name, i) for name, refs in self.returned for i, ref in refs
+                if ref() is not None and i != 0 and not name.endswith("backward")]
+
+
+def run_on_meta(backend, monkeypatch):
+    """(output, Recorder) of a forward and backward of the library backend on meta tensors."""
+    aten = Recorder()
+    monkeypatch.setattr({"cudnn": cudnn, "flash": flash}[backend], "_aten", aten)
+    clear_cache()
+    module = te_fuser.DotProductAttention(HEADS, DIM, qkv_format="bshd", attention_backend=backend)
+    q, k, v = (torch.empty(1, SEQ, HEADS, DIM, device="meta", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    out = module(q, k, v)
+    out.backward(torch.ones_like(out))
+    return out, aten
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_library_backends_leave_nothing_on_ctx_or_alive(backend, monkeypatch):
+    out, aten = run_on_meta(backend, monkeypatch)
+    node = out.grad_fn.next_functions[0][0]
+    assert node.backend == backend and ctx_tensors(out) == []
+    assert aten.returned and aten.alive() == []  # lse and the RNG state died with the backward
+    with pytest.raises(RuntimeError, match="freed"):
+        node.saved_tensors
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_the_same_checks_catch_the_seed_001_bug_on_library_backends(backend, monkeypatch):
+    monkeypatch.setattr(dpa_module, "FusedAttentionFunction", LeakyFunction)
+    out, aten = run_on_meta(backend, monkeypatch)
+    leaked = ctx_tensors(out)
+    # (the walk reaches the lse and, for cuDNN's [b, h, s, 1] view, the tensor it views)
+    assert {name for _, name, _ in leaked} == {"saved_lse"}, "the graph walk missed the lse left on ctx"
+    forward = f"_scaled_dot_product_{backend}_attention"
+    assert aten.alive() == [(forward, 1)], "the weak references missed the retained lse"
