@@ -1,7 +1,8 @@
 """FSDP2 (fully_shard) with FP8 weights (quantized_model_init) on 2 gloo CPU ranks: the shards stay
 Float8Tensors, every all-gather moves the FP8 bytes (Float8Tensor.fsdp_pre_all_gather /
 fsdp_post_all_gather), half the bytes of the same model in bf16, and outputs and gradients are those
-of the unsharded module holding the same FP8 weights (bitwise: the gathered bytes are the same)."""
+of the unsharded module holding the same FP8 weights (bitwise: the gathered bytes are the same), also
+when the weights are requantized with a new scale between steps."""
 
 import pytest
 import torch
