@@ -6,6 +6,7 @@ the others still run; a crashed rank (its collectives left the others waiting) f
 """
 
 import os
+import queue
 import socket
 import traceback
 
@@ -38,16 +39,26 @@ def _worker(rank, world, port, cases, errors):
         dist.destroy_process_group()
 
 
+def _drain(errors, failures) -> None:
+    while True:
+        try:
+            failures.append(errors.get_nowait())
+        except queue.Empty:
+            return
+
+
 def run_cases(cases, world: int = 2) -> None:
     errors = mp.get_context("spawn").Queue()
     crash = None
+    failures = []
+    ranks = mp.start_processes(_worker, args=(world, free_port(), list(cases), errors), nprocs=world, join=False,
+                               start_method="spawn")
     try:
-        mp.start_processes(_worker, args=(world, free_port(), list(cases), errors), nprocs=world, join=True,
-                           start_method="spawn")
+        # Read the failures while the ranks run: a rank does not exit before the pipe took all it put.
+        while not ranks.join(timeout=0.5):
+            _drain(errors, failures)
     except mp.ProcessExitedException as exc:
         crash = exc
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
+    _drain(errors, failures)
     assert not failures and crash is None, (f"{crash}\n" if crash else "") + "\n".join(
         f"rank {rank} {name}{args}:\n{tb}" for rank, name, args, tb in failures)

@@ -10,6 +10,19 @@ def float64_params(module) -> dict:
     return {n: p.detach().double() for n, p in module.named_parameters()}
 
 
+def tp_shard_dim(name: str):
+    """The dim along which TransformerEngine shards a MultiheadAttention / TransformerLayer / LayerNormMLP
+    parameter under tensor parallelism: 0 (rows: column-parallel), 1 (columns: row-parallel) or None
+    (replicated)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("proj.weight") or leaf == "fc2_weight":
+        return 1
+    if leaf.startswith(("query_", "key_", "value_")) or name.endswith(("qkv.weight", "qkv.bias")) \
+            or leaf in ("fc1_weight", "fc1_bias"):
+        return 0
+    return None
+
+
 def sub(params: dict, prefix: str) -> dict:
     return {n[len(prefix) + 1:]: p for n, p in params.items() if n.startswith(prefix + ".")}
 

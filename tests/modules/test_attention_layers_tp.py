@@ -17,19 +17,10 @@ from _gloo_ranks import run_cases
 import te_fuser
 from te_fuser import recipe
 
+from layer_reference import tp_shard_dim
+
 WORLD = 2
 SEQ, BATCH, HIDDEN, HEADS, FFN = 16, 2, 64, 4, 128
-
-
-def _shard_dim(name: str):
-    """0 (rows: column-parallel), 1 (columns: row-parallel) or None (replicated) for a parameter name."""
-    leaf = name.rsplit(".", 1)[-1]
-    if name.endswith("proj.weight") or leaf == "fc2_weight":
-        return 1
-    if leaf.startswith(("query_", "key_", "value_")) or name.endswith(("qkv.weight", "qkv.bias")) \
-            or leaf in ("fc1_weight", "fc1_bias"):
-        return 0
-    return None
 
 
 def _shard(t, dim, rank):
@@ -58,7 +49,7 @@ def _case(rank, kind, fuse_qkv_params, sequence_parallel, fp8):
     assert set(full_params) == set(tp_params)
     with torch.no_grad():
         for name, p in tp_params.items():
-            p.copy_(_shard(full_params[name], _shard_dim(name), rank))
+            p.copy_(_shard(full_params[name], tp_shard_dim(name), rank))
 
     x = torch.randn(SEQ, BATCH, HIDDEN)
     dy = torch.randn(SEQ, BATCH, HIDDEN)
@@ -77,14 +68,14 @@ def _case(rank, kind, fuse_qkv_params, sequence_parallel, fp8):
         grads = {}
         for name, p in module.named_parameters():
             grads[name] = p.grad
-            if module is tp and sequence_parallel and _shard_dim(name) is None:
+            if module is tp and sequence_parallel and tp_shard_dim(name) is None:
                 # Replicated parameters see only this rank's tokens: partial grads, summed by the framework.
                 dist.all_reduce(grads[name], group=group)
         return {"out": out.detach(), "dgrad": inp.grad, **grads}
 
     expect = run(full, x, dy, False)
     got = run(tp, _shard(x, seq_dim, rank).contiguous(), _shard(dy, seq_dim, rank).contiguous(), fp8)
-    shard_dims = {"out": seq_dim, "dgrad": seq_dim, **{n: _shard_dim(n) for n in tp_params}}
+    shard_dims = {"out": seq_dim, "dgrad": seq_dim, **{n: tp_shard_dim(n) for n in tp_params}}
     if fp8:
         # The FP8 error of the single-process module calibrates the TP module's (each rank casts
         # its own shards with its own scales, so the two differ within FP8 precision).

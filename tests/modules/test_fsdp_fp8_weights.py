@@ -1,7 +1,8 @@
 """FSDP2 (fully_shard) with FP8 weights (quantized_model_init) on 2 gloo CPU ranks: the shards stay
 Float8Tensors, every all-gather moves the FP8 bytes (Float8Tensor.fsdp_pre_all_gather /
 fsdp_post_all_gather), half the bytes of the same model in bf16, and outputs and gradients are those
-of the unsharded module holding the same FP8 weights (bitwise: the gathered bytes are the same)."""
+of the unsharded module holding the same FP8 weights (bitwise: the gathered bytes are the same), also
+when the weights are requantized with a new scale between steps."""
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
 import te_fuser
 from te_fuser import recipe
-from te_fuser.tensor.float8_tensor import Float8Tensor
+from te_fuser.tensor import Float8Tensor
+from te_fuser.tensor.utils import cast_master_weights_to_fp8
 
 from _module_checks import spawn
 
@@ -57,13 +59,43 @@ class _GatherLog:
         _fsdp_collectives.DefaultAllGather.__call__ = self._real
 
 
+def _sharded(model):
+    """(model under fully_shard on all ranks, its mesh)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # FSDP's default mesh is CUDA's wherever a GPU exists
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    return model, mesh
+
+
+def _step_matches_the_unsharded_module(rank, model, reference, fp8_recipe, gen, where):
+    """One forward and backward of both on this rank's batch: the same output and input gradient, bit
+    for bit, and FSDP's reduced gradient shards those of the unsharded module."""
+    world = dist.get_world_size()
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(BF16)
+    dy = torch.randn(TOKENS, HIDDEN, generator=gen).to(BF16)
+    results = []
+    for m in (model, reference):
+        xi = x.clone().requires_grad_()
+        with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+            out = m(xi)
+        out.backward(dy)
+        results.append((out, xi.grad))
+    assert torch.equal(results[0][0], results[1][0]), f"{where}: output"
+    assert torch.equal(results[0][1], results[1][1]), f"{where}: input gradient"
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        # FSDP averages the ranks' gradients (in float32) and keeps this rank's rows.
+        full = q.grad.float()
+        dist.all_reduce(full)
+        want = (full / world).to(BF16).chunk(world)[rank]
+        assert torch.equal(p.grad._local_tensor, want), f"{where}: {pname} gradient"
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+
+
 def _fsdp2_fp8_weights(rank, name, recipe_name):
     fp8_recipe = RECIPES[recipe_name]()
     world = dist.get_world_size()
     reference = _build(name, fp8_recipe)
-    model = _build(name, fp8_recipe)
-    mesh = init_device_mesh("cpu", (world,))  # FSDP's default mesh is CUDA's wherever a GPU exists
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    model, mesh = _sharded(_build(name, fp8_recipe))
     for p in model.parameters():  # each rank keeps its FP8 shard
         local = p._local_tensor
         if isinstance(local, Float8Tensor):
@@ -71,25 +103,7 @@ def _fsdp2_fp8_weights(rank, name, recipe_name):
     gen = torch.Generator().manual_seed(100 + rank)  # data parallel: each rank its own batch
     with _GatherLog() as log:
         for step in range(2):  # the 2nd all-gather writes into the 1st one's storage (out=)
-            x = torch.randn(TOKENS, HIDDEN, generator=gen).to(BF16)
-            dy = torch.randn(TOKENS, HIDDEN, generator=gen).to(BF16)
-            results = []
-            for m in (model, reference):
-                xi = x.clone().requires_grad_()
-                with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
-                    out = m(xi)
-                out.backward(dy)
-                results.append((out, xi.grad))
-            assert torch.equal(results[0][0], results[1][0]), f"step {step}: output"
-            assert torch.equal(results[0][1], results[1][1]), f"step {step}: input gradient"
-            for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
-                # FSDP averages the ranks' gradients (in float32) and keeps this rank's rows.
-                full = q.grad.float()
-                dist.all_reduce(full)
-                want = (full / world).to(BF16).chunk(world)[rank]
-                assert torch.equal(p.grad._local_tensor, want), f"step {step}: {pname} gradient"
-            model.zero_grad(set_to_none=True)
-            reference.zero_grad(set_to_none=True)
+            _step_matches_the_unsharded_module(rank, model, reference, fp8_recipe, gen, f"step {step}")
     fp8_gather_bytes = list(log.bytes)
 
     bf16 = _build(name, None)
@@ -111,3 +125,41 @@ def _fsdp2_fp8_weights(rank, name, recipe_name):
 @pytest.mark.parametrize("name", list(MODULES))
 def test_fsdp2_gathers_fp8_bytes_and_matches_the_unsharded_module(name, recipe_name):
     spawn(_fsdp2_fp8_weights, name, recipe_name)
+
+
+def _fsdp2_fp8_weights_requantized(rank, name, recipe_name):
+    """Between steps the FP8 weights are requantized from float32 masters whose amax grows 3x a step
+    (cast_master_weights_to_fp8, an FP8-weight optimizer's write: each rank casts its shard with the
+    amax reduced over the FSDP group). FSDP2's later all-gathers land in the first one's storage
+    (fsdp_post_all_gather with out=), and each must carry the new scale: every step's output and
+    gradients equal those of the unsharded module requantized from the whole masters.
+
+    Planted to check it: fsdp_post_all_gather returning without `out._scale_inv.copy_(scale_inv)`
+    (the gathered bytes with the first gather's scale): fails at step 1, for both modules and recipes.
+    """
+    fp8_recipe = RECIPES[recipe_name]()
+    world = dist.get_world_size()
+    reference = _build(name, fp8_recipe)
+    model, mesh = _sharded(_build(name, fp8_recipe))
+    fp8 = [(p, q) for p, q in zip(model.parameters(), reference.parameters()) if isinstance(q, Float8Tensor)]
+    gen = torch.Generator().manual_seed(100 + rank)  # data parallel: each rank its own batch
+    masters_gen = torch.Generator().manual_seed(7)  # the masters: the same on every rank
+    scale_invs = []
+    for step in range(3):
+        if step:
+            masters = [torch.randn(q.shape, generator=masters_gen) * 0.05 * 3 ** step for _, q in fp8]
+            cast_master_weights_to_fp8([q for _, q in fp8], masters)
+            cast_master_weights_to_fp8([p._local_tensor for p, _ in fp8], [m.chunk(world)[rank] for m in masters],
+                                       group=mesh.get_group())
+            for p, q in fp8:  # the shards hold the whole weight's scale
+                assert torch.equal(p._local_tensor._scale_inv, q._scale_inv)
+        scale_invs.append(torch.cat([q._scale_inv for _, q in fp8]))
+        _step_matches_the_unsharded_module(rank, model, reference, fp8_recipe, gen, f"step {step}")
+    for step in (1, 2):  # every weight's scale changed: a stale one would show in that step
+        assert (scale_invs[step] != scale_invs[step - 1]).all(), (step, scale_invs)
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("name", list(MODULES))
+def test_fsdp2_gathers_the_new_scale_after_a_requantization(name, recipe_name):
+    spawn(_fsdp2_fp8_weights_requantized, name, recipe_name)

@@ -235,10 +235,15 @@ class BasicLinear(BasicOperation):
             raise ValueError(f"input's last dimension must be in_features = {self.local_in_features}"
                              f"{' (local to this TP rank)' if self.tensor_parallel_size > 1 else ''}, "
                              f"got input shape {tuple(x.shape)}")
+        group = self.tensor_parallel_group
+        if self.tensor_parallel_mode is not None and tp.world_size(group) != self.tensor_parallel_size:
+            # Without its group the layer would skip its collectives and return a partial result.
+            raise RuntimeError(f"tensor_parallel_size is {self.tensor_parallel_size} but the tensor-parallel group "
+                               f"has {tp.world_size(group)} rank(s): pass tp_group (tensor_parallel_group) or call "
+                               "set_tensor_parallel_group() before the forward")
         input_requires_grad = ctx.input_requires_grad
         weight_requires_grad = weight.requires_grad
         gather = self.gathers_input and not input_gathered
-        group = self.tensor_parallel_group
         # The original (pre-gather, high-precision) input, when the wgrad is to use it.
         wgrad_needed = weight_requires_grad and bool(ctx.params_require_grad[0])  # False under no_grad
         original = x if self.save_original_input and wgrad_needed and not isinstance(x, Float8Tensor) else None
