@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .. import amp
 from ..fp8_state import DelayedScalingState, FP8GlobalState, make_recipe_state
 from ..kernels.validate import FLOAT_DTYPES
 from ..ops._fp8_io import dequantized_with_grad
@@ -241,6 +242,10 @@ class DotProductAttention(torch.nn.Module):
         mask_type = check_mask_type(attn_mask_type or self.attn_mask_type)
         check_window_size(window_size if window_size is not None else self.window_size, mask_type)
         self._check_inputs(query_layer, key_layer, value_layer, qkv_format)
+        # torch.autocast: q, k and v in its dtype, and the kernels run with autocast off (te_fuser.amp).
+        dtype = amp.autocast_dtype(query_layer.device.type)
+        if dtype is not None:
+            query_layer, key_layer, value_layer = (amp.cast_input(t) for t in (query_layer, key_layer, value_layer))
         cu_q, cu_kv, lens_q, lens_kv = self._lengths(query_layer, key_layer, qkv_format, mask_type,
                                                      attention_mask, cu_seqlens_q, cu_seqlens_kv)
 
@@ -262,8 +267,9 @@ class DotProductAttention(torch.nn.Module):
             query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv)
         args = (query_layer, key_layer, value_layer, qkv_format, cu_q, cu_kv, lens_q, lens_kv, self.softmax_scale,
                 "causal" in mask_type, dropout_p, seed, offset, quantizers, output_quantizer)
-        if torch.is_grad_enabled():
-            out = FusedAttentionFunction.apply(*args)
-        else:  # nothing to keep for a backward, and no autograd Function to call
-            out = attention_forward(*args, for_backward=False)[0]
+        with amp.autocast_off(query_layer.device.type, dtype):
+            if torch.is_grad_enabled():
+                out = FusedAttentionFunction.apply(*args)
+            else:  # nothing to keep for a backward, and no autograd Function to call
+                out = attention_forward(*args, for_backward=False)[0]
         return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .. import fp8_weights
+from .. import amp, fp8_weights
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.linear import BasicLinear
 from ..ops.fuser import OperationFuser
@@ -48,6 +48,12 @@ def positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def returned_bias(bias: Optional[torch.Tensor], inp: torch.Tensor) -> Optional[torch.Tensor]:
+    """A bias returned to the caller (return_bias), in the autocast dtype under torch.autocast, as TE
+    returns it: the caller adds it to the module's output, which is in that dtype."""
+    return amp.cast(bias, amp.autocast_dtype(inp.device.type))
 
 
 def rng_fork(get_rng_state_tracker, rng_tracker_name):
