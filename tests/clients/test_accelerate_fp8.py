@@ -9,7 +9,6 @@ own code runs on the CPU as it is. CI installs it with `pip install --no-deps ac
 """
 
 import importlib.metadata
-import warnings
 
 import pytest
 import torch
@@ -47,12 +46,7 @@ def _accelerator(handler: str):
     from accelerate import Accelerator
     from accelerate.utils import FP8RecipeKwargs, TERecipeKwargs
 
-    if handler == "TERecipeKwargs":
-        kwargs = TERecipeKwargs(**RECIPE)
-    else:
-        with warnings.catch_warnings():  # deprecated in favour of TERecipeKwargs, still accepted
-            warnings.simplefilter("ignore", FutureWarning)
-            kwargs = FP8RecipeKwargs(backend="TE", **RECIPE)
+    kwargs = TERecipeKwargs(**RECIPE) if handler == "TERecipeKwargs" else FP8RecipeKwargs(backend="TE", **RECIPE)
     return Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[kwargs])
 
 
@@ -64,6 +58,7 @@ def _prepared(handler):
     return accelerator, model, optimizer
 
 
+@pytest.mark.filterwarnings("ignore:FP8RecipeKwargs is deprecated")  # in favour of TERecipeKwargs; still accepted
 @pytest.mark.parametrize("handler", ["TERecipeKwargs", "FP8RecipeKwargs"])
 def test_accelerator_trains_in_fp8_on_te_fuser(alias, handler):
     accelerator, model, optimizer = _prepared(handler)
