@@ -7,12 +7,18 @@ CUDA_ARCH_FLAGS = -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_90a,
 CUDA_CHECK_DIR ?= build/cuda-check
 TORCH_INCLUDES = $(shell $(PYTHON) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-isystem' + p for p in include_paths()))")
 
+# tests/clients: accelerate's and Lightning's TE precision, and what they import beyond torch, numpy,
+# packaging, fsspec and typing-extensions (there already); --no-deps keeps torch pinned.
+CLIENT_PACKAGES = accelerate==1.15.0 safetensors==0.8.0 pyyaml==6.0.3 \
+	lightning==2.6.0 lightning-utilities==0.15.3 torchmetrics==1.9.0
+
 .PHONY: install demo test c-check cuda-check bench
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
 	$(PYTHON) -m pip install -q pytest numpy tqdm matplotlib
 	$(PYTHON) -m pip install -q --no-deps megatron-core==0.16.1  # tests/clients; --no-deps keeps torch pinned
+	$(PYTHON) -m pip install -q --no-deps $(CLIENT_PACKAGES)
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 
 demo: install

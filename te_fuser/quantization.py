@@ -224,10 +224,11 @@ class DelayedScalingState:
         self.forward = forward
         self.fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
         device = torch.device(device) if device is not None else torch.device("cpu")
-        self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, device=device)
-        self.amax = torch.zeros(num_quantizers, device=device)
-        self.scale = torch.ones(num_quantizers, device=device)
-        self.scale_inv = torch.ones(num_quantizers, device=device)
+        # float32 whatever torch's default dtype is (Lightning sets it to bf16), as in TE.
+        self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, device=device, dtype=torch.float32)
+        self.amax = torch.zeros(num_quantizers, device=device, dtype=torch.float32)
+        self.scale = torch.ones(num_quantizers, device=device, dtype=torch.float32)
+        self.scale_inv = torch.ones(num_quantizers, device=device, dtype=torch.float32)
         self.group = None
         self._quantizers = None  # quantizers(), made on first use, views of the buffers above
         FP8GlobalState._live_states.add(self)

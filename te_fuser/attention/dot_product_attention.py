@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from .. import amp
 from ..quantization import DelayedScalingState, FP8GlobalState, make_recipe_state
 from ..kernels.validate import FLOAT_DTYPES
 from ..ops._fp8_io import dequantized_with_grad
@@ -270,6 +271,10 @@ class DotProductAttention(torch.nn.Module):
         mask_type = check_mask_type(attn_mask_type or self.attn_mask_type)
         check_window_size(window_size if window_size is not None else self.window_size, mask_type)
         self._check_inputs(query_layer, key_layer, value_layer, qkv_format)
+        # torch.autocast: q, k and v in its dtype, and the kernels run with autocast off (te_fuser.amp).
+        dtype = amp.autocast_dtype(query_layer.device.type)
+        if dtype is not None:
+            query_layer, key_layer, value_layer = (amp.cast_input(t) for t in (query_layer, key_layer, value_layer))
         cu_q, cu_kv, lens_q, lens_kv = self._lengths(query_layer, key_layer, qkv_format, mask_type,
                                                      attention_mask, cu_seqlens_q, cu_seqlens_kv)
 
@@ -289,7 +294,8 @@ class DotProductAttention(torch.nn.Module):
         query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv = _distinct(
             query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv)
         tracker = self.get_rng_state_tracker if dropout_p > 0.0 else None
-        with tracker().fork() if tracker is not None else contextlib.nullcontext():
+        with (tracker().fork() if tracker is not None else contextlib.nullcontext(),
+              amp.autocast_off(query_layer.device.type, dtype)):
             # te_fuser's kernels draw the mask of a (seed, offset) taken from the generator here; the library
             # kernels draw from the generator themselves.
             seed, offset = _dropout_seed(query_layer.device) if dropout_p > 0.0 and backend == "te_fuser" else (0, 0)

@@ -18,9 +18,14 @@ and a missing name AttributeError, both saying te_fuser does not provide it
 names te_fuser's file). ModuleNotFoundError is what client code such as
 Megatron-LM catches around optional TE imports.
 
+While installed, importlib.metadata reports a `transformer-engine` distribution
+of version TE_API_VERSION (_metadata.py): clients such as accelerate and
+Lightning look for TE there before importing it.
+
 A real TransformerEngine installation is never shadowed: install refuses
 (RuntimeError) when `transformer_engine` is importable from elsewhere, unless
-force=True.
+force=True, and an installed `transformer-engine` distribution's metadata is
+never replaced, not even with force=True.
 """
 
 import importlib
@@ -29,6 +34,8 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
+
+from . import _metadata
 
 # The TE API level te_fuser follows, as transformer_engine.__version__. Megatron-core 0.16.1 gates on
 # it: >= 2.6.0dev0 lets it set Linear.save_original_input under non-delayed FP8 recipes and
@@ -134,6 +141,7 @@ def _exists(module_name: str) -> bool:
 
 
 _FINDER = _AliasFinder()
+_DISTRIBUTIONS = _metadata.DistributionFinder(TE_API_VERSION)
 
 
 def _real_te_location():
@@ -152,7 +160,8 @@ def is_installed() -> bool:
 
 
 def install_transformer_engine(force: bool = False) -> None:
-    """Make `import transformer_engine` resolve to te_fuser (idempotent).
+    """Make `import transformer_engine` resolve to te_fuser (idempotent), and importlib.metadata
+    report a `transformer-engine` distribution unless one is installed.
 
     Raises RuntimeError if a real TransformerEngine is importable (or imported), unless
     force=True, which then removes the imported TE modules and puts te_fuser first.
@@ -165,12 +174,15 @@ def install_transformer_engine(force: bool = False) -> None:
                            "it. Pass force=True to use te_fuser under the transformer_engine name anyway.")
     _drop_transformer_engine_modules()
     sys.meta_path.insert(0, _FINDER)
+    if _metadata.installed_distribution() is None:
+        sys.meta_path.insert(0, _DISTRIBUTIONS)
 
 
 def uninstall_transformer_engine() -> None:
     """Undo install_transformer_engine(): remove the finder and the alias modules."""
-    if is_installed():
-        sys.meta_path.remove(_FINDER)
+    for finder in (_FINDER, _DISTRIBUTIONS):
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
     _drop_transformer_engine_modules()
 
 

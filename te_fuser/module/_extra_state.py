@@ -95,8 +95,9 @@ def empty_te_slots(recipe: DelayedScaling, num_gemms: int):
     """TE's (scale_fwd, amax_history_fwd, scale_bwd, amax_history_bwd) for `num_gemms` GEMMs as a fresh
     TE module holds them: scales 1, histories 0."""
     length = int(recipe.amax_history_len)
-    return (torch.ones(_FWD_SLOTS * num_gemms), torch.zeros(length, _FWD_SLOTS * num_gemms),
-            torch.ones(_BWD_SLOTS * num_gemms), torch.zeros(length, _BWD_SLOTS * num_gemms))
+    f32 = dict(dtype=torch.float32)
+    return (torch.ones(_FWD_SLOTS * num_gemms, **f32), torch.zeros(length, _FWD_SLOTS * num_gemms, **f32),
+            torch.ones(_BWD_SLOTS * num_gemms, **f32), torch.zeros(length, _BWD_SLOTS * num_gemms, **f32))
 
 
 def te_state_payload(recipe: DelayedScaling, num_gemms: int, scale_fwd, hist_fwd, scale_bwd,

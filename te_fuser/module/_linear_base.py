@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .. import amp
 from ..quantization import current_init
 from ..tensor.utils import initialize_weight, quantize_weights
 from ..ops import _tensor_parallel as tp
@@ -49,6 +50,12 @@ def positive_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
+
+
+def returned_bias(bias: Optional[torch.Tensor], inp: torch.Tensor) -> Optional[torch.Tensor]:
+    """A bias returned to the caller (return_bias), in the autocast dtype under torch.autocast, as TE
+    returns it: the caller adds it to the module's output, which is in that dtype."""
+    return amp.cast(bias, amp.autocast_dtype(inp.device.type))
 
 
 def rng_fork(get_rng_state_tracker, rng_tracker_name):

@@ -8,7 +8,7 @@ from ..quantization import current_init
 from ..tensor.utils import initialize_weight, quantize_weights
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.grouped_linear import GroupedBasicLinear, validate_m_splits
-from ._linear_base import _DEFAULT_INIT_STD, FusedModule, rng_fork
+from ._linear_base import _DEFAULT_INIT_STD, FusedModule, returned_bias, rng_fork
 
 _PARALLEL_MODES = (None, "column", "row")
 
@@ -155,4 +155,4 @@ class GroupedLinear(FusedModule):
         kwargs = {"weights": weights, "biases": biases if self.apply_bias else (), "m_splits": splits,
                   "is_first_microbatch": is_first_microbatch}
         y = self._fuser(inp, [kwargs])
-        return (y, biases) if self.return_bias else y
+        return (y, [returned_bias(b, inp) for b in biases]) if self.return_bias else y

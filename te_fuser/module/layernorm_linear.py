@@ -10,7 +10,7 @@ from ..ops.basic.bias import Bias
 from ..ops.basic.extra_output import MakeExtraOutput
 from ..ops.basic.linear import BasicLinear
 from ..ops.basic.norm import LayerNorm as LayerNormOp, RMSNorm as RMSNormOp
-from ._linear_base import FusedModule, LinearWeights, check_unsupported, rng_fork
+from ._linear_base import FusedModule, LinearWeights, check_unsupported, returned_bias, rng_fork
 from .linear import check_forward_input
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -168,5 +168,6 @@ class LayerNormLinear(FusedModule):
         result = self._fuser(inp, kwargs, fp8_output=fp8_output, fp8_grad=fp8_grad)
         out, ln_out = result if self.return_layernorm_output else (result, None)
         if self.return_bias:
+            bias = returned_bias(bias, inp)
             return (out, bias, ln_out) if self.return_layernorm_output else (out, bias)
         return (out, ln_out) if self.return_layernorm_output else out

@@ -10,7 +10,7 @@ from ..ops.basic.activation import GELU, ReLU, SwiGLU
 from ..ops.basic.bias import Bias
 from ..ops.basic.extra_output import MakeExtraOutput
 from ..ops.basic.linear import BasicLinear
-from ._linear_base import FusedModule, LinearWeights, check_unsupported, positive_int, rng_fork
+from ._linear_base import FusedModule, LinearWeights, check_unsupported, positive_int, returned_bias, rng_fork
 from .layernorm_linear import create_norm_params, make_norm_op, norm_kwargs
 from .linear import check_forward_input
 
@@ -153,5 +153,6 @@ class LayerNormMLP(FusedModule):
         result = self._fuser(inp, kwargs)
         out, ln_out = result if self.return_layernorm_output else (result, None)
         if self.return_bias:
-            return (out, self.fc2_bias, ln_out) if self.return_layernorm_output else (out, self.fc2_bias)
+            bias = returned_bias(self.fc2_bias, inp)
+            return (out, bias, ln_out) if self.return_layernorm_output else (out, bias)
         return (out, ln_out) if self.return_layernorm_output else out

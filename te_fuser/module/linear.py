@@ -7,7 +7,7 @@ import torch
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.bias import Bias
 from ..ops.basic.linear import BasicLinear
-from ._linear_base import FusedModule, LinearWeights, check_unsupported, rng_fork
+from ._linear_base import FusedModule, LinearWeights, check_unsupported, returned_bias, rng_fork
 
 _PARALLEL_MODES = (None, "column", "row")
 
@@ -133,4 +133,4 @@ class Linear(FusedModule):
         if self._bias_in_fuser:
             kwargs.append({"bias": bias})
         out = self._fuser(inp, kwargs, fp8_output=fp8_output, fp8_grad=fp8_grad)
-        return (out, bias) if self.return_bias else out
+        return (out, returned_bias(bias, inp)) if self.return_bias else out

@@ -5,6 +5,7 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
+from .. import amp
 from ..attention.masks import check_mask_type
 from ..ops import _tensor_parallel as tp
 from .layernorm import LayerNorm
@@ -189,9 +190,7 @@ class TransformerLayer(torch.nn.Module):
             if hidden_states.shape[0] != self.seq_length // self.tp_size:
                 raise ValueError(f"sequence parallelism: hidden_states has {hidden_states.shape[0]} rows in dim 0, "
                                  f"expected seq_length / TP size = {self.seq_length // self.tp_size}")
-        device_type = hidden_states.device.type
-        if torch.is_autocast_enabled(device_type):  # AMP: the layer runs in the autocast dtype
-            hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
+        hidden_states = amp.cast_input(hidden_states)  # torch.autocast: the residual stream in its dtype too
 
         attention_outputs = self.self_attention(
             hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,

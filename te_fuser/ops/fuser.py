@@ -22,6 +22,10 @@ for the input gradient quantized with the first linear op's grad-input
 quantizer; both come back as Float8Tensors carrying autograd. The grad-input
 quantizer rides on the backward state and is dropped with it.
 
+torch.autocast (te_fuser.amp): inside it the chain's input is cast to the autocast dtype, every
+op's context carries that dtype as ctx.autocast_dtype (the ops cast their parameters to it) and
+the ops run with autocast off.
+
 Extra outputs: an op with num_extra_outputs > 0 sets ctx.extra_outputs in its
 forward; the fuser takes them off the ctx at once and returns (output,
 *extra outputs), and sets ctx.grad_extra_outputs before that op's backward.
@@ -31,6 +35,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .. import amp
 from ..tensor.float8_tensor import Float8Tensor
 from ..quantization import FP8GlobalState
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
@@ -120,11 +125,12 @@ class _BackwardState:
                  "grad_input_quantizer")
 
 
-def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer):
+def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer, autocast_dtype):
     """The chain's forward: (output, extra outputs, the basic ops' contexts)."""
     ctxs = []
     for needs, (start, end) in zip(plan.input_requires_grad, plan.param_slices):
         ctx = OperationContext()
+        ctx.autocast_dtype = autocast_dtype
         ctx.input_requires_grad = needs
         ctx.params_require_grad = plan.params_require_grad[start:end]
         ctxs.append(ctx)
@@ -195,7 +201,7 @@ def _backward(func_ctx, grad_output, *grad_extra_outputs):
         for ctx in state.op_ctxs:
             ctx.clear()
         func_ctx.state = None
-    return (dy, None, None, None, *param_grads)
+    return (dy, None, None, None, None, *param_grads)
 
 
 _backward_once_differentiable = torch.autograd.function.once_differentiable(_backward)
@@ -204,9 +210,9 @@ _backward_once_differentiable = torch.autograd.function.once_differentiable(_bac
 class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(func_ctx, input_, plan, kwargs_list, boundary_quantizers, *params):
+    def forward(func_ctx, input_, plan, kwargs_list, boundary_quantizers, autocast_dtype, *params):
         output_quantizer, grad_input_quantizer = boundary_quantizers
-        x, extras, ctxs = _run_forward(plan, input_, kwargs_list, output_quantizer)
+        x, extras, ctxs = _run_forward(plan, input_, kwargs_list, output_quantizer, autocast_dtype)
         to_save, ranges = [], []
         for ctx in ctxs:
             start = len(to_save)
@@ -275,6 +281,9 @@ class OperationFuser:
         if input_.dim() == 0:
             raise ValueError("input must have at least one dimension (its last is the features), got a 0-d tensor")
         kwargs_list = basic_op_kwargs if basic_op_kwargs is not None else self._no_kwargs
+        dtype = amp.autocast_dtype(input_.device.type)
+        if dtype is not None:
+            input_ = amp.cast_input(input_)
         params_per_op = [op.op_params(**kw) for op, kw in zip(self.basic_ops, kwargs_list)]
         params = [p for ps in params_per_op for p in ps]
         fp8 = FP8GlobalState.is_enabled()
@@ -298,10 +307,11 @@ class OperationFuser:
         if fp8 and (fp8_output or fp8_grad):
             boundary = (self._boundary_quantizer("output", fp8_output, input_.device, reverse=True),
                         self._boundary_quantizer("grad_input", fp8_grad and key[4], input_.device))
-        if not grad:  # no graph to build: the autograd Function would only cost its call (~13 us)
-            x, extras, _ = _run_forward(plan, input_, kwargs_list, boundary[0])
-            return (x, *extras) if extras else x
-        return _FuserFunction.apply(input_, plan, kwargs_list, boundary, *params)
+        with amp.autocast_off(input_.device.type, dtype):
+            if not grad:  # no graph to build: the autograd Function would only cost its call (~13 us)
+                x, extras, _ = _run_forward(plan, input_, kwargs_list, boundary[0], dtype)
+                return (x, *extras) if extras else x
+            return _FuserFunction.apply(input_, plan, kwargs_list, boundary, dtype, *params)
 
     def _boundary_quantizer(self, kind: str, wanted: bool, device, reverse: bool = False):
         """The last (reverse) or first linear op's fp8_io_quantizer(kind), when wanted."""

@@ -23,8 +23,12 @@ class OperationContext:
     clear() drops every attribute once backward is done with them.
 
     The fuser sets input_requires_grad and params_require_grad (one flag per
-    op_params() entry, all False under torch.no_grad) before op_forward.
+    op_params() entry, all False under torch.no_grad) before op_forward, and
+    autocast_dtype: torch.autocast's dtype, which the op computes in and casts
+    its parameters to (te_fuser.amp), or None outside autocast.
     """
+
+    autocast_dtype = None
 
     def __init__(self):
         self.to_save: Tuple = ()

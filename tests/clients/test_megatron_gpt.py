@@ -64,7 +64,7 @@ TWO_RANKS = {
 TOL = {"fp32": 1e-6, "bf16": 2e-3, "fp8": 1e-2}
 # Megatron's own (non-FP8) recompute keeps its RNG states on its ctx after backward
 # (tensor_parallel/random.py CheckpointFunction: ctx.rng_states); that ctx is Megatron's, not te_fuser's.
-MEGATRON_OWN_CTX = "<CheckpointFunctionBackward>['rng_states']"
+MEGATRON_OWN_CTX = "<CheckpointFunctionBackward>.rng_states"
 
 
 def _ok(result):

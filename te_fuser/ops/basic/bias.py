@@ -2,6 +2,7 @@
 
 import torch
 
+from ... import amp
 from ...kernels import fused
 from .. import _tensor_parallel as tp
 from .._fp8_io import direct_fp8_args, high_precision, wrap_kernel_output
@@ -46,6 +47,7 @@ class Bias(BasicOperation):
         if x.shape[-1] != self.size:
             raise ValueError(f"input's last dimension must be {self.size} for Bias, got shape {tuple(x.shape)}")
         ctx.bias_requires_grad = b.requires_grad
+        b = amp.cast(b, ctx.autocast_dtype)
         ctx.grad_input_quantizer = prev_op_grad_output_quantizer
         fp8_out = direct_fp8_args(next_op_input_quantizer)
         if fp8_out is None:

@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ... import amp
 from ...tensor.float8_tensor import Float8Tensor
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
@@ -68,13 +69,15 @@ class GroupedBasicLinear(BasicOperation):
         xs = x.split(list(m_splits))
         weight_requires_grad = weights[0].requires_grad
         fp8 = self._fp8_enabled
+        dtype = ctx.autocast_dtype  # torch.autocast: as BasicLinear, W cast for 16 bits, quantized as it is
+        out_dtype = weights[0].dtype if dtype is None else dtype
         if fp8:
             check_fp8_gemm_dims(**{"in_features": k, "out_features": n})
             check_fp8_gemm_dims(**{f"m_splits[{i}]": m for i, m in enumerate(m_splits)})
         outs, saved = [], []
         for i, (xi, w) in enumerate(zip(xs, weights)):
-            b = biases[i] if self.use_bias else None
-            if xi.dtype != w.dtype:
+            b = amp.cast(biases[i], dtype) if self.use_bias else None
+            if dtype is None and xi.dtype != w.dtype:
                 raise TypeError(f"input dtype {xi.dtype} does not match weight{i}'s dtype {w.dtype}")
             if xi.shape[0] == 0:  # an expert without tokens: no GEMM, nothing to save
                 outs.append(x.new_empty(0, n))
@@ -83,10 +86,11 @@ class GroupedBasicLinear(BasicOperation):
             if fp8:
                 xq = self._forward_quantizers[2 * i](xi)
                 wq = self._quantized_weight(i, w, is_first_microbatch)
-                outs.append(fp8_gemm_nt(xq._data, xq._scale_inv, wq._data, wq._scale_inv, w.dtype, b))
+                outs.append(fp8_gemm_nt(xq._data, xq._scale_inv, wq._data, wq._scale_inv, out_dtype, b))
                 saved += [saved_weight(xq, False) if weight_requires_grad else None,
                           saved_weight(wq, isinstance(w, Float8Tensor)) if ctx.input_requires_grad else None]
             else:
+                w = amp.cast(w, dtype)
                 outs.append(gemm_nt(xi, w, b))  # an FP8 weight outside fp8_autocast: dequantized values
                 w_saved = saved_weight(w, True) if isinstance(w, Float8Tensor) else w
                 saved += [xi if weight_requires_grad else None, w_saved if ctx.input_requires_grad else None]
@@ -95,7 +99,8 @@ class GroupedBasicLinear(BasicOperation):
         ctx.fp8_weights = [isinstance(w, Float8Tensor) for w in weights]
         ctx.m_splits = tuple(m_splits)
         ctx.lead_shape = tuple(input_.shape[:-1])
-        ctx.dtype = weights[0].dtype
+        ctx.dtype = out_dtype
+        ctx.weight_dtype = weights[0].dtype
         ctx.weight_requires_grad = weight_requires_grad
         ctx.bias_requires_grad = self.use_bias and biases[0].requires_grad
         ctx.grad_output_quantizers = list(self._backward_quantizers) if fp8 else None
@@ -142,7 +147,7 @@ class GroupedBasicLinear(BasicOperation):
         if dw is None:
             return None
         if ctx.main_grad_weights is None:
-            return dw.to(ctx.dtype)
+            return dw.to(ctx.weight_dtype)
         weight = ctx.main_grad_weights[i]
         main_grad = getattr(weight, "main_grad", None)
         if main_grad is None:

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from ... import amp
 from ...tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_transpose
 from ...quantization import FP8GlobalState, current_init, make_recipe_state
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
@@ -230,7 +231,10 @@ class BasicLinear(BasicOperation):
 
     def forward_gemm(self, ctx: OperationContext, x, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      is_first_microbatch: Optional[bool], input_gathered: bool = False) -> torch.Tensor:
-        """y = x @ W.T (+ bias), saving what the backward needs on ctx. Shared with the fused ops."""
+        """y = x @ W.T (+ bias), saving what the backward needs on ctx. Shared with the fused ops.
+
+        Under torch.autocast (ctx.autocast_dtype) y is in the autocast dtype: x, W and the bias are
+        cast to it, except that FP8 quantizes W from the parameter itself (TE's order)."""
         if x.shape[-1] != self.local_in_features:
             raise ValueError(f"input's last dimension must be in_features = {self.local_in_features}"
                              f"{' (local to this TP rank)' if self.tensor_parallel_size > 1 else ''}, "
@@ -243,6 +247,9 @@ class BasicLinear(BasicOperation):
                                "set_tensor_parallel_group() before the forward")
         input_requires_grad = ctx.input_requires_grad
         weight_requires_grad = weight.requires_grad
+        dtype = ctx.autocast_dtype
+        out_dtype = weight.dtype if dtype is None else dtype
+        bias = amp.cast(bias, dtype)
         gather = self.gathers_input and not input_gathered
         # The original (pre-gather, high-precision) input, when the wgrad is to use it.
         wgrad_needed = weight_requires_grad and bool(ctx.params_require_grad[0])  # False under no_grad
@@ -270,10 +277,10 @@ class BasicLinear(BasicOperation):
             # gathered FP8 input) is used as is.
             caller_owned = isinstance(x, Float8Tensor) and x._fp8_dtype == input_quantizer.fp8_dtype
             xq = x if caller_owned else input_quantizer(high_precision(x))
-            if xq.dtype != weight.dtype:
+            if dtype is None and xq.dtype != weight.dtype:
                 raise TypeError(f"input dtype {xq.dtype} does not match the weight dtype {weight.dtype}")
             wq = self._quantized_weight(weight, is_first_microbatch)
-            y = fp8_gemm_nt(xq._data.reshape(-1, k), xq._scale_inv, wq._data, wq._scale_inv, weight.dtype, bias)
+            y = fp8_gemm_nt(xq._data.reshape(-1, k), xq._scale_inv, wq._data, wq._scale_inv, out_dtype, bias)
             ctx.grad_output_quantizer = self._backward_quantizers[0]
             ctx.input_quantizer = input_quantizer if original is not None else None
             ctx.input_rowmajor = False
@@ -288,19 +295,21 @@ class BasicLinear(BasicOperation):
             ctx.fp8_weight = isinstance(weight, Float8Tensor)
             ctx.save_for_backward(x_saved, saved_weight(wq, ctx.fp8_weight) if input_requires_grad else None)
         else:
-            x = high_precision(x)
-            if x.dtype != weight.dtype:
-                raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
-            if x.device != weight.device:
-                raise ValueError(f"input is on {x.device} but the weight is on {weight.device}")
+            x = amp.cast(high_precision(x), dtype)
+            w = amp.cast(weight, dtype)
+            if x.dtype != w.dtype:
+                raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {w.dtype}")
+            if x.device != w.device:
+                raise ValueError(f"input is on {x.device} but the weight is on {w.device}")
             # An FP8 weight outside fp8_autocast: the GEMM sees its dequantized values.
-            y = gemm_nt(x.reshape(-1, k), weight, bias)
+            y = gemm_nt(x.reshape(-1, k), w, bias)
             x_saved = original if original is not None else (x if wgrad_needed else None)
-            if isinstance(weight, Float8Tensor):  # keep its bytes (a new object: the parameter stays whole)
-                weight = saved_weight(weight, True)
-            ctx.save_for_backward(x_saved, weight if input_requires_grad else None)
+            if isinstance(w, Float8Tensor):  # keep its bytes (a new object: the parameter stays whole)
+                w = saved_weight(w, True)
+            ctx.save_for_backward(x_saved, w if input_requires_grad else None)
         ctx.lead_shape = lead_shape
-        ctx.dtype = weight.dtype
+        ctx.dtype = out_dtype
+        ctx.weight_dtype = weight.dtype
         ctx.weight_requires_grad = weight_requires_grad
         ctx.main_grad_weight = weight if self.accumulate_into_main_grad and weight_requires_grad else None
         y = y.view(*lead_shape, n)
@@ -371,7 +380,7 @@ class BasicLinear(BasicOperation):
         """dW in the weight's dtype, or accumulated into weight.main_grad (then no .grad, as in TE)."""
         weight = ctx.main_grad_weight
         if weight is None:
-            return dw if dw.dtype == ctx.dtype else dw.to(ctx.dtype)
+            return dw if dw.dtype == ctx.weight_dtype else dw.to(ctx.weight_dtype)
         main_grad = getattr(weight, "main_grad", None)
         if main_grad is None:
             raise RuntimeError("fuse_wgrad_accumulation is on but weight.main_grad is not set")

@@ -4,6 +4,7 @@ from typing import Iterable, Union
 
 import torch
 
+from ... import amp
 from ...kernels import fused
 from .._fp8_io import direct_fp8_args, high_precision, wrap_kernel_output
 from ..op import BasicOperation
@@ -76,7 +77,7 @@ class RMSNorm(_Norm):
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer, weight=None):
         del prev_op_grad_output_quantizer
         x = self._input(input_)
-        (weight,) = self.op_params(weight)
+        weight = amp.cast(self.op_params(weight)[0], ctx.autocast_dtype)
         fp8_out = direct_fp8_args(next_op_input_quantizer)
         y, rstd = fused.rmsnorm(x, weight, self.eps, self.zero_centered_gamma, fp8_out=fp8_out)
         if ctx.input_requires_grad or any(ctx.params_require_grad):
@@ -102,7 +103,7 @@ class LayerNorm(_Norm):
                    weight=None, bias=None):
         del prev_op_grad_output_quantizer
         x = self._input(input_)
-        weight, bias = self.op_params(weight, bias)
+        weight, bias = (amp.cast(p, ctx.autocast_dtype) for p in self.op_params(weight, bias))
         fp8_out = direct_fp8_args(next_op_input_quantizer)
         y, mean, rstd = fused.layernorm(x, weight, bias, self.eps, self.zero_centered_gamma, fp8_out=fp8_out)
         if ctx.input_requires_grad or any(ctx.params_require_grad):

@@ -2,6 +2,7 @@
 
 from typing import Optional
 
+from ... import amp
 from ..basic.activation import _BiasActivation
 from ..basic.bias import Bias
 from ..basic.linear import BasicLinear
@@ -45,6 +46,7 @@ class LinearBiasActivation(FusedOperation):
         b = bias_kwargs.get("bias") if bias_kwargs.get("bias") is not None else self.bias.bias
         linear_ctx.grad_input_quantizer = prev_op_grad_output_quantizer
         bias_ctx.bias_requires_grad = b.requires_grad
+        b = amp.cast(b, linear_ctx.autocast_dtype)
         bias_ctx.grad_input_quantizer = self.linear.grad_output_quantizer()
         first_microbatch = linear_kwargs.get("is_first_microbatch")
         gathered = bool(linear_kwargs.get("input_gathered", False))
