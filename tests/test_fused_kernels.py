@@ -367,6 +367,29 @@ def test_empty_inputs():
     assert y.shape == (0, 8) and rstd.shape == (0,)
 
 
+def test_activation_ops_opcheck_and_compile():
+    """The schemas and fake kernels of the activation ops, for every activation code; a gated one
+    compiles with fullgraph."""
+    ops = torch.ops.te_fuser
+    x, g, b = _rand(6, 10), _rand(6, 5, scale=1.0), _rand(10)
+    for act, code in fused.ACTIVATIONS.items():
+        torch.library.opcheck(ops.bias_act_forward, (x, b, code))
+        torch.library.opcheck(ops.act_bias_backward, (x, x, b, code, True))
+    # test_schema is left out for the FP8 output: it compares with arithmetic that float8 tensors lack
+    fp8_checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for act in GATED:
+        code = fused.ACTIVATIONS[GATED64[act]]
+        torch.library.opcheck(ops.gated_act_forward, (x, code))
+        torch.library.opcheck(ops.gated_act_backward, (g, x, code))
+        torch.library.opcheck(ops.gated_act_forward_fp8, (x, code, torch.float8_e4m3fn, torch.ones(1), torch.zeros(1)),
+                              test_utils=fp8_checks)
+
+    def f(t):
+        return fused.gated_activation(t, "sreglu") + 1
+
+    assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
+
+
 def test_compiles_fullgraph():
     def f(x, b, w):
         y = fused.bias_activation(x, b, "gelu")
