@@ -5,9 +5,10 @@ import torch
 import torch.nn.functional as F
 
 import te_fuser  # noqa: F401
-from te_fuser.kernels import fused
+from te_fuser.kernels import cpu, fused
 
 from _binding_refusals import assert_refused_then_named
+from activation_reference import ACTIVATIONS64, GATED64, activation64
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Output rounding of the dtype plus float32 math; bounds relative to max |reference|.
@@ -29,14 +30,27 @@ def _rand(*shape, dtype=torch.float32, scale=3.0):
     return x.to(dtype)
 
 
+ACTS = list(ACTIVATIONS64)
+GATED = list(GATED64)
+
+# The fused ops are built once per x86-64 level: baseline (portable), v3 (avx2), v4 (avx512 and up).
+TIERS = [t for t in cpu.available_isa() if t in ("portable", "avx2", "avx512")]
+
+
+@pytest.fixture(params=TIERS)
+def tier(request):
+    with cpu.isa(request.param):
+        yield request.param
+
+
 def _ref_act(act, z):
-    return {"gelu": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu, "none": lambda t: t}[act](z)
+    return activation64(z, act)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("act", ["gelu", "relu", "none"])
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("shape", [(3, 5, 70), (1, 1), (600, 33), (2, 1100)])
-def test_bias_activation_forward_and_backward(dtype, act, shape):
+def test_bias_activation_forward_and_backward(dtype, act, shape, tier):
     x = _rand(*shape, dtype=dtype)
     b = _rand(shape[-1], dtype=dtype)
     g = _rand(*shape, dtype=dtype, scale=1.0)
@@ -106,16 +120,65 @@ def test_gelu_float64_accuracy_over_its_range():
     assert (dx.double() - dref).abs().max() < 2e-6
 
 
+# Zeros, tiny, past the kernels' exp clamps (|x| > 87 / 1.702 / 2u), huge yet finite in every float32
+# formula, infinite and NaN.
+EDGES = [0.0, -0.0, 1e-30, -1e-30, 1e-3, -12.0, 20.0, -20.0, 60.0, -60.0, 100.0, -100.0, 1e12, -1e12,
+         float("inf"), float("-inf"), float("nan")]
+
+
+def _assert_matches(got, ref, what, rtol=2e-6):
+    """NaN where the float64 reference is NaN, the same infinities where it rounds to one, and the
+    finite values within rtol relative (1 below 1)."""
+    ref32 = ref.float()
+    got = got.double()
+    assert torch.equal(got.isnan(), ref32.isnan()), f"{what}: NaN at {got.isnan().nonzero().flatten().tolist()}, " \
+        f"reference at {ref32.isnan().nonzero().flatten().tolist()}"
+    inf = ref32.isinf()
+    assert torch.equal(got[inf], ref32[inf].double()) and not got[~inf].isinf().any(), f"{what}: infinities"
+    finite = ~(inf | ref32.isnan())
+    err = ((got[finite] - ref[finite]).abs() / ref[finite].abs().clamp(min=1.0)).max().item()
+    assert err <= rtol, f"{what}: relative error {err}"
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_activation_edge_values(act, tier):
+    """Every activation at its edges against float64 torch: the values, the NaN and the infinities."""
+    x = torch.tensor(EDGES)
+    x64 = x.double().requires_grad_()
+    ref = _ref_act(act, x64)
+    ref.backward(torch.ones_like(ref))
+    _assert_matches(fused.bias_activation(x, None, act), ref.detach(), f"{act} forward")
+    dx, _ = fused.activation_bias_backward(torch.ones_like(x), x, None, act, compute_dbias=False)
+    _assert_matches(dx, x64.grad, f"{act} backward")
+
+
+@pytest.mark.parametrize("act", GATED)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_swiglu(dtype):
+def test_gated_activation(act, dtype, tier):
+    """TE's gated activations against float64 torch: act(first half) * second half, and the gradient."""
     x = _rand(7, 3, 130, dtype=dtype)
     g = _rand(7, 3, 65, dtype=dtype, scale=1.0)
     x64 = x.double().requires_grad_()
-    a, gate = x64.chunk(2, dim=-1)
-    ref = F.silu(a) * gate
+    ref = activation64(x64, act)
     ref.backward(g.double())
-    _close(fused.swiglu(x), ref.detach(), dtype)
-    _close(fused.swiglu_backward(g, x), x64.grad, dtype)
+    y = fused.gated_activation(x, act)
+    assert y.dtype == dtype and y.shape == (7, 3, 65)
+    _close(y, ref.detach(), dtype)
+    _close(fused.gated_activation_backward(g, x, act), x64.grad, dtype)
+
+
+@pytest.mark.parametrize("act", GATED)
+def test_gated_activation_edge_values(act, tier):
+    """The edge values in the activated half (gates of +-1.5) and in the gate (activated half 0.75)."""
+    edges = torch.tensor(EDGES)
+    ones = torch.full_like(edges, 0.75)
+    gates = torch.where(torch.arange(len(EDGES)) % 2 == 0, 1.5, -1.5)
+    x = torch.stack([torch.cat([edges, gates]), torch.cat([ones, edges])])
+    x64 = x.double().requires_grad_()
+    ref = activation64(x64, act)
+    ref.backward(torch.ones_like(ref))
+    _assert_matches(fused.gated_activation(x, act), ref.detach(), f"{act} forward")
+    _assert_matches(fused.gated_activation_backward(torch.ones(2, len(EDGES)), x, act), x64.grad, f"{act} backward")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -187,6 +250,14 @@ def test_fp8_output_equals_quantizing_the_output(fp8_dtype):
     n8, _ = fused.rmsnorm(x, w, fp8_out=(fp8_dtype, scale, torch.zeros(1)))
     n, _ = fused.rmsnorm(x.float(), w.float())
     assert torch.equal(n8.view(torch.uint8), (n * scale).to(fp8_dtype).view(torch.uint8))
+    # And every gated activation.
+    for act in GATED:
+        amax = torch.zeros(1)
+        q8 = fused.gated_activation(x, act, fp8_out=(fp8_dtype, scale, amax))
+        q = fused.gated_activation(x.float(), act)
+        assert q8.shape == (64, 24) and q8.dtype == fp8_dtype
+        assert torch.equal(q8.view(torch.uint8), (q * scale).to(fp8_dtype).view(torch.uint8)), act
+        assert amax.item() == q.abs().max().item(), act
 
 
 def test_fp8_gradient_output():
@@ -209,7 +280,11 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="activation must be one of"):
         fused.bias_activation(x, None, "tanh")
     with pytest.raises(ValueError, match="even"):
-        fused.swiglu(torch.randn(2, 5))
+        fused.gated_activation(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fused.gated_activation(torch.randn(2, 4), "gelu")  # not a gated activation
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fused.bias_activation(x, None, "swiglu")  # a gated one needs gated_activation
     with pytest.raises(ValueError, match="grad must have the shape"):
         fused.activation_bias_backward(torch.randn(4, 7), x)
     with pytest.raises(ValueError, match="eps"):
@@ -221,6 +296,10 @@ def test_bad_arguments_raise_clear_errors():
         torch.ops.te_fuser.bias_act_forward(x, torch.randn(3), 1)
     with pytest.raises(RuntimeError, match="scale must be a float32 tensor with one element"):
         torch.ops.te_fuser.bias_act_forward_fp8(x, None, 1, torch.float8_e4m3fn, torch.ones(2), torch.zeros(1))
+    with pytest.raises(RuntimeError, match=r"activation must be 0 \(none\), .* 5 \(silu\), got 6"):
+        torch.ops.te_fuser.bias_act_forward(x, None, 6)
+    with pytest.raises(RuntimeError, match=r"a gated activation must be 1 \(geglu\), .*, got 0"):
+        torch.ops.te_fuser.gated_act_forward(x, 0)
 
 
 def _bad_calls():
@@ -262,12 +341,14 @@ def _bad_calls():
          lambda: ops.bias_act_forward(x, bad_w, 1), ValueError, "bias must be 1-D"),
         ("activation_bias_backward grad dtype", lambda: fused.activation_bias_backward(g.double(), x, b),
          lambda: ops.act_bias_backward(g.double(), x, b, 1, True, None, None, None), TypeError, "grad must have dtype"),
-        ("swiglu_backward grad shape", lambda: fused.swiglu_backward(g, x),
-         lambda: ops.swiglu_backward(g, x), ValueError, "grad must have shape"),
+        ("gated_activation_backward grad shape", lambda: fused.gated_activation_backward(g, x),
+         lambda: ops.gated_act_backward(g, x, 5), ValueError, "grad must have shape"),
         ("bias_activation bias on meta", lambda: fused.bias_activation(x, b.to("meta")),
          lambda: ops.bias_act_forward(x, b.to("meta"), 1), ValueError, "bias is on meta"),
-        ("swiglu x dtype", lambda: fused.swiglu(x.double()),
-         lambda: ops.swiglu_forward(x.double()), TypeError, "x must have dtype"),
+        ("gated_activation x dtype", lambda: fused.gated_activation(x.double()),
+         lambda: ops.gated_act_forward(x.double(), 5), TypeError, "x must have dtype"),
+        ("gated_activation x odd last dimension", lambda: fused.gated_activation(x[:, :7].contiguous()),
+         lambda: ops.gated_act_forward(x[:, :7].contiguous(), 5), ValueError, "even"),
     ]
 
 
@@ -284,6 +365,29 @@ def test_empty_inputs():
         assert dx.shape == shape and db.shape == (shape[1],) and (db == 0).all()
     y, rstd = fused.rmsnorm(torch.randn(0, 8), torch.ones(8))
     assert y.shape == (0, 8) and rstd.shape == (0,)
+
+
+def test_activation_ops_opcheck_and_compile():
+    """The schemas and fake kernels of the activation ops, for every activation code; a gated one
+    compiles with fullgraph."""
+    ops = torch.ops.te_fuser
+    x, g, b = _rand(6, 10), _rand(6, 5, scale=1.0), _rand(10)
+    for act, code in fused.ACTIVATIONS.items():
+        torch.library.opcheck(ops.bias_act_forward, (x, b, code))
+        torch.library.opcheck(ops.act_bias_backward, (x, x, b, code, True))
+    # test_schema is left out for the FP8 output: it compares with arithmetic that float8 tensors lack
+    fp8_checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for act in GATED:
+        code = fused.ACTIVATIONS[GATED64[act]]
+        torch.library.opcheck(ops.gated_act_forward, (x, code))
+        torch.library.opcheck(ops.gated_act_backward, (g, x, code))
+        torch.library.opcheck(ops.gated_act_forward_fp8, (x, code, torch.float8_e4m3fn, torch.ones(1), torch.zeros(1)),
+                              test_utils=fp8_checks)
+
+    def f(t):
+        return fused.gated_activation(t, "sreglu") + 1
+
+    assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
 
 
 def test_compiles_fullgraph():
@@ -318,11 +422,12 @@ def test_cuda_matches_cpu(dtype):
             if a is not None:
                 torch.testing.assert_close(c.cpu().float(), a.float(), **tol)
 
-    for act in ("gelu", "relu", "none"):
+    for act in ACTS:
         both(fused.bias_activation, x, b, act)
         both(fused.activation_bias_backward, g, x, b, act)
-    both(fused.swiglu, x)
-    both(fused.swiglu_backward, g[:, :65].contiguous(), x)
+    for act in GATED:
+        both(fused.gated_activation, x, act)
+        both(fused.gated_activation_backward, g[:, :65].contiguous(), x, act)
     y, rstd = fused.rmsnorm(x, w)
     both(fused.rmsnorm, x, w)
     both(fused.rmsnorm_backward, g, x, rstd, w)
@@ -338,17 +443,18 @@ def test_cuda_matches_cpu(dtype):
     torch.testing.assert_close(amax_gpu.cpu(), amax_cpu, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("act", ["gelu", "relu", "none"])
+@pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("rows, cols", [(4096, 64), (3001, 40), (2 * 2731 + 7, 24)])
 def test_dbias_over_several_row_bands_matches_reference(act, rows, cols):
     """dbias sums per-band partials (bands of about 2^16 elements): 4 bands, 2 bands, and 3 bands
     whose last one holds 7 rows. Each band's rows must reach the float64 reference."""
     x, g, b = _rand(rows, cols), _rand(rows, cols, scale=1.0), _rand(cols)
-    b64 = b.double().requires_grad_()
-    _ref_act(act, x.double() + b64).backward(g.double())
+    x64, b64 = x.double().requires_grad_(), b.double().requires_grad_()
+    _ref_act(act, x64 + b64).backward(g.double())
     _, db = fused.activation_bias_backward(g, x, b, act)
-    # float32 rounding of act' and of the sums: a small multiple of eps * sum |g| per column
-    bound = 1e-5 * g.double().abs().sum(0)
+    # float32 rounding of act' and of the sums: a small multiple of eps * sum |g| (or of the summed
+    # terms g * act', which srelu's act' = 2x makes larger) per column
+    bound = 1e-5 * torch.maximum(g.double().abs().sum(0), x64.grad.abs().sum(0))
     err = (db.double() - b64.grad).abs()
     worst = err.argmax().item()
     assert (err <= bound).all(), f"dbias error {err[worst].item()} at column {worst} exceeds {bound[worst].item()}"

@@ -11,6 +11,12 @@ from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.ops.basic.linear import BasicLinear
 
 from _no_grad_path import run_with_and_without_grad
+from activation_reference import activation64
+
+# TE's op classes and the activation each computes.
+ELEMENTWISE_OPS = {"gelu": ops.GELU, "qgelu": ops.QGELU, "relu": ops.ReLU, "srelu": ops.SReLU, "silu": ops.SiLU}
+GATED_OPS = {"geglu": ops.GEGLU, "qgeglu": ops.QGEGLU, "reglu": ops.ReGLU, "sreglu": ops.SReGLU, "swiglu": ops.SwiGLU}
+OP_ACTIVATION = {cls: name for name, cls in {**ELEMENTWISE_OPS, **GATED_OPS}.items()}
 
 
 def _randomize(model):
@@ -31,13 +37,8 @@ def _torch_reference(model, x64):
             out = F.linear(out, p["weight"])
         elif isinstance(op, ops.Bias):
             out = out + p["bias"]
-        elif isinstance(op, ops.GELU):
-            out = F.gelu(out, approximate="tanh")
-        elif isinstance(op, ops.ReLU):
-            out = F.relu(out)
-        elif isinstance(op, ops.SwiGLU):
-            a, g = out.chunk(2, dim=-1)
-            out = F.silu(a) * g
+        elif type(op) in OP_ACTIVATION:
+            out = activation64(out, OP_ACTIVATION[type(op)])
         elif isinstance(op, ops.RMSNorm):
             out = F.rms_norm(out, (out.shape[-1],), p["weight"], op.eps)
         elif isinstance(op, ops.LayerNorm):
@@ -57,6 +58,12 @@ CHAINS = {
     "relu_no_bias": lambda: ops.Sequential(ops.BasicLinear(64, 32), ops.ReLU(), ops.Quantize()),
     "bias_gelu_only": lambda: ops.Sequential(ops.Bias(64), ops.GELU()),
 }
+for _name, _op in ELEMENTWISE_OPS.items():
+    CHAINS[f"mlp_{_name}"] = lambda op=_op: ops.Sequential(ops.BasicLinear(64, 128), ops.Bias(128), op(),
+                                                            ops.BasicLinear(128, 64))
+for _name, _op in GATED_OPS.items():
+    CHAINS[f"mlp_{_name}"] = lambda op=_op: ops.Sequential(ops.BasicLinear(64, 256), ops.Bias(256), op(),
+                                                            ops.BasicLinear(128, 64))
 
 
 @pytest.mark.parametrize("name", list(CHAINS))
@@ -84,8 +91,10 @@ def test_chain_matches_plain_torch(name):
             close(p.grad, ref_params[i][pname].grad, f"op {i} {pname}")
 
 
-def test_fusions_found():
-    model = CHAINS["ln_mlp_gelu"]()
+@pytest.mark.parametrize("act", list(ELEMENTWISE_OPS))
+def test_fusions_found(act):
+    model = ops.Sequential(ops.LayerNorm(64), ops.BasicLinear(64, 128), ops.Bias(128), ELEMENTWISE_OPS[act](),
+                           ops.BasicLinear(128, 64), ops.Bias(64))
     model(torch.randn(4, 64, requires_grad=True)).sum().backward()
     fuser = model._groups[0]
     forward = [type(op).__name__ for op, _ in fuser._plan.forward_ops]

@@ -46,9 +46,33 @@ inline void check_stats(const Tensor& stat, Matrix m, const Tensor& x, const cha
 }
 
 inline tf_activation to_activation(int64_t act) {
-  STD_TORCH_CHECK(act == TF_ACT_NONE || act == TF_ACT_GELU_TANH || act == TF_ACT_RELU,
-                  "activation must be 0 (none), 1 (gelu tanh) or 2 (relu)");
+  STD_TORCH_CHECK(tf_activation_known(act),
+                  "activation must be 0 (none), 1 (gelu, tanh), 2 (relu), 3 (qgelu), 4 (srelu) or 5 (silu), got ", act);
   return static_cast<tf_activation>(act);
+}
+
+// The activation of a gated kernel: any but none (geglu 1, reglu 2, qgeglu 3, sreglu 4, swiglu 5).
+inline tf_activation to_gated_activation(int64_t act) {
+  STD_TORCH_CHECK(tf_activation_known(act) && act != TF_ACT_NONE,
+                  "a gated activation must be 1 (geglu), 2 (reglu), 3 (qgeglu), 4 (sreglu) or 5 (swiglu), got ", act);
+  return static_cast<tf_activation>(act);
+}
+
+// x (..., 2 n) of a gated activation, and the shape of its output (..., n).
+inline std::vector<int64_t> gated_output_shape(const Tensor& x, Matrix m) {
+  STD_TORCH_CHECK(m.cols % 2 == 0, "x's last dimension must be even for a gated activation, got ", m.cols);
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() /= 2;
+  return sizes;
+}
+
+// grad (..., n) of a gated activation of x (..., 2 n).
+inline Matrix check_gated_grad(const Tensor& grad, const Tensor& x, Matrix m) {
+  const Matrix g = as_matrix(grad, "grad");
+  STD_TORCH_CHECK(m.cols % 2 == 0 && grad.dim() == x.dim() && g.rows == m.rows && g.cols * 2 == m.cols,
+                  "grad must have x's shape with the last dimension halved");
+  check_same_device(grad, x, "grad", "x");
+  return g;
 }
 
 // x's shape without its last dimension: the shape of per-row statistics.

@@ -1,5 +1,5 @@
 // Schemas of the fused element-wise and normalization ops (bias + activation,
-// activation gradient + bias gradient, SwiGLU, RMSNorm, LayerNorm) and their
+// activation gradient + bias gradient, the gated activations, RMSNorm, LayerNorm) and their
 // CPU implementations over row bands of the C core in csrc/ops.
 //
 // Every tensor argument is viewed as (numel / last dim) x (last dim). Forward
@@ -171,19 +171,18 @@ std::tuple<Tensor, Tensor> act_bias_backward_cpu(Tensor grad, Tensor x, std::opt
   return std::make_tuple(dx, dbias);
 }
 
-Tensor swiglu_forward_impl(const Tensor& x, const std::optional<ScalarType>& fp8_dtype,
-                           const std::optional<Tensor>& scale, const std::optional<Tensor>& amax) {
+Tensor gated_act_forward_impl(const Tensor& x, int64_t activation, const std::optional<ScalarType>& fp8_dtype,
+                              const std::optional<Tensor>& scale, const std::optional<Tensor>& amax) {
   const Matrix m = as_matrix(x, "x");
-  STD_TORCH_CHECK(m.cols % 2 == 0, "x's last dimension must be even for SwiGLU, got ", m.cols);
+  const tf_activation act = to_gated_activation(activation);
+  const std::vector<int64_t> sizes = gated_output_shape(x, m);
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() /= 2;
   OutputSpec spec = output_spec(x, x.scalar_type(), fp8_dtype, scale, amax);
   Tensor out = allocate_output(spec, x, sizes);
   const Matrix half{m.rows, m.cols / 2};
   const void* xp = x.const_data_ptr();
-  const uint32_t bits = parallel_bands(m, "swiglu_forward", [&](int64_t, int64_t r0, int64_t r1, uint32_t* a) {
-    return tf_swiglu_forward(xp, dtype, half.rows, half.cols, r0, r1, &spec.desc, a);
+  const uint32_t bits = parallel_bands(m, "gated_act_forward", [&](int64_t, int64_t r0, int64_t r1, uint32_t* a) {
+    return tf_gated_act_forward(xp, dtype, half.rows, half.cols, r0, r1, act, &spec.desc, a);
   });
   finish_output(spec, bits);
   return out;
@@ -200,28 +199,26 @@ Tensor bias_act_forward_fp8_cpu(Tensor x, std::optional<Tensor> bias, int64_t ac
   return bias_act_forward_impl(x, bias, activation, fp8_dtype, scale, amax);
 }
 
-Tensor swiglu_forward_cpu(Tensor x) {
-  return swiglu_forward_impl(x, std::nullopt, std::nullopt, std::nullopt);
+Tensor gated_act_forward_cpu(Tensor x, int64_t activation) {
+  return gated_act_forward_impl(x, activation, std::nullopt, std::nullopt, std::nullopt);
 }
 
-Tensor swiglu_forward_fp8_cpu(Tensor x, ScalarType fp8_dtype, Tensor scale, Tensor amax) {
-  return swiglu_forward_impl(x, fp8_dtype, scale, amax);
+Tensor gated_act_forward_fp8_cpu(Tensor x, int64_t activation, ScalarType fp8_dtype, Tensor scale, Tensor amax) {
+  return gated_act_forward_impl(x, activation, fp8_dtype, scale, amax);
 }
 
-Tensor swiglu_backward_cpu(Tensor grad, Tensor x) {
+Tensor gated_act_backward_cpu(Tensor grad, Tensor x, int64_t activation) {
   const Matrix m = as_matrix(x, "x");
-  const Matrix g = as_matrix(grad, "grad");
-  STD_TORCH_CHECK(m.cols % 2 == 0 && g.rows == m.rows && g.cols * 2 == m.cols,
-                  "grad must have x's shape with the last dimension halved");
-  check_same_device(grad, x, "grad", "x");
+  const Matrix g = check_gated_grad(grad, x, m);
+  const tf_activation act = to_gated_activation(activation);
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   const tf_dtype dy_dtype = to_tf_dtype(grad.scalar_type(), "grad");
   OutputSpec spec = output_spec(x, grad.scalar_type(), std::nullopt, std::nullopt, std::nullopt);
   Tensor dx = allocate_output(spec, x, x.sizes());
   const void* dyp = grad.const_data_ptr();
   const void* xp = x.const_data_ptr();
-  parallel_bands(m, "swiglu_backward", [&](int64_t, int64_t r0, int64_t r1, uint32_t* a) {
-    return tf_swiglu_backward(dyp, dy_dtype, xp, dtype, g.rows, g.cols, r0, r1, &spec.desc, a);
+  parallel_bands(m, "gated_act_backward", [&](int64_t, int64_t r0, int64_t r1, uint32_t* a) {
+    return tf_gated_act_backward(dyp, dy_dtype, xp, dtype, g.rows, g.cols, r0, r1, act, &spec.desc, a);
   });
   return dx;
 }
@@ -350,9 +347,11 @@ STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
   m.def(
       "act_bias_backward(Tensor grad, Tensor x, Tensor? bias, int activation, bool compute_dbias,"
       " ScalarType? fp8_dtype=None, Tensor? scale=None, Tensor(a!)? amax=None) -> (Tensor, Tensor)");
-  m.def("swiglu_forward(Tensor x) -> Tensor");
-  m.def("swiglu_forward_fp8(Tensor x, ScalarType fp8_dtype, Tensor scale, Tensor(a!) amax) -> Tensor");
-  m.def("swiglu_backward(Tensor grad, Tensor x) -> Tensor");
+  m.def("gated_act_forward(Tensor x, int activation) -> Tensor");
+  m.def(
+      "gated_act_forward_fp8(Tensor x, int activation, ScalarType fp8_dtype, Tensor scale, Tensor(a!) amax)"
+      " -> Tensor");
+  m.def("gated_act_backward(Tensor grad, Tensor x, int activation) -> Tensor");
   m.def(
       "rmsnorm_forward(Tensor x, Tensor weight, float eps, bool zero_centered_gamma,"
       " ScalarType? fp8_dtype=None, Tensor? scale=None, Tensor(a!)? amax=None) -> (Tensor, Tensor)");
@@ -372,9 +371,9 @@ STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
   m.impl("bias_act_forward", TORCH_BOX(&te_fuser::bias_act_forward_cpu));
   m.impl("bias_act_forward_fp8", TORCH_BOX(&te_fuser::bias_act_forward_fp8_cpu));
   m.impl("act_bias_backward", TORCH_BOX(&te_fuser::act_bias_backward_cpu));
-  m.impl("swiglu_forward", TORCH_BOX(&te_fuser::swiglu_forward_cpu));
-  m.impl("swiglu_forward_fp8", TORCH_BOX(&te_fuser::swiglu_forward_fp8_cpu));
-  m.impl("swiglu_backward", TORCH_BOX(&te_fuser::swiglu_backward_cpu));
+  m.impl("gated_act_forward", TORCH_BOX(&te_fuser::gated_act_forward_cpu));
+  m.impl("gated_act_forward_fp8", TORCH_BOX(&te_fuser::gated_act_forward_fp8_cpu));
+  m.impl("gated_act_backward", TORCH_BOX(&te_fuser::gated_act_backward_cpu));
   m.impl("rmsnorm_forward", TORCH_BOX(&te_fuser::rmsnorm_forward_cpu));
   m.impl("rmsnorm_backward", TORCH_BOX(&te_fuser::rmsnorm_backward_cpu));
   m.impl("layernorm_forward", TORCH_BOX(&te_fuser::layernorm_forward_cpu));

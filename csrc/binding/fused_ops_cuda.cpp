@@ -112,39 +112,40 @@ std::tuple<Tensor, Tensor> act_bias_backward_cuda(Tensor grad, Tensor x, std::op
   return std::make_tuple(dx.tensor, dbias);
 }
 
-Tensor swiglu_forward_impl(const Tensor& x, const std::optional<ScalarType>& fp8_dtype,
-                           const std::optional<Tensor>& scale, const std::optional<Tensor>& amax) {
+Tensor gated_act_forward_impl(const Tensor& x, int64_t activation, const std::optional<ScalarType>& fp8_dtype,
+                              const std::optional<Tensor>& scale, const std::optional<Tensor>& amax) {
   const Matrix m = as_cuda_matrix(x, "x");
-  STD_TORCH_CHECK(m.cols % 2 == 0, "x's last dimension must be even for SwiGLU, got ", m.cols);
+  const tf_activation act = to_gated_activation(activation);
+  const std::vector<int64_t> sizes = gated_output_shape(x, m);
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
-  sizes.back() /= 2;
   const DeviceGuard guard(x.get_device_index());
   Output y = make_output(x, sizes, x.scalar_type(), fp8_dtype, scale, amax);
-  check_status(tf_swiglu_forward_cuda(x.const_data_ptr(), dtype, m.rows, m.cols / 2, &y.desc, current_cuda_stream(x, "x")),
-               "swiglu_forward");
+  check_status(tf_gated_act_forward_cuda(x.const_data_ptr(), dtype, m.rows, m.cols / 2, act, &y.desc,
+                                         current_cuda_stream(x, "x")),
+               "gated_act_forward");
   return y.tensor;
 }
 
-Tensor swiglu_forward_cuda(Tensor x) { return swiglu_forward_impl(x, std::nullopt, std::nullopt, std::nullopt); }
-
-Tensor swiglu_forward_fp8_cuda(Tensor x, ScalarType fp8_dtype, Tensor scale, Tensor amax) {
-  return swiglu_forward_impl(x, fp8_dtype, scale, amax);
+Tensor gated_act_forward_cuda(Tensor x, int64_t activation) {
+  return gated_act_forward_impl(x, activation, std::nullopt, std::nullopt, std::nullopt);
 }
 
-Tensor swiglu_backward_cuda(Tensor grad, Tensor x) {
+Tensor gated_act_forward_fp8_cuda(Tensor x, int64_t activation, ScalarType fp8_dtype, Tensor scale, Tensor amax) {
+  return gated_act_forward_impl(x, activation, fp8_dtype, scale, amax);
+}
+
+Tensor gated_act_backward_cuda(Tensor grad, Tensor x, int64_t activation) {
   const Matrix m = as_cuda_matrix(x, "x");
-  const Matrix g = as_cuda_matrix(grad, "grad");
-  STD_TORCH_CHECK(m.cols % 2 == 0 && g.rows == m.rows && g.cols * 2 == m.cols,
-                  "grad must have x's shape with the last dimension halved");
-  check_same_device(grad, x, "grad", "x");
+  STD_TORCH_CHECK(grad.is_cuda(), "grad must be a CUDA tensor");
+  const Matrix g = check_gated_grad(grad, x, m);
+  const tf_activation act = to_gated_activation(activation);
   const tf_dtype dtype = to_tf_dtype(x.scalar_type(), "x");
   const tf_dtype dy_dtype = to_tf_dtype(grad.scalar_type(), "grad");
   const DeviceGuard guard(x.get_device_index());
   Tensor dx = new_empty(x, x.sizes(), grad.scalar_type());
-  check_status(tf_swiglu_backward_cuda(grad.const_data_ptr(), dy_dtype, x.const_data_ptr(), dtype, g.rows, g.cols,
-                                       dx.mutable_data_ptr(), current_cuda_stream(x, "x")),
-               "swiglu_backward");
+  check_status(tf_gated_act_backward_cuda(grad.const_data_ptr(), dy_dtype, x.const_data_ptr(), dtype, g.rows, g.cols,
+                                          act, dx.mutable_data_ptr(), current_cuda_stream(x, "x")),
+               "gated_act_backward");
   return dx;
 }
 
@@ -241,9 +242,9 @@ STABLE_TORCH_LIBRARY_IMPL(te_fuser, CUDA, m) {
   m.impl("bias_act_forward", TORCH_BOX(&te_fuser::bias_act_forward_cuda));
   m.impl("bias_act_forward_fp8", TORCH_BOX(&te_fuser::bias_act_forward_fp8_cuda));
   m.impl("act_bias_backward", TORCH_BOX(&te_fuser::act_bias_backward_cuda));
-  m.impl("swiglu_forward", TORCH_BOX(&te_fuser::swiglu_forward_cuda));
-  m.impl("swiglu_forward_fp8", TORCH_BOX(&te_fuser::swiglu_forward_fp8_cuda));
-  m.impl("swiglu_backward", TORCH_BOX(&te_fuser::swiglu_backward_cuda));
+  m.impl("gated_act_forward", TORCH_BOX(&te_fuser::gated_act_forward_cuda));
+  m.impl("gated_act_forward_fp8", TORCH_BOX(&te_fuser::gated_act_forward_fp8_cuda));
+  m.impl("gated_act_backward", TORCH_BOX(&te_fuser::gated_act_backward_cuda));
   m.impl("rmsnorm_forward", TORCH_BOX(&te_fuser::rmsnorm_forward_cuda));
   m.impl("rmsnorm_backward", TORCH_BOX(&te_fuser::rmsnorm_backward_cuda));
   m.impl("layernorm_forward", TORCH_BOX(&te_fuser::layernorm_forward_cuda));

@@ -2,26 +2,33 @@
 
 #include "ops_tile.h"
 
+/* v[i] = act(v[i]); one loop per activation, so each vectorizes. */
 TF_ISA_INLINE void act_forward_tile(tf_activation act, int64_t n, float *restrict v) {
-  if (act == TF_ACT_GELU_TANH) {
-    for (int64_t i = 0; i < n; ++i) v[i] = tf_ops_gelu(v[i]);
-  } else if (act == TF_ACT_RELU) {
-    for (int64_t i = 0; i < n; ++i) v[i] = v[i] > 0.0f ? v[i] : 0.0f;
+  switch (act) {
+#define FORWARD_LOOP(code, f, grad)                      \
+  case code:                                             \
+    for (int64_t i = 0; i < n; ++i) v[i] = f(v[i]);      \
+    break;
+    TF_OPS_ACTIVATIONS(FORWARD_LOOP)
+#undef FORWARD_LOOP
+    default:
+      break;
   }
 }
 
-/* g[i] *= act'(x[i]). */
+/* g[i] = g[i] * act'(x[i]). */
 TF_ISA_INLINE void act_backward_tile(tf_activation act, int64_t n, const float *restrict x,
                                      float *restrict g) {
-  if (act == TF_ACT_GELU_TANH) {
-    for (int64_t i = 0; i < n; ++i) g[i] *= tf_ops_dgelu(x[i]);
-  } else if (act == TF_ACT_RELU) {
-    for (int64_t i = 0; i < n; ++i) g[i] = x[i] > 0.0f ? g[i] : 0.0f;
+  switch (act) {
+#define BACKWARD_LOOP(code, f, grad)                         \
+  case code:                                                 \
+    for (int64_t i = 0; i < n; ++i) g[i] = grad(x[i], g[i]); \
+    break;
+    TF_OPS_ACTIVATIONS(BACKWARD_LOOP)
+#undef BACKWARD_LOOP
+    default:
+      break;
   }
-}
-
-static int act_ok(tf_activation act) {
-  return act == TF_ACT_NONE || act == TF_ACT_GELU_TANH || act == TF_ACT_RELU;
 }
 
 TF_ISA_INLINE void add_bias_tile(const void *bias, tf_dtype bias_dtype, int64_t c0, int64_t n,
@@ -60,7 +67,7 @@ tf_status tf_bias_act_forward(const void *x, tf_dtype dtype, const void *bias, t
   *amax_bits = 0;
   if (!tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(y)) return TF_ERR_BAD_DTYPE;
   if (bias && !tf_ops_dtype_ok(bias_dtype)) return TF_ERR_BAD_DTYPE;
-  if (!act_ok(act)) return TF_ERR_BAD_ARGUMENT;
+  if (!tf_activation_known(act)) return TF_ERR_BAD_ARGUMENT;
   const tf_status s = tf_ops_check_rows(rows, cols, row_begin, row_end);
   if (s != TF_OK) return s;
   if (row_end > row_begin && cols > 0 && (!x || !y->data)) return TF_ERR_NULL_POINTER;
@@ -110,7 +117,7 @@ tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x,
   if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(dx))
     return TF_ERR_BAD_DTYPE;
   if (bias && !tf_ops_dtype_ok(bias_dtype)) return TF_ERR_BAD_DTYPE;
-  if (!act_ok(act)) return TF_ERR_BAD_ARGUMENT;
+  if (!tf_activation_known(act)) return TF_ERR_BAD_ARGUMENT;
   const tf_status s = tf_ops_check_rows(rows, cols, row_begin, row_end);
   if (s != TF_OK) return s;
   if (cols > 0 && ((row_end > row_begin && (!dy || !x || !dx->data)))) return TF_ERR_NULL_POINTER;
@@ -119,9 +126,10 @@ tf_status tf_act_bias_backward(const void *dy, tf_dtype dy_dtype, const void *x,
   return TF_OK;
 }
 
-/* Rows [row_begin, row_end) of tf_swiglu_forward. */
-TF_ISA_INLINE void swiglu_rows_body(const void *x, tf_dtype dtype, int64_t cols, int64_t row_begin,
-                                    int64_t row_end, const tf_ops_output *y, uint32_t *amax_bits) {
+/* Rows [row_begin, row_end) of tf_gated_act_forward. */
+TF_ISA_INLINE void gated_rows_body(const void *x, tf_dtype dtype, int64_t cols, int64_t row_begin,
+                                   int64_t row_end, tf_activation act, const tf_ops_output *y,
+                                   uint32_t *amax_bits) {
   float a[TF_OPS_TILE];
   float g[TF_OPS_TILE];
   for (int64_t r = row_begin; r < row_end; ++r) {
@@ -129,34 +137,64 @@ TF_ISA_INLINE void swiglu_rows_body(const void *x, tf_dtype dtype, int64_t cols,
       const int64_t n = cols - c0 < TF_OPS_TILE ? cols - c0 : TF_OPS_TILE;
       tf_ops_load(x, dtype, 2 * r * cols + c0, n, a);
       tf_ops_load(x, dtype, 2 * r * cols + cols + c0, n, g);
-      for (int64_t i = 0; i < n; ++i) a[i] = a[i] * tf_ops_sigmoid(a[i]) * g[i];
+      act_forward_tile(act, n, a);
+      for (int64_t i = 0; i < n; ++i) a[i] *= g[i];
       tf_ops_store(y, r * cols + c0, n, a, amax_bits);
     }
   }
 }
-TF_ISA_CLONES(swiglu_rows,
+TF_ISA_CLONES(gated_rows,
               (const void *x, tf_dtype dtype, int64_t cols, int64_t row_begin, int64_t row_end,
-               const tf_ops_output *y, uint32_t *amax_bits),
-              (x, dtype, cols, row_begin, row_end, y, amax_bits))
+               tf_activation act, const tf_ops_output *y, uint32_t *amax_bits),
+              (x, dtype, cols, row_begin, row_end, act, y, amax_bits))
 
-tf_status tf_swiglu_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
-                            int64_t row_begin, int64_t row_end, const tf_ops_output *y,
-                            uint32_t *amax_bits) {
+/* Checks shared by the gated forward and backward: x is rows x (2 * cols). */
+static tf_status gated_check(int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                             tf_activation act) {
+  if (!tf_activation_known(act) || act == TF_ACT_NONE) return TF_ERR_BAD_ARGUMENT;
+  if (!tf_mul_fits(cols, 2)) return TF_ERR_OVERFLOW;
+  return tf_ops_check_rows(rows, 2 * cols, row_begin, row_end);
+}
+
+tf_status tf_gated_act_forward(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
+                               int64_t row_begin, int64_t row_end, tf_activation act,
+                               const tf_ops_output *y, uint32_t *amax_bits) {
   if (!amax_bits) return TF_ERR_NULL_POINTER;
   *amax_bits = 0;
   if (!tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(y)) return TF_ERR_BAD_DTYPE;
-  if (!tf_mul_fits(cols, 2)) return TF_ERR_OVERFLOW;
-  const tf_status s = tf_ops_check_rows(rows, 2 * cols, row_begin, row_end);
+  const tf_status s = gated_check(rows, cols, row_begin, row_end, act);
   if (s != TF_OK) return s;
   if (row_end > row_begin && cols > 0 && (!x || !y->data)) return TF_ERR_NULL_POINTER;
-  swiglu_rows(x, dtype, cols, row_begin, row_end, y, amax_bits);
+  gated_rows(x, dtype, cols, row_begin, row_end, act, y, amax_bits);
   return TF_OK;
 }
 
-/* Rows [row_begin, row_end) of tf_swiglu_backward. */
-TF_ISA_INLINE void swiglu_grad_rows_body(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
-                                         int64_t cols, int64_t row_begin, int64_t row_end,
-                                         const tf_ops_output *dx, uint32_t *amax_bits) {
+/*
+ * da = act'(a) (d g) and dg = d act(a), in one loop per activation, so the exp that act and act'
+ * share is computed once.
+ */
+TF_ISA_INLINE void gated_grad_tile(tf_activation act, int64_t n, const float *restrict d,
+                                   float *restrict a, float *restrict g) {
+  switch (act) {
+#define GATED_GRAD_LOOP(code, f, grad)     \
+  case code:                               \
+    for (int64_t i = 0; i < n; ++i) {      \
+      const float ai = a[i];               \
+      a[i] = grad(ai, d[i] * g[i]);        \
+      g[i] = d[i] * f(ai);                 \
+    }                                      \
+    break;
+    TF_OPS_ACTIVATIONS(GATED_GRAD_LOOP)
+#undef GATED_GRAD_LOOP
+    default:
+      break;
+  }
+}
+
+/* Rows [row_begin, row_end) of tf_gated_act_backward. */
+TF_ISA_INLINE void gated_grad_rows_body(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                        int64_t cols, int64_t row_begin, int64_t row_end, tf_activation act,
+                                        const tf_ops_output *dx, uint32_t *amax_bits) {
   float a[TF_OPS_TILE];
   float g[TF_OPS_TILE];
   float d[TF_OPS_TILE];
@@ -166,35 +204,28 @@ TF_ISA_INLINE void swiglu_grad_rows_body(const void *dy, tf_dtype dy_dtype, cons
       tf_ops_load(dy, dy_dtype, r * cols + c0, n, d);
       tf_ops_load(x, dtype, 2 * r * cols + c0, n, a);
       tf_ops_load(x, dtype, 2 * r * cols + cols + c0, n, g);
-      for (int64_t i = 0; i < n; ++i) {
-        const float sig = tf_ops_sigmoid(a[i]);
-        const float s_a = a[i] * sig;
-        const float dsilu = sig * (1.0f + a[i] * (1.0f - sig));
-        a[i] = d[i] * g[i] * dsilu; /* gradient of the silu half */
-        g[i] = d[i] * s_a;          /* gradient of the gate half */
-      }
+      gated_grad_tile(act, n, d, a, g);
       tf_ops_store(dx, 2 * r * cols + c0, n, a, amax_bits);
       tf_ops_store(dx, 2 * r * cols + cols + c0, n, g, amax_bits);
     }
   }
 }
-TF_ISA_CLONES(swiglu_grad_rows,
+TF_ISA_CLONES(gated_grad_rows,
               (const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype, int64_t cols, int64_t row_begin,
-               int64_t row_end, const tf_ops_output *dx, uint32_t *amax_bits),
-              (dy, dy_dtype, x, dtype, cols, row_begin, row_end, dx, amax_bits))
+               int64_t row_end, tf_activation act, const tf_ops_output *dx, uint32_t *amax_bits),
+              (dy, dy_dtype, x, dtype, cols, row_begin, row_end, act, dx, amax_bits))
 
-tf_status tf_swiglu_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
-                             int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
-                             const tf_ops_output *dx, uint32_t *amax_bits) {
+tf_status tf_gated_act_backward(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                                tf_activation act, const tf_ops_output *dx, uint32_t *amax_bits) {
   if (!amax_bits) return TF_ERR_NULL_POINTER;
   *amax_bits = 0;
   if (!tf_ops_dtype_ok(dy_dtype) || !tf_ops_dtype_ok(dtype) || !tf_ops_output_ok(dx))
     return TF_ERR_BAD_DTYPE;
-  if (!tf_mul_fits(cols, 2)) return TF_ERR_OVERFLOW;
-  const tf_status s = tf_ops_check_rows(rows, 2 * cols, row_begin, row_end);
+  const tf_status s = gated_check(rows, cols, row_begin, row_end, act);
   if (s != TF_OK) return s;
   if (row_end > row_begin && cols > 0 && (!dy || !x || !dx->data)) return TF_ERR_NULL_POINTER;
-  swiglu_grad_rows(dy, dy_dtype, x, dtype, cols, row_begin, row_end, dx, amax_bits);
+  gated_grad_rows(dy, dy_dtype, x, dtype, cols, row_begin, row_end, act, dx, amax_bits);
   return TF_OK;
 }
 

@@ -3,8 +3,12 @@
 The kernels are torch.ops.te_fuser.* (C on CPU, CUDA C on GPU). Tensors are
 viewed as (numel / last dim) x (last dim) and must be contiguous.
 
-GELU is the tanh approximation (TransformerEngine's and Megatron's gelu),
-equal to torch.nn.functional.gelu(x, approximate="tanh").
+The activations are TransformerEngine's (transformer_engine/common/util/math.h):
+gelu is the tanh approximation (= torch.nn.functional.gelu(x, approximate="tanh")),
+qgelu x * sigmoid(1.702 x), srelu relu(x)^2, silu x * sigmoid(x). relu and srelu
+give 0 for a NaN input, as TE's fmaxf-based relu does (torch's relu keeps the NaN).
+The gated ones (geglu, reglu, qgeglu, sreglu, swiglu) split the last dimension into
+halves a, g and return act(a) * g: TE's order, the activation on the first half.
 
 Forward kernels can write FP8 directly: pass `fp8_out=(fp8_dtype, scale, amax)`
 and the result holds the FP8 codes of value * scale (a plain FP8 tensor),
@@ -27,7 +31,10 @@ from .validate import (
 
 _ops = torch.ops.te_fuser
 
-ACTIVATIONS = {"none": 0, "gelu": 1, "relu": 2}
+# The codes of csrc/ops/activation.h's tf_activation.
+ACTIVATIONS = {"none": 0, "gelu": 1, "relu": 2, "qgelu": 3, "srelu": 4, "silu": 5}
+# Each gated activation -> the activation applied to the first half.
+GATED_ACTIVATIONS = {"geglu": "gelu", "reglu": "relu", "qgeglu": "qgelu", "sreglu": "srelu", "swiglu": "silu"}
 
 Fp8Out = Optional[Tuple[torch.dtype, torch.Tensor, torch.Tensor]]
 
@@ -36,6 +43,12 @@ def _activation_code(activation: str) -> int:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     return ACTIVATIONS[activation]
+
+
+def _gated_code(activation: str) -> int:
+    if activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(GATED_ACTIVATIONS)}, got {activation!r}")
+    return ACTIVATIONS[GATED_ACTIVATIONS[activation]]
 
 
 def _check_input(x, name: str) -> None:
@@ -89,7 +102,7 @@ def _check_fp8_out(fp8_out: Fp8Out, x) -> None:
 
 def bias_activation(x: torch.Tensor, bias: Optional[torch.Tensor] = None, activation: str = "gelu",
                     fp8_out: Fp8Out = None) -> torch.Tensor:
-    """activation(x + bias) in one pass ("none", "gelu" (tanh approximation) or "relu")."""
+    """activation(x + bias) in one pass: "none", "gelu" (tanh approximation), "relu", "qgelu", "srelu" or "silu"."""
     def check():
         _check_input(x, "x")
         if bias is not None:
@@ -120,34 +133,35 @@ def activation_bias_backward(grad: torch.Tensor, x: torch.Tensor, bias: Optional
     return dx, (dbias if compute_dbias else None)
 
 
-def _check_swiglu_input(x) -> None:
+def _check_gated_input(x) -> None:
     _check_input(x, "x")
     if x.shape[-1] % 2:
-        raise ValueError(f"x.shape[-1] must be even for SwiGLU, got {x.shape[-1]}")
+        raise ValueError(f"x.shape[-1] must be even for a gated activation, got {x.shape[-1]}")
 
 
-def swiglu(x: torch.Tensor, fp8_out: Fp8Out = None) -> torch.Tensor:
-    """silu(a) * g with a, g = x.chunk(2, dim=-1)."""
+def gated_activation(x: torch.Tensor, activation: str = "swiglu", fp8_out: Fp8Out = None) -> torch.Tensor:
+    """act(a) * g with a, g = x.chunk(2, dim=-1): "geglu", "reglu", "qgeglu", "sreglu" or "swiglu"."""
     def check():
-        _check_swiglu_input(x)
+        _check_gated_input(x)
         _check_fp8_out(fp8_out, x)
 
+    code = _gated_code(activation)
     if fp8_out is None:
-        return call_checked(check, _ops.swiglu_forward, x)
-    return call_checked(check, _ops.swiglu_forward_fp8, x, *_fp8_args(fp8_out))
+        return call_checked(check, _ops.gated_act_forward, x, code)
+    return call_checked(check, _ops.gated_act_forward_fp8, x, code, *_fp8_args(fp8_out))
 
 
-def swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """Gradient of swiglu with respect to x."""
+def gated_activation_backward(grad: torch.Tensor, x: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
+    """Gradient of gated_activation with respect to x."""
     def check():
-        _check_swiglu_input(x)
+        _check_gated_input(x)
         _check_input(grad, "grad")
         check_same_device(grad, "grad", x, "x")
         if grad.shape != x.shape[:-1] + (x.shape[-1] // 2,):
             raise ValueError(f"grad must have shape {tuple(x.shape[:-1]) + (x.shape[-1] // 2,)}, "
                              f"got {tuple(grad.shape)}")
 
-    return call_checked(check, _ops.swiglu_backward, grad, x)
+    return call_checked(check, _ops.gated_act_backward, grad, x, _gated_code(activation))
 
 
 def _check_eps(eps) -> float:
@@ -230,19 +244,19 @@ def _(grad, x, bias, activation, compute_dbias, fp8_dtype=None, scale=None, amax
             x.new_empty((x.shape[-1] if compute_dbias else 0,), dtype=dbias_dtype))
 
 
-@torch.library.register_fake("te_fuser::swiglu_forward")
-def _(x):
+@torch.library.register_fake("te_fuser::gated_act_forward")
+def _(x, activation):
     return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
 
 
-@torch.library.register_fake("te_fuser::swiglu_forward_fp8")
-def _(x, fp8_dtype, scale, amax):
+@torch.library.register_fake("te_fuser::gated_act_forward_fp8")
+def _(x, activation, fp8_dtype, scale, amax):
     check_one_device_in_fake(x=x, scale=scale, amax=amax)
     return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=fp8_dtype)
 
 
-@torch.library.register_fake("te_fuser::swiglu_backward")
-def _(grad, x):
+@torch.library.register_fake("te_fuser::gated_act_backward")
+def _(grad, x, activation):
     check_one_device_in_fake(grad=grad, x=x)
     return x.new_empty(x.shape, dtype=grad.dtype)
 

@@ -6,7 +6,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..ops import _tensor_parallel as tp
-from ..ops.basic.activation import GELU, ReLU, SwiGLU
+from ..ops.basic import activation as act_ops
 from ..ops.basic.bias import Bias
 from ..ops.basic.extra_output import MakeExtraOutput
 from ..ops.basic.linear import BasicLinear
@@ -14,18 +14,22 @@ from ._linear_base import FusedModule, LinearWeights, check_unsupported, positiv
 from .layernorm_linear import create_norm_params, make_norm_op, norm_kwargs
 from .linear import check_forward_input
 
-# TE's activation name -> (te_fuser op, fc1 rows per ffn feature). GELU is the tanh approximation, as TE's.
-ACTIVATIONS = {"gelu": (GELU, 1), "relu": (ReLU, 1), "swiglu": (SwiGLU, 2)}
-TE_ONLY_ACTIVATIONS = ("geglu", "glu", "qgelu", "qgeglu", "reglu", "srelu", "sreglu", "silu", "clamped_swiglu")
+# TE's activation name -> (te_fuser op, fc1 rows per ffn feature): the gated ones need both halves.
+ACTIVATIONS = {
+    "gelu": (act_ops.GELU, 1), "qgelu": (act_ops.QGELU, 1), "relu": (act_ops.ReLU, 1), "srelu": (act_ops.SReLU, 1),
+    "silu": (act_ops.SiLU, 1), "geglu": (act_ops.GEGLU, 2), "qgeglu": (act_ops.QGEGLU, 2),
+    "reglu": (act_ops.ReGLU, 2), "sreglu": (act_ops.SReGLU, 2), "swiglu": (act_ops.SwiGLU, 2),
+}
+TE_ONLY_ACTIVATIONS = ("glu", "clamped_swiglu")  # later TE releases'
 
 
 class LayerNormMLP(FusedModule):
     """y = fc2(act(fc1(norm(x)))) with TransformerEngine's constructor and parameter names
     (layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias).
 
-    Activations: "gelu" (tanh approximation, as TE), "relu" and "swiglu" (fc1 then has
-    2 * ffn_hidden_size rows: silu of the first half times the second, as TE); TE's other
-    activations raise NotImplementedError. One fuser runs the whole MLP: fc1's bias and the
+    Activations, TE's: "gelu" (tanh approximation), "qgelu", "relu", "srelu", "silu", and the gated
+    "geglu", "qgeglu", "reglu", "sreglu", "swiglu" (fc1 then has 2 * ffn_hidden_size rows: the
+    activation of the first half times the second, as TE). One fuser runs the whole MLP: fc1's bias and the
     activation are one kernel that writes FP8 for fc2 under delayed scaling, and the norm writes
     FP8 for fc1. set_parallel_mode=True makes fc1 column- and fc2 row-parallel over tp_group,
     with sequence_parallel as in TE (the input and output are sequence shards). Without
@@ -89,7 +93,7 @@ class LayerNormMLP(FusedModule):
                          sequence_parallel=self.sequence_parallel,
                          accumulate_into_main_grad=self.fuse_wgrad_accumulation, create_weight=False)
         norm_op = make_norm_op(normalization, self.hidden_size, self.eps, self.zero_centered_gamma)
-        # For swiglu each rank's fc1 rows are its shard of both halves (TE's layout).
+        # For a gated activation each rank's fc1 rows are its shard of both halves (TE's layout).
         fc1 = BasicLinear(self.hidden_size, rows * self.ffn_hidden_size,
                           tensor_parallel_mode="column" if parallel else None, **tp_kwargs)
         fc2 = BasicLinear(self.ffn_hidden_size, self.hidden_size,

@@ -1,7 +1,7 @@
 """te_fuser.ops: basic and fused operations, the OperationFuser and the Sequential container."""
 
 from ..kernels import fused as _fused_kernels  # noqa: F401  (registers the fake kernels)
-from .basic.activation import GELU, ReLU, SwiGLU
+from .basic.activation import GEGLU, GELU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU
 from .basic.bias import Bias
 from .basic.extra_output import MakeExtraOutput
 from .basic.grouped_linear import GroupedBasicLinear
@@ -21,6 +21,7 @@ __all__ = [
     "Bias",
     "FusedOperation",
     "FusibleOperation",
+    "GEGLU",
     "GELU",
     "GroupedBasicLinear",
     "LayerNorm",
@@ -28,9 +29,15 @@ __all__ = [
     "MakeExtraOutput",
     "OperationContext",
     "OperationFuser",
+    "QGEGLU",
+    "QGELU",
     "Quantize",
+    "ReGLU",
     "ReLU",
     "RMSNorm",
     "Sequential",
+    "SiLU",
+    "SReGLU",
+    "SReLU",
     "SwiGLU",
 ]

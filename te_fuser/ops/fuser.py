@@ -55,7 +55,7 @@ SECOND_BACKWARD_MESSAGE = (
 
 
 def fuse_forward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
-    """[(op, basic op indices)]: BasicLinear + Bias (+ GELU/ReLU) become LinearBiasActivation."""
+    """[(op, basic op indices)]: BasicLinear + Bias (+ an element-wise activation) become LinearBiasActivation."""
     plan, i, n = [], 0, len(basic_ops)
     while i < n:
         op = basic_ops[i]
@@ -72,7 +72,7 @@ def fuse_forward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
 
 
 def fuse_backward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
-    """[(op, basic op indices)] in forward order: Bias + GELU/ReLU become ActivationBiasGrad."""
+    """[(op, basic op indices)] in forward order: Bias + an element-wise activation become ActivationBiasGrad."""
     plan, i, n = [], 0, len(basic_ops)
     while i < n:
         if isinstance(basic_ops[i], Bias) and i + 1 < n and isinstance(basic_ops[i + 1], _BiasActivation):

@@ -4,6 +4,8 @@ by TransformerEngine's parameter names and TransformerEngine's fused-QKV row lay
 import torch
 import torch.nn.functional as F
 
+from activation_reference import activation64
+
 
 def float64_params(module) -> dict:
     """name -> float64 copy of every parameter (give these requires_grad to get reference grads)."""
@@ -121,16 +123,7 @@ def mlp(module, x, activation="gelu", normalization="LayerNorm", eps=1e-5, P=Non
     """(LayerNormMLP output without fc2 bias, fc2 bias, layernorm output) in float64."""
     P = float64_params(module) if P is None else P
     ln_out = h = norm(x.double(), P, "", normalization, eps)
-    h = F.linear(h, P["fc1_weight"], P["fc1_bias"])
-    if activation == "gelu":
-        h = F.gelu(h, approximate="tanh")
-    elif activation == "relu":
-        h = F.relu(h)
-    elif activation == "swiglu":
-        a, b = h.chunk(2, dim=-1)
-        h = F.silu(a) * b
-    else:
-        raise ValueError(activation)
+    h = activation64(F.linear(h, P["fc1_weight"], P["fc1_bias"]), activation)
     return F.linear(h, P["fc2_weight"]), P["fc2_bias"], ln_out
 
 

@@ -14,18 +14,12 @@ from te_fuser import recipe
 
 from _module_checks import (assert_close64, ctx_walk_check, fuser_nodes, grads_of, leaf64, norm64,
                             retained_bytes_check, spawn)
+from activation_reference import GATED64, TE_ACTIVATIONS, activation64
 
 HIDDEN, FFN, TOKENS = 32, 64, 32
 PARAMS = ["layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
 
 
-def _act64(h, activation):
-    if activation == "gelu":
-        return F.gelu(h, approximate="tanh")
-    if activation == "relu":
-        return F.relu(h)
-    a, g = h.chunk(2, dim=-1)
-    return F.silu(a) * g
 
 
 def _module(generator, **kwargs):
@@ -58,7 +52,7 @@ def _reference(m, x, dy, dln=None):
 
     ln = rnd(norm64(x64, g64, b64, m.eps, m.normalization, m.zero_centered_gamma))
     h = rnd(F.linear(ln, w1)) + (0 if b1 is None else b1)  # the module's GEMM output is rounded, the bias added in float32
-    out = F.linear(rnd(_act64(h, m.activation)), w2, b2)
+    out = F.linear(rnd(activation64(h, m.activation)), w2, b2)
     loss = (out * dy.double()).sum()
     if dln is not None:
         loss = loss + (ln * dln.double()).sum()
@@ -66,12 +60,14 @@ def _reference(m, x, dy, dln=None):
     return [out, ln] + grads_of(*leaves)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "relu", "swiglu"])
+@pytest.mark.parametrize("activation", TE_ACTIVATIONS)
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_float64(activation, normalization, dtype, generator):
     m = _module(generator, activation=activation, normalization=normalization, params_dtype=dtype,
                 zero_centered_gamma=normalization == "RMSNorm")
+    # TE's fc1 for a gated activation has both halves: 2 * ffn_hidden_size rows.
+    assert m.fc1_weight.shape == ((2 if activation in GATED64 else 1) * FFN, HIDDEN)
     x = _input(generator, dtype)
     dy = torch.randn(*x.shape, generator=generator).to(dtype)
     out = m(x)
@@ -112,15 +108,17 @@ def test_no_bias_return_bias_and_layernorm_output(return_bias, generator):
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", TE_ACTIVATIONS)
 def test_fp8_equals_the_same_ops_unfused(recipe_name, activation, generator):
     """Under FP8 the module gives what te_fuser.ops.Sequential of the same ops gives, and is within
     FP8 precision of float64 (and visibly less precise than float32)."""
     from te_fuser import ops
 
     m = _module(generator, activation=activation)
-    act = {"gelu": ops.GELU, "swiglu": ops.SwiGLU}[activation]
-    rows = 2 if activation == "swiglu" else 1
+    act = {"gelu": ops.GELU, "qgelu": ops.QGELU, "relu": ops.ReLU, "srelu": ops.SReLU, "silu": ops.SiLU,
+           "geglu": ops.GEGLU, "qgeglu": ops.QGEGLU, "reglu": ops.ReGLU, "sreglu": ops.SReGLU,
+           "swiglu": ops.SwiGLU}[activation]
+    rows = 2 if activation in GATED64 else 1
     chain = ops.Sequential(ops.LayerNorm(HIDDEN), ops.BasicLinear(HIDDEN, rows * FFN), ops.Bias(rows * FFN), act(),
                            ops.BasicLinear(FFN, HIDDEN), ops.Bias(HIDDEN))
     with torch.no_grad():
@@ -160,17 +158,19 @@ RECIPES = {"no_fp8": None, "delayed": recipe.DelayedScaling(amax_history_len=4),
            "current": recipe.Float8CurrentScaling()}
 
 
+@pytest.mark.parametrize("activation", TE_ACTIVATIONS)
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-def test_nothing_on_ctx_after_backward(recipe_name, monkeypatch):
+def test_nothing_on_ctx_after_backward(recipe_name, activation, monkeypatch):
     torch.manual_seed(0)
-    m = te_fuser.LayerNormMLP(HIDDEN, FFN, activation="swiglu", device="cpu")
+    m = te_fuser.LayerNormMLP(HIDDEN, FFN, activation=activation, device="cpu")
     ctx_walk_check(m, lambda: torch.randn(TOKENS, HIDDEN, requires_grad=True), RECIPES[recipe_name], monkeypatch)
 
 
+@pytest.mark.parametrize("activation", TE_ACTIVATIONS)
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-def test_retained_bytes(recipe_name, monkeypatch):
+def test_retained_bytes(recipe_name, activation, monkeypatch):
     torch.manual_seed(0)
-    m = te_fuser.LayerNormMLP(HIDDEN, 256, device="cpu")
+    m = te_fuser.LayerNormMLP(HIDDEN, 256, activation=activation, device="cpu")
     tokens = 256
     # Saved: at least the FFN activation, tokens * 256 bytes (FP8) or 4x that (float32).
     retained_bytes_check(m, lambda: torch.randn(tokens, HIDDEN, requires_grad=True), RECIPES[recipe_name],
@@ -212,8 +212,9 @@ def test_init_methods_and_state_dict_round_trip_with_fp8_state(generator):
 
 
 def test_bad_arguments_raise_clear_errors():
-    for activation in ["geglu", "qgelu", "srelu"]:
-        with pytest.raises(NotImplementedError, match=f"'{activation}'.*supported: gelu, relu, swiglu"):
+    for activation in ["glu", "clamped_swiglu"]:  # later TE releases'
+        with pytest.raises(NotImplementedError, match=f"'{activation}' is one of TE's activations te_fuser lacks; "
+                                                      "supported: gelu, qgelu, relu, srelu, silu, geglu"):
             te_fuser.LayerNormMLP(8, 8, activation=activation, device="cpu")
     with pytest.raises(NotImplementedError, match="'tanh'.*unknown"):
         te_fuser.LayerNormMLP(8, 8, activation="tanh", device="cpu")
@@ -246,7 +247,7 @@ def _tp_case(rank, activation, sequence_parallel, fp8_recipe=None):
     assert tp.size_per_partition == FFN // world
     with torch.no_grad():
         tp.layer_norm_weight.copy_(full.layer_norm_weight), tp.layer_norm_bias.copy_(full.layer_norm_bias)
-        halves = 2 if activation == "swiglu" else 1
+        halves = 2 if activation in GATED64 else 1
         # fc1: each rank's shard of every half (TE's layout for gated activations).
         w1 = torch.cat([h.chunk(world, 0)[rank] for h in full.fc1_weight.chunk(halves, 0)])
         b1 = torch.cat([h.chunk(world, 0)[rank] for h in full.fc1_bias.chunk(halves, 0)])
@@ -287,7 +288,7 @@ def _tp_case(rank, activation, sequence_parallel, fp8_recipe=None):
 
 
 def _tp_cases(rank):
-    for activation, sequence_parallel in [("gelu", False), ("gelu", True), ("swiglu", True)]:
+    for activation, sequence_parallel in [("gelu", False), ("gelu", True), ("swiglu", True), ("qgeglu", False)]:
         _tp_case(rank, activation, sequence_parallel)
     for fp8_recipe in (recipe.DelayedScaling(), recipe.Float8CurrentScaling()):
         _tp_case(rank, "gelu", True, fp8_recipe)

@@ -9,6 +9,7 @@ import te_fuser
 from te_fuser import recipe
 
 import layer_reference as ref
+from activation_reference import GATED64
 from _module_memory import leaky_attention, reachable_after_backward, retained_step_bytes, without_clearing
 
 HIDDEN, FFN, HEADS, SEQ, BATCH = 64, 128, 4, 16, 2
@@ -28,6 +29,8 @@ def _layer(**kwargs):
 CONFIGS = {
     "seed_001": dict(fuse_qkv_params=True),
     "split_qkv_relu": dict(activation="relu"),
+    "srelu": dict(activation="srelu", fuse_qkv_params=True),
+    "qgeglu_bshd": dict(activation="qgeglu", attn_input_format="bshd", fuse_qkv_params=True),
     "rmsnorm_swiglu_gqa_bshd": dict(normalization="RMSNorm", activation="swiglu", num_gqa_groups=2,
                                     attn_input_format="bshd", fuse_qkv_params=True),
     "post_layernorm_residual": dict(apply_residual_connection_post_layernorm=True, fuse_qkv_params=True),
@@ -46,6 +49,8 @@ def test_matches_float64_forward_and_backward(config, generator):
     enc = torch.randn(24, BATCH, HIDDEN, generator=generator) if config == "decoder" else None
     out = layer(x, encoder_output=enc)
     assert out.shape == x.shape
+    gated = kwargs.get("activation", "gelu") in GATED64  # fc1 holds both halves, as in TE
+    assert layer.layernorm_mlp.fc1_weight.shape == ((2 if gated else 1) * FFN, HIDDEN)
 
     def reference(x64, P):
         return ref.transformer_layer(layer, x64, kwargs.get("activation", "gelu"),

@@ -1,23 +1,12 @@
 // Bias + activation forward, activation + bias gradient (one pass, deterministic
-// dbias), and SwiGLU forward/backward on CUDA. See fused_ops_cuda.h.
+// dbias), and the gated activations' forward/backward on CUDA. See fused_ops_cuda.h.
 #include "ops_cuda_common.cuh"
 
 namespace tf_ops_cuda {
 namespace {
 
-// The activations are the CPU's (csrc/ops/ops_math.h), compiled for the device.
-__device__ __forceinline__ float act_forward(tf_activation act, float x) {
-  if (act == TF_ACT_GELU_TANH) return tf_ops_gelu(x);
-  if (act == TF_ACT_RELU) return x > 0.0f ? x : 0.0f;
-  return x;
-}
-
-// g * act'(x), with ReLU as a select so signs of zero and non-finite g match the CPU.
-__device__ __forceinline__ float act_grad(tf_activation act, float x, float g) {
-  if (act == TF_ACT_GELU_TANH) return g * tf_ops_dgelu(x);
-  if (act == TF_ACT_RELU) return x > 0.0f ? g : 0.0f;
-  return g;
-}
+// The activations are the CPU's (csrc/ops/ops_math.h: tf_ops_act, tf_ops_act_grad), compiled for the
+// device, so the ReLU family's selects give the CPU's signs of zero and non-finite g.
 
 __global__ void __launch_bounds__(kThreads)
     bias_act_forward_kernel(const void *__restrict__ x, tf_dtype dtype, const void *__restrict__ bias,
@@ -29,7 +18,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
     float v = load(x, dtype, i);
     if (bias) v += load(bias, bias_dtype, i % cols);
-    store_out(y, scale, i, act_forward(act, v), amax_bits);
+    store_out(y, scale, i, tf_ops_act(act, v), amax_bits);
   }
   if (y.fp8) fold_amax(amax_bits, y.amax);
 }
@@ -52,7 +41,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t i = r * cols + c;
       float g = load(dy, dy_dtype, i);
-      if (act != TF_ACT_NONE) g = act_grad(act, load(x, dtype, i) + b, g);
+      if (act != TF_ACT_NONE) g = tf_ops_act_grad(act, load(x, dtype, i) + b, g);
       store_out(dx, scale, i, g, amax_bits);
       acc += g;
     }
@@ -61,8 +50,10 @@ __global__ void __launch_bounds__(kThreads)
   if (dx.fp8) fold_amax(amax_bits, dx.amax);
 }
 
+// y = act(a) * g with a, g the two halves of each row of x (rows x 2 cols).
 __global__ void __launch_bounds__(kThreads)
-    swiglu_forward_kernel(const void *__restrict__ x, tf_dtype dtype, int64_t rows, int64_t cols, Output y) {
+    gated_act_forward_kernel(const void *__restrict__ x, tf_dtype dtype, int64_t rows, int64_t cols,
+                             tf_activation act, Output y) {
   const float scale = y.fp8 ? *y.scale : 1.0f;
   uint32_t amax_bits = 0;
   const int64_t n = rows * cols;
@@ -71,14 +62,14 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = i / cols, c = i % cols;
     const float a = load(x, dtype, 2 * r * cols + c);
     const float g = load(x, dtype, 2 * r * cols + cols + c);
-    store_out(y, scale, i, a * tf_ops_sigmoid(a) * g, amax_bits);
+    store_out(y, scale, i, tf_ops_act(act, a) * g, amax_bits);
   }
   if (y.fp8) fold_amax(amax_bits, y.amax);
 }
 
 __global__ void __launch_bounds__(kThreads)
-    swiglu_backward_kernel(const void *__restrict__ dy, tf_dtype dy_dtype, const void *__restrict__ x,
-                           tf_dtype dtype, int64_t rows, int64_t cols, void *__restrict__ dx) {
+    gated_act_backward_kernel(const void *__restrict__ dy, tf_dtype dy_dtype, const void *__restrict__ x,
+                              tf_dtype dtype, int64_t rows, int64_t cols, tf_activation act, void *__restrict__ dx) {
   const int64_t n = rows * cols;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
@@ -87,14 +78,12 @@ __global__ void __launch_bounds__(kThreads)
     const float d = load(dy, dy_dtype, i);
     const float a = load(x, dtype, ia);
     const float g = load(x, dtype, ig);
-    const float sig = tf_ops_sigmoid(a);
-    const float dsilu = sig * (1.0f + a * (1.0f - sig));
-    store(dx, dy_dtype, ia, d * g * dsilu);  // the CPU's operation order
-    store(dx, dy_dtype, ig, d * (a * sig));
+    store(dx, dy_dtype, ia, tf_ops_act_grad(act, a, d * g));  // the CPU's operation order
+    store(dx, dy_dtype, ig, d * tf_ops_act(act, a));
   }
 }
 
-bool act_ok(tf_activation act) { return act == TF_ACT_NONE || act == TF_ACT_GELU_TANH || act == TF_ACT_RELU; }
+bool gated_act_ok(tf_activation act) { return tf_activation_known(act) && act != TF_ACT_NONE; }
 
 }  // namespace
 }  // namespace tf_ops_cuda
@@ -105,7 +94,7 @@ extern "C" tf_status tf_bias_act_forward_cuda(const void *x, tf_dtype dtype, con
                                               int64_t rows, int64_t cols, tf_activation act,
                                               const tf_ops_cuda_output *y, void *stream) {
   if (!dtype_ok(dtype) || (bias && !dtype_ok(bias_dtype))) return TF_ERR_BAD_DTYPE;
-  if (!act_ok(act)) return TF_ERR_BAD_ARGUMENT;
+  if (!tf_activation_known(act)) return TF_ERR_BAD_ARGUMENT;
   const tf_status s = check_shape(rows, cols);
   if (s != TF_OK) return s;
   if (rows * cols == 0) return TF_OK;
@@ -121,7 +110,7 @@ extern "C" tf_status tf_act_bias_backward_cuda(const void *dy, tf_dtype dy_dtype
                                                void *dbias, tf_dtype dbias_dtype, void *stream) {
   if (!dtype_ok(dy_dtype) || !dtype_ok(dtype) || (bias && !dtype_ok(bias_dtype))) return TF_ERR_BAD_DTYPE;
   if (dbias && !dtype_ok(dbias_dtype)) return TF_ERR_BAD_DTYPE;
-  if (!act_ok(act)) return TF_ERR_BAD_ARGUMENT;
+  if (!tf_activation_known(act)) return TF_ERR_BAD_ARGUMENT;
   const tf_status s = check_shape(rows, cols);
   if (s != TF_OK) return s;
   if (cols == 0) return TF_OK;
@@ -137,28 +126,31 @@ extern "C" tf_status tf_act_bias_backward_cuda(const void *dy, tf_dtype dy_dtype
   return launch_status();
 }
 
-extern "C" tf_status tf_swiglu_forward_cuda(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
-                                            const tf_ops_cuda_output *y, void *stream) {
+extern "C" tf_status tf_gated_act_forward_cuda(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
+                                               tf_activation act, const tf_ops_cuda_output *y, void *stream) {
   if (!dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
+  if (!gated_act_ok(act)) return TF_ERR_BAD_ARGUMENT;
   if (cols > INT64_MAX / 2) return TF_ERR_OVERFLOW;
   const tf_status s = check_shape(rows, 2 * cols);
   if (s != TF_OK) return s;
   if (rows * cols == 0) return TF_OK;
   if (!x || !output_ok(y)) return TF_ERR_NULL_POINTER;
-  swiglu_forward_kernel<<<grid_for(rows * cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      x, dtype, rows, cols, make_output(y));
+  gated_act_forward_kernel<<<grid_for(rows * cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      x, dtype, rows, cols, act, make_output(y));
   return launch_status();
 }
 
-extern "C" tf_status tf_swiglu_backward_cuda(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
-                                             int64_t rows, int64_t cols, void *dx, void *stream) {
+extern "C" tf_status tf_gated_act_backward_cuda(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                                int64_t rows, int64_t cols, tf_activation act, void *dx,
+                                                void *stream) {
   if (!dtype_ok(dy_dtype) || !dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
+  if (!gated_act_ok(act)) return TF_ERR_BAD_ARGUMENT;
   if (cols > INT64_MAX / 2) return TF_ERR_OVERFLOW;
   const tf_status s = check_shape(rows, 2 * cols);
   if (s != TF_OK) return s;
   if (rows * cols == 0) return TF_OK;
   if (!dy || !x || !dx) return TF_ERR_NULL_POINTER;
-  swiglu_backward_kernel<<<grid_for(rows * cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      dy, dy_dtype, x, dtype, rows, cols, dx);
+  gated_act_backward_kernel<<<grid_for(rows * cols), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      dy, dy_dtype, x, dtype, rows, cols, act, dx);
   return launch_status();
 }

@@ -57,12 +57,12 @@ tf_status tf_act_bias_backward_cuda(const void *dy, tf_dtype dy_dtype, const voi
                                     tf_activation act, const tf_ops_cuda_output *dx, float *partials,
                                     void *dbias, tf_dtype dbias_dtype, void *stream);
 
-/* x: rows x 2 cols; y = silu(x[:, :cols]) * x[:, cols:]. */
-tf_status tf_swiglu_forward_cuda(const void *x, tf_dtype dtype, int64_t rows, int64_t cols,
-                                 const tf_ops_cuda_output *y, void *stream);
+/* x: rows x 2 cols; y = act(x[:, :cols]) * x[:, cols:] (see tf_gated_act_forward); act != TF_ACT_NONE. */
+tf_status tf_gated_act_forward_cuda(const void *x, tf_dtype dtype, int64_t rows, int64_t cols, tf_activation act,
+                                    const tf_ops_cuda_output *y, void *stream);
 
-tf_status tf_swiglu_backward_cuda(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
-                                  int64_t rows, int64_t cols, void *dx, void *stream);
+tf_status tf_gated_act_backward_cuda(const void *dy, tf_dtype dy_dtype, const void *x, tf_dtype dtype,
+                                     int64_t rows, int64_t cols, tf_activation act, void *dx, void *stream);
 
 /* mean == NULL: RMSNorm (no centering, beta ignored); else LayerNorm writing mean. */
 tf_status tf_norm_forward_cuda(const void *x, tf_dtype dtype, const void *gamma, const void *beta,

@@ -1,10 +1,14 @@
-"""Activation ops: GELU (tanh approximation), ReLU and SwiGLU, on the fused C/CUDA kernels.
+"""Activation ops with TransformerEngine's names and semantics, on the fused C/CUDA kernels.
+
+Element-wise: GELU (tanh approximation), QGELU (x * sigmoid(1.702 x)), ReLU, SReLU (relu(x)^2) and
+SiLU. Gated (the last dimension split into halves a, g; TE's order, the activation on the first
+half, so the output has half the last dimension): GEGLU, QGEGLU, ReGLU, SReGLU and SwiGLU.
 
 Between two FP8 linears (the next op takes FP8 input), the activations save their
 input for backward in FP8 E4M3 (current scaling) rather than in 16 bits, and
 dequantize it only for the backward kernel call (issue 15: activations are not
 kept in 16 bits between FP8 layers; DeepSeek-V3 caches activation inputs in
-FP8 the same way).
+FP8 the same way). TE's cache_quantized_input=True saves it so whatever follows.
 """
 
 import torch
@@ -20,11 +24,24 @@ def quantize_saved_input(x: torch.Tensor) -> Float8Tensor:
     return Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=x.device)(x)
 
 
-class _BiasActivation(BasicOperation):
+class _Activation(BasicOperation):
+    """What every activation op shares: TE's constructor and the choice of how its input is saved."""
+
+    activation = "none"  # the kernels' name of the activation
+
+    def __init__(self, *, cache_quantized_input: bool = False):
+        super().__init__()
+        self.cache_quantized_input = bool(cache_quantized_input)
+
+    def _saved_input(self, x: torch.Tensor, next_op_input_quantizer) -> torch.Tensor:
+        """x in FP8 before an FP8 op (or when asked to), else x itself."""
+        fp8 = self.cache_quantized_input or next_op_input_quantizer is not None
+        return quantize_saved_input(x) if fp8 else x
+
+
+class _BiasActivation(_Activation):
     """act(x); when fused after a bias (LinearBiasActivation) the saved input is x - bias and
     the bias is saved too, so the pre-activation never has to be stored."""
-
-    activation = "none"
 
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer):
         return self.forward_with_bias(ctx, high_precision(input_).contiguous(), None,
@@ -38,8 +55,7 @@ class _BiasActivation(BasicOperation):
             y = wrap_kernel_output(y, next_op_input_quantizer, x.dtype)
         ctx.grad_input_quantizer = prev_op_grad_output_quantizer
         if ctx.input_requires_grad:
-            fp8_next = next_op_input_quantizer is not None
-            ctx.save_for_backward(quantize_saved_input(x) if fp8_next else x, bias)
+            ctx.save_for_backward(self._saved_input(x, next_op_input_quantizer), bias)
         return y
 
     def op_backward(self, ctx, grad_output):
@@ -57,30 +73,81 @@ class _BiasActivation(BasicOperation):
         return dx, dbias
 
 
+class _GatedActivation(_Activation):
+    """act(a) * g with a, g = x.chunk(2, dim=-1): halves the last dimension."""
+
+    def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer):
+        del prev_op_grad_output_quantizer
+        x = high_precision(input_).contiguous()
+        fp8_out = direct_fp8_args(next_op_input_quantizer)
+        y = fused.gated_activation(x, self.activation, fp8_out=fp8_out)
+        if fp8_out is not None:
+            y = wrap_kernel_output(y, next_op_input_quantizer, x.dtype)
+        if ctx.input_requires_grad:
+            ctx.save_for_backward(self._saved_input(x, next_op_input_quantizer))
+        return y
+
+    def op_backward(self, ctx, grad_output):
+        (x,) = ctx.saved_tensors
+        dy = high_precision(grad_output).contiguous()
+        return fused.gated_activation_backward(dy, high_precision(x), self.activation), ()
+
+
 class GELU(_BiasActivation):
     """GELU with the tanh approximation (= torch.nn.functional.gelu(x, approximate="tanh"))."""
 
     activation = "gelu"
 
 
+class QGELU(_BiasActivation):
+    """Quick GELU: x * sigmoid(1.702 x)."""
+
+    activation = "qgelu"
+
+
 class ReLU(_BiasActivation):
+    """max(x, 0); a NaN input gives 0, as TE's."""
+
     activation = "relu"
 
 
-class SwiGLU(BasicOperation):
-    """silu(a) * g with a, g = x.chunk(2, dim=-1): halves the last dimension."""
+class SReLU(_BiasActivation):
+    """Squared ReLU: relu(x)^2."""
 
-    def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer):
-        del prev_op_grad_output_quantizer
-        x = high_precision(input_).contiguous()
-        fp8_out = direct_fp8_args(next_op_input_quantizer)
-        y = fused.swiglu(x, fp8_out=fp8_out)
-        if fp8_out is not None:
-            y = wrap_kernel_output(y, next_op_input_quantizer, x.dtype)
-        if ctx.input_requires_grad:
-            ctx.save_for_backward(quantize_saved_input(x) if next_op_input_quantizer is not None else x)
-        return y
+    activation = "srelu"
 
-    def op_backward(self, ctx, grad_output):
-        (x,) = ctx.saved_tensors
-        return fused.swiglu_backward(high_precision(grad_output).contiguous(), high_precision(x)), ()
+
+class SiLU(_BiasActivation):
+    """SiLU (swish): x * sigmoid(x)."""
+
+    activation = "silu"
+
+
+class GEGLU(_GatedActivation):
+    """gelu(a) * g (tanh approximation)."""
+
+    activation = "geglu"
+
+
+class QGEGLU(_GatedActivation):
+    """qgelu(a) * g."""
+
+    activation = "qgeglu"
+
+
+class ReGLU(_GatedActivation):
+    """relu(a) * g."""
+
+    activation = "reglu"
+
+
+class SReGLU(_GatedActivation):
+    """relu(a)^2 * g."""
+
+    activation = "sreglu"
+
+
+class SwiGLU(_GatedActivation):
+    """silu(a) * g."""
+
+    activation = "swiglu"

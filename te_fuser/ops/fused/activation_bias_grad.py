@@ -1,4 +1,4 @@
-"""Backward fusion: activation gradient and bias gradient (dGELU/dReLU + dbias) in one pass."""
+"""Backward fusion: activation gradient and bias gradient (e.g. dGELU + dbias) in one pass."""
 
 from ..basic.activation import _BiasActivation
 from ..basic.bias import Bias
@@ -6,8 +6,9 @@ from ..op import FusedOperation
 
 
 class ActivationBiasGrad(FusedOperation):
-    """Backward of Bias followed by GELU/ReLU: one kernel reads dy and the saved input once,
-    writes dx (FP8 when the previous op takes FP8 gradients) and reduces dbias."""
+    """Backward of Bias followed by an element-wise activation (GELU, QGELU, ReLU, SReLU, SiLU): one
+    kernel reads dy and the saved input once, writes dx (FP8 when the previous op takes FP8
+    gradients) and reduces dbias."""
 
     def __init__(self, bias: Bias, activation: _BiasActivation):
         super().__init__((bias, activation))

@@ -1,4 +1,4 @@
-"""Forward fusion: BasicLinear + Bias (+ GELU/ReLU) in one step."""
+"""Forward fusion: BasicLinear + Bias (+ an element-wise activation) in one step."""
 
 from typing import Optional
 

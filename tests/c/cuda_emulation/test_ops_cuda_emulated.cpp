@@ -1,6 +1,6 @@
 // The fused-op CUDA kernels (csrc/cuda/ops) run on the host through the CUDA
 // emulation of this directory and checked against the C core (csrc/ops): the
-// element-wise kernels bit for bit (same float32 math, no FMA contraction on
+// element-wise kernels (every activation, plain and gated, edge values included) bit for bit (same float32 math, no FMA contraction on
 // either side), FP8 bytes and amax exactly, dbias/dgamma/dbeta exactly against
 // the C core split into the same 64-row bands, and the row statistics of the
 // norms (a tree sum on the GPU, a double sum on the CPU) within float32 rounding.
@@ -35,6 +35,14 @@ static std::vector<float> random_vector(size_t n, float scale) {
 
 static bool same_bits(const void *a, const void *b, size_t bytes) { return std::memcmp(a, b, bytes) == 0; }
 
+// The same float bits, except that any two NaNs match: which NaN an operation with a NaN operand
+// returns depends on the operand order the compiler picked, not on the kernel.
+static bool same_floats(const std::vector<float> &a, const std::vector<float> &b) {
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!(std::isnan(a[i]) && std::isnan(b[i])) && !same_bits(&a[i], &b[i], sizeof(float))) return false;
+  return a.size() == b.size();
+}
+
 static double max_abs_diff(const std::vector<float> &a, const std::vector<float> &b) {
   double m = 0.0;
   for (size_t i = 0; i < a.size(); ++i) m = std::fmax(m, std::fabs(static_cast<double>(a[i]) - b[i]));
@@ -57,11 +65,22 @@ static void cpu_act_backward(const std::vector<float> &dy, const std::vector<flo
   tf_ops_sum_partials(partials.data(), bands, cols, 0, cols, db.data(), TF_FLOAT32);
 }
 
+// Every activation code, and edge values: zeros, past the exp clamps, huge, infinite and NaN.
+static const tf_activation kActs[] = {TF_ACT_NONE, TF_ACT_GELU_TANH, TF_ACT_RELU, TF_ACT_QGELU, TF_ACT_SRELU,
+                                      TF_ACT_SILU};
+static const float kEdges[] = {0.0f, -0.0f, 60.0f, -60.0f, 100.0f, -100.0f, 1e12f, -1e12f, INFINITY, -INFINITY, NAN};
+
+static void put_edges(std::vector<float> &x, size_t stride) {
+  for (size_t i = 0; i < sizeof(kEdges) / sizeof(kEdges[0]) && i * stride < x.size(); ++i) x[i * stride] = kEdges[i];
+}
+
 static void test_activations(int64_t rows, int64_t cols) {
   const size_t n = static_cast<size_t>(rows * cols);
-  const std::vector<float> x = random_vector(n, 6.0f), dy = random_vector(n, 1.0f);
+  const std::vector<float> finite_x = random_vector(n, 6.0f), dy = random_vector(n, 1.0f);
   const std::vector<float> b = random_vector(static_cast<size_t>(cols), 1.0f);
-  for (tf_activation act : {TF_ACT_NONE, TF_ACT_GELU_TANH, TF_ACT_RELU}) {
+  std::vector<float> x = finite_x;
+  put_edges(x, 7);
+  for (tf_activation act : kActs) {
     std::vector<float> y_cpu(n), y_gpu(n);
     uint32_t amax = 0;
     const tf_ops_output cpu_out = {y_cpu.data(), TF_FLOAT32, 0, TF_FP8_E4M3, 1.0f};
@@ -69,7 +88,7 @@ static void test_activations(int64_t rows, int64_t cols) {
     const tf_ops_cuda_output gpu_out = {y_gpu.data(), TF_FLOAT32, 0, TF_FP8_E4M3, nullptr, nullptr};
     CHECK(tf_bias_act_forward_cuda(x.data(), TF_FLOAT32, b.data(), TF_FLOAT32, rows, cols, act, &gpu_out,
                                    nullptr) == TF_OK, "forward launch");
-    CHECK(same_bits(y_cpu.data(), y_gpu.data(), n * 4), "forward act %d %lldx%lld", act, (long long)rows,
+    CHECK(same_floats(y_cpu, y_gpu), "forward act %d %lldx%lld", act, (long long)rows,
           (long long)cols);
 
     std::vector<float> dx_cpu(n), dx_gpu(n), db_cpu(static_cast<size_t>(cols)), db_gpu(static_cast<size_t>(cols));
@@ -79,36 +98,53 @@ static void test_activations(int64_t rows, int64_t cols) {
     CHECK(tf_act_bias_backward_cuda(dy.data(), TF_FLOAT32, x.data(), TF_FLOAT32, b.data(), TF_FLOAT32, rows, cols,
                                     act, &gpu_dx, partials.data(), db_gpu.data(), TF_FLOAT32, nullptr) == TF_OK,
           "backward launch");
-    CHECK(same_bits(dx_cpu.data(), dx_gpu.data(), n * 4), "dx act %d", act);
-    CHECK(same_bits(db_cpu.data(), db_gpu.data(), db_cpu.size() * 4), "dbias act %d", act);
+    CHECK(same_floats(dx_cpu, dx_gpu), "dx act %d", act);
+    CHECK(same_floats(db_cpu, db_gpu), "dbias act %d", act);
   }
 
-  // FP8 output: the same bytes and amax.
+  // FP8 output (finite input, so the amax is a number): the same bytes and amax.
   std::vector<uint8_t> q_cpu(n), q_gpu(n);
   uint32_t amax_bits = 0;
   const tf_ops_output cpu_q = {q_cpu.data(), TF_FLOAT32, 1, TF_FP8_E4M3, 16.0f};
-  tf_bias_act_forward(x.data(), TF_FLOAT32, b.data(), TF_FLOAT32, rows, cols, 0, rows, TF_ACT_GELU_TANH, &cpu_q,
+  tf_bias_act_forward(finite_x.data(), TF_FLOAT32, b.data(), TF_FLOAT32, rows, cols, 0, rows, TF_ACT_GELU_TANH, &cpu_q,
                       &amax_bits);
   float scale = 16.0f, amax = 0.0f;
   const tf_ops_cuda_output gpu_q = {q_gpu.data(), TF_FLOAT32, 1, TF_FP8_E4M3, &scale, &amax};
-  CHECK(tf_bias_act_forward_cuda(x.data(), TF_FLOAT32, b.data(), TF_FLOAT32, rows, cols, TF_ACT_GELU_TANH, &gpu_q,
+  CHECK(tf_bias_act_forward_cuda(finite_x.data(), TF_FLOAT32, b.data(), TF_FLOAT32, rows, cols, TF_ACT_GELU_TANH, &gpu_q,
                                  nullptr) == TF_OK, "fp8 launch");
   CHECK(same_bits(q_cpu.data(), q_gpu.data(), n), "FP8 bytes");
   CHECK(tf_f32_bits(amax) == amax_bits, "FP8 amax");
 
-  // SwiGLU on (rows, 2 * cols).
-  const std::vector<float> xs = random_vector(2 * n, 8.0f);
-  std::vector<float> s_cpu(n), s_gpu(n), ds_cpu(2 * n), ds_gpu(2 * n);
-  const tf_ops_output s_out = {s_cpu.data(), TF_FLOAT32, 0, TF_FP8_E4M3, 1.0f};
-  const tf_ops_output ds_out = {ds_cpu.data(), TF_FLOAT32, 0, TF_FP8_E4M3, 1.0f};
-  tf_swiglu_forward(xs.data(), TF_FLOAT32, rows, cols, 0, rows, &s_out, &amax_bits);
-  tf_swiglu_backward(dy.data(), TF_FLOAT32, xs.data(), TF_FLOAT32, rows, cols, 0, rows, &ds_out, &amax_bits);
-  const tf_ops_cuda_output sg_out = {s_gpu.data(), TF_FLOAT32, 0, TF_FP8_E4M3, nullptr, nullptr};
-  CHECK(tf_swiglu_forward_cuda(xs.data(), TF_FLOAT32, rows, cols, &sg_out, nullptr) == TF_OK, "swiglu launch");
-  CHECK(tf_swiglu_backward_cuda(dy.data(), TF_FLOAT32, xs.data(), TF_FLOAT32, rows, cols, ds_gpu.data(), nullptr) ==
-        TF_OK, "swiglu backward launch");
-  CHECK(same_bits(s_cpu.data(), s_gpu.data(), n * 4), "swiglu");
-  CHECK(same_bits(ds_cpu.data(), ds_gpu.data(), 2 * n * 4), "swiglu backward");
+  // The gated activations on (rows, 2 * cols).
+  const std::vector<float> finite_xs = random_vector(2 * n, 8.0f);
+  std::vector<float> xs = finite_xs;
+  put_edges(xs, 5);
+  for (tf_activation act : kActs) {
+    if (act == TF_ACT_NONE) continue;
+    std::vector<float> s_cpu(n), s_gpu(n), ds_cpu(2 * n), ds_gpu(2 * n);
+    const tf_ops_output s_out = {s_cpu.data(), TF_FLOAT32, 0, TF_FP8_E4M3, 1.0f};
+    const tf_ops_output ds_out = {ds_cpu.data(), TF_FLOAT32, 0, TF_FP8_E4M3, 1.0f};
+    tf_gated_act_forward(xs.data(), TF_FLOAT32, rows, cols, 0, rows, act, &s_out, &amax_bits);
+    tf_gated_act_backward(dy.data(), TF_FLOAT32, xs.data(), TF_FLOAT32, rows, cols, 0, rows, act, &ds_out, &amax_bits);
+    const tf_ops_cuda_output sg_out = {s_gpu.data(), TF_FLOAT32, 0, TF_FP8_E4M3, nullptr, nullptr};
+    CHECK(tf_gated_act_forward_cuda(xs.data(), TF_FLOAT32, rows, cols, act, &sg_out, nullptr) == TF_OK,
+          "gated launch");
+    CHECK(tf_gated_act_backward_cuda(dy.data(), TF_FLOAT32, xs.data(), TF_FLOAT32, rows, cols, act, ds_gpu.data(),
+                                     nullptr) == TF_OK, "gated backward launch");
+    CHECK(same_floats(s_cpu, s_gpu), "gated act %d", act);
+    CHECK(same_floats(ds_cpu, ds_gpu), "gated act %d backward", act);
+  }
+
+  // The gated forward's FP8 output: the same bytes and amax.
+  uint32_t gated_amax_bits = 0;
+  const tf_ops_output cpu_gq = {q_cpu.data(), TF_FLOAT32, 1, TF_FP8_E5M2, 2.0f};
+  tf_gated_act_forward(finite_xs.data(), TF_FLOAT32, rows, cols, 0, rows, TF_ACT_QGELU, &cpu_gq, &gated_amax_bits);
+  float gscale = 2.0f, gamax = 0.0f;
+  const tf_ops_cuda_output gpu_gq = {q_gpu.data(), TF_FLOAT32, 1, TF_FP8_E5M2, &gscale, &gamax};
+  CHECK(tf_gated_act_forward_cuda(finite_xs.data(), TF_FLOAT32, rows, cols, TF_ACT_QGELU, &gpu_gq, nullptr) == TF_OK,
+        "gated fp8 launch");
+  CHECK(same_bits(q_cpu.data(), q_gpu.data(), n), "gated FP8 bytes");
+  CHECK(tf_f32_bits(gamax) == gated_amax_bits, "gated FP8 amax");
 }
 
 static void test_norms(int64_t rows, int64_t cols) {
@@ -165,6 +201,12 @@ static void test_checks() {
                                   nullptr, x, TF_FLOAT32, nullptr) == TF_ERR_NULL_POINTER, "dbias without partials");
   CHECK(tf_norm_forward_cuda(x, TF_FLOAT32, x, nullptr, TF_FLOAT32, 0, -1.0f, 2, 2, &out, nullptr, x, nullptr) ==
         TF_ERR_BAD_ARGUMENT, "negative eps");
+  CHECK(tf_bias_act_forward_cuda(x, TF_FLOAT32, nullptr, TF_FLOAT32, 2, 2, TF_ACT_COUNT, &out, nullptr) ==
+        TF_ERR_BAD_ARGUMENT, "unknown activation");
+  CHECK(tf_gated_act_forward_cuda(x, TF_FLOAT32, 2, 1, TF_ACT_NONE, &out, nullptr) == TF_ERR_BAD_ARGUMENT,
+        "a gated activation needs an activation");
+  CHECK(tf_gated_act_backward_cuda(x, TF_FLOAT32, x, TF_FLOAT32, 1, INT64_MAX / 2 + 1, TF_ACT_SILU, x, nullptr) ==
+        TF_ERR_OVERFLOW, "2 * cols overflows");
 }
 
 int main() {
