@@ -22,8 +22,11 @@ from .tensor import QuantizedTensor
 
 
 def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
-    """torch.autocast's dtype on device_type while autocast is enabled there, else None."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    """torch.autocast's dtype on device_type while autocast is enabled there, else None (also on a device
+    autocast does not know, such as meta)."""
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
 
 def cast(t: Optional[torch.Tensor], dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
