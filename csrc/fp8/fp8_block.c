@@ -306,7 +306,22 @@ TF_ISA_INLINE void dequantize_band_body(const dequantize_args *a, int64_t row_be
     for (int64_t c0 = 0; c0 < a->cols; c0 += DEQUANTIZE_CHUNK) {
       const int64_t n = min64(DEQUANTIZE_CHUNK, a->cols - c0);
       const uint8_t *restrict y = a->y + r * a->cols + c0;
-      for (int64_t c = 0; c < n; ++c) scale[c] = scale_at(a, r / a->block_rows, (c0 + c) / a->block_cols);
+      if (a->block_cols == 1 && !a->scale_transposed) { /* a scale per column: a contiguous run of them */
+        const int64_t at = r / a->block_rows * a->scale_cols + c0;
+        if (a->kind == TF_BLOCK_SCALE_E8M0) {
+          const uint8_t *restrict codes = (const uint8_t *)a->scale + at;
+          for (int64_t c = 0; c < n; ++c) scale[c] = tf_e8m0_decode(codes[c]);
+        } else {
+          const float *restrict values = (const float *)a->scale + at;
+          for (int64_t c = 0; c < n; ++c) scale[c] = values[c];
+        }
+      } else {
+        for (int64_t c = 0; c < n;) { /* one scale per run of a block's columns: no division per element */
+          const int64_t j = (c0 + c) / a->block_cols, end = min64(n, (j + 1) * a->block_cols - c0);
+          const float s = scale_at(a, r / a->block_rows, j);
+          for (; c < end; ++c) scale[c] = s;
+        }
+      }
       if (a->format == TF_FP8_E4M3) {
         for (int64_t c = 0; c < n; ++c) value[c] = tf_fp8_e4m3_decode(y[c]) * scale[c];
       } else {
