@@ -163,3 +163,19 @@ def float8_block_dequantize(data_codes, scale_inv, fp8_dtype, dtype, block_dim):
     br = 1 if block_dim == 1 else BLOCK_LEN
     scale = _expand(scale_inv, br, BLOCK_LEN, rows, cols)
     return round_f32(fp8_decode(data_codes, fp8_dtype) * scale).to(dtype)
+
+
+# -- exact values ------------------------------------------------------------------------------------
+def mxfp8_values(x, fp8_dtype, columnwise=False):
+    """float64 values of x's MXFP8 quantization in x's layout: each code times its power-of-two scale."""
+    codes, scales = mxfp8_quantize(x, fp8_dtype, columnwise)
+    br, bc = (MX_BLOCK, 1) if columnwise else (1, MX_BLOCK)
+    return fp8_decode(codes, fp8_dtype) * _expand(e8m0_value(scales), br, bc, *x.shape)
+
+
+def float8_block_values(x, fp8_dtype, block_dim, epsilon=0.0, pow2=False, columnwise=False):
+    """float64 values of x's Float8 block quantization in x's layout: each code times its block's
+    scale_inv (exact in float64: 4 bits times 24)."""
+    codes, s_inv = float8_block_quantize(x, fp8_dtype, block_dim, epsilon, pow2, columnwise)
+    values = fp8_decode(codes, fp8_dtype) * _expand(s_inv, 1 if block_dim == 1 else BLOCK_LEN, BLOCK_LEN, *codes.shape)
+    return values.t() if columnwise else values

@@ -29,15 +29,9 @@ def reference_values(kind, x, columnwise):
     """float64 values the kind's rowwise or columnwise data stands for, in x's shape."""
     x2 = x.reshape(-1, x.shape[-1])
     if kind == "mxfp8":
-        codes, scales = ref.mxfp8_quantize(x2, torch.float8_e4m3fn, columnwise)
-        br, bc = (32, 1) if columnwise else (1, 32)
-        values = ref.fp8_decode(codes, torch.float8_e4m3fn) * ref._expand(ref.e8m0_value(scales), br, bc, *x2.shape)
-        return values.reshape(x.shape)
-    fp8_dtype, dim = (torch.float8_e4m3fn, 1) if kind == "block1d" else (torch.float8_e5m2, 2)
-    pow2 = kind == "block1d"
-    codes, s_inv = ref.float8_block_quantize(x2, fp8_dtype, dim, 0.0, pow2, columnwise)
-    values = ref.fp8_decode(codes, fp8_dtype) * ref._expand(s_inv, 1 if dim == 1 else 128, 128, *codes.shape)
-    return (values.t() if columnwise else values).reshape(x.shape)
+        return ref.mxfp8_values(x2, torch.float8_e4m3fn, columnwise).reshape(x.shape)
+    fp8_dtype, dim, pow2 = (torch.float8_e4m3fn, 1, True) if kind == "block1d" else (torch.float8_e5m2, 2, False)
+    return ref.float8_block_values(x2, fp8_dtype, dim, 0.0, pow2, columnwise).reshape(x.shape)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,7 +17,7 @@ from torch.autograd.function import BackwardCFunction
 from te_fuser.tensor.float8_tensor import Float8Tensor
 from te_fuser.memory import MemoryTracker
 from te_fuser.ops.fuser import OperationFuser
-from te_fuser.tensor.quantized_tensor import Quantizer
+from te_fuser.tensor.quantized_tensor import QuantizedTensor, Quantizer
 
 # Parameter holders and scaling state: allowed to be reachable.
 _SKIP = (torch.nn.Module, OperationFuser, Quantizer, type, str, bytes, int, float, bool, type(None),
@@ -29,9 +29,9 @@ def allowed_storages(*modules) -> set:
     keys = set()
 
     def add(t):
-        if isinstance(t, Float8Tensor):  # a wrapper: its buffers hold the bytes
-            for part in (t._data, t._transpose, t._scale_inv):
-                add(part)
+        if isinstance(t, QuantizedTensor):  # a wrapper: its buffers hold the bytes
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
         elif isinstance(t, torch.Tensor):
             keys.add(t.untyped_storage().data_ptr())
 
@@ -51,8 +51,9 @@ def _collect(obj, path, out, seen, depth=0):
     if depth > 12 or id(obj) in seen or isinstance(obj, _SKIP):
         return
     seen.add(id(obj))
-    if isinstance(obj, Float8Tensor):  # a wrapper without storage: its buffers
-        for name in ("_data", "_transpose", "_scale_inv"):
+    if isinstance(obj, QuantizedTensor):  # a wrapper without storage: its buffers
+        names = ("_data", "_transpose", "_scale_inv") if isinstance(obj, Float8Tensor) else obj.__tensor_flatten__()[0]
+        for name in names:
             _collect(getattr(obj, name, None), f"{path}.{name}", out, seen, depth + 1)
     elif isinstance(obj, torch.Tensor):
         out.append((path, obj))
