@@ -24,8 +24,10 @@ import torch
 import torch.utils.checkpoint
 
 from .kernels import fp8 as fp8_kernels
+from .tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
-from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from .tensor.mxfp8_tensor import MXFP8Quantizer
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 
 
 @dataclass
@@ -79,6 +81,9 @@ class FP8GlobalState:
             state.update()
 
 
+_AUTOCAST_RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
+
+
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None):
     """Run te_fuser modules in FP8 (TransformerEngine's name and arguments).
@@ -86,8 +91,9 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     calibrating=True runs in high precision while still recording amaxes.
     """
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(f"fp8_recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if not isinstance(recipe, _AUTOCAST_RECIPES):
+        raise TypeError(f"fp8_recipe must be DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or "
+                        f"Float8BlockScaling, got {type(recipe).__name__}")
     if not FP8GlobalState._stack:
         FP8GlobalState.is_first_module = True
     FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))
@@ -194,6 +200,8 @@ def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precis
     new values), `param.clear_high_precision_init_val()` frees them (e.g. once fp32 master weights were
     made from them).
     """
+    if is_block_scaled(recipe):
+        raise NotImplementedError(f"te_fuser does not implement quantized_model_init under {type(recipe).__name__}")
     if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise TypeError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
     global _STATE
@@ -340,13 +348,56 @@ class CurrentScalingState:
         del state
 
 
+class BlockScalingState:
+    """MXFP8BlockScaling and Float8BlockScaling keep no state: fresh quantizers per tensor, by role.
+
+    Forward slots alternate input, weight (a linear op's layout); backward slots are gradients. Under
+    Float8BlockScaling each role takes its QParams and block dimension from the recipe (TE's
+    Float8BlockScalingRecipeState)."""
+
+    def __init__(self, recipe, num_quantizers: int, forward: bool = True, device=None):
+        self.recipe = recipe
+        self.forward = forward
+        self.fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
+        self.num_quantizers = num_quantizers
+        del device  # the quantizers hold no tensors
+
+    def quantizers(self, group=None) -> list:
+        del group  # each block's own amax: nothing to reduce
+        return [self.quantizer(i) for i in range(self.num_quantizers)]
+
+    def quantizer(self, i: int):
+        if isinstance(self.recipe, MXFP8BlockScaling):
+            return MXFP8Quantizer(self.fp8_dtype)
+        recipe = self.recipe
+        role = ("weight" if i % 2 else "input") if self.forward else "grad"
+        qparams, dim = {"input": (recipe.fp8_quant_fwd_inp, recipe.x_block_scaling_dim),
+                        "weight": (recipe.fp8_quant_fwd_weight, recipe.w_block_scaling_dim),
+                        "grad": (recipe.fp8_quant_bwd_grad, recipe.grad_block_scaling_dim)}[role]
+        return Float8BlockQuantizer(self.fp8_dtype, rowwise=True, columnwise=True, amax_epsilon=qparams.amax_epsilon,
+                                    force_pow_2_scales=qparams.power_2_scale, block_scaling_dim=dim)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        del state
+
+
 def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=None):
     """The state type that goes with a recipe."""
     if isinstance(recipe, DelayedScaling):
         return DelayedScalingState(recipe, num_quantizers, forward, device)
     if isinstance(recipe, Float8CurrentScaling):
         return CurrentScalingState(recipe, num_quantizers, forward, device)
+    if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
+        return BlockScalingState(recipe, num_quantizers, forward, device)
     raise TypeError(f"unknown FP8 recipe {type(recipe).__name__}")
+
+
+def is_block_scaled(recipe) -> bool:
+    """Whether a recipe scales blocks rather than whole tensors (MXFP8BlockScaling, Float8BlockScaling)."""
+    return isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling))
 
 
 def check_fp8_support() -> Tuple[bool, str]:
@@ -359,12 +410,19 @@ def check_fp8_support() -> Tuple[bool, str]:
     return True, ""
 
 
+def _block_scaling_support(name: str) -> Tuple[bool, str]:
+    """te_fuser's block-scaled kernels run on the CPU; on a CUDA machine the modules' tensors are on the GPU."""
+    if torch.cuda.is_available():
+        return False, f"te_fuser runs {name} on the CPU only (no CUDA kernels for it yet)"
+    return True, ""
+
+
 def check_mxfp8_support() -> Tuple[bool, str]:
-    return False, "te_fuser does not implement MXFP8 (MXFP8BlockScaling)"
+    return _block_scaling_support("MXFP8 (MXFP8BlockScaling)")
 
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:
-    return False, "te_fuser does not implement FP8 block scaling (Float8BlockScaling)"
+    return _block_scaling_support("FP8 block scaling (Float8BlockScaling)")
 
 
 def get_default_fp8_recipe() -> DelayedScaling:

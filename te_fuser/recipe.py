@@ -8,6 +8,9 @@ any other unknown argument is a TypeError naming it.
 """
 
 import enum
+import math
+import os
+import warnings
 from dataclasses import InitVar, dataclass
 from typing import Callable, Optional, Union
 
@@ -144,21 +147,139 @@ class Float8CurrentScaling(Recipe):
             raise ValueError(f"amax_epsilon must be >= 0, got {self.amax_epsilon}")
 
 
+@dataclass(frozen=True)
+class QParams:
+    """Quantization parameters of one tensor role (TE's QParams): power_2_scale rounds each block's
+    scale down to a power of two; amax_epsilon floors each block's amax. The NVFP4 fields are
+    accepted and unused by the FP8 recipes, as in TE."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+    def __post_init__(self):
+        if not 0.0 <= self.amax_epsilon < math.inf:
+            raise ValueError(f"amax_epsilon must be finite and >= 0, got {self.amax_epsilon}")
+
+
+@dataclass(frozen=True)
+class MMParams:
+    """GEMM options (TE's MMParams). te_fuser's block-scaled CPU GEMM always accumulates each K block
+    apart before adding it (split accumulation), so use_split_accumulator must stay True."""
+
+    use_split_accumulator: bool = True
+
+
+def _check_backward_override(value) -> None:
+    if value is not None:
+        raise NotImplementedError(f"te_fuser does not implement backward_override={value!r} (TE's "
+                                  "'high_precision' / 'dequantized' backward); leave it None")
+
+
+def _check_not_e5m2(fmt) -> None:
+    _check_format(fmt)
+    if fmt == Format.E5M2:
+        raise ValueError("fp8_format=Format.E5M2: pure E5M2 training is not supported (as in TE); "
+                         "use Format.E4M3 or Format.HYBRID")
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8: every 32 consecutive values along a GEMM's reduction dimension share an E8M0 (power of
+    two) scale, rounded up from the block's amax as TE's kernels do (docs/block_scaling.md). A tensor
+    and its transpose are both quantized from the high-precision values."""
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+    enable_2d_quantization: bool = False
+    params_dtype: InitVar[object] = None
+    device: InitVar[object] = None
+
+    def __post_init__(self, params_dtype, device):
+        del params_dtype, device
+        _check_not_e5m2(self.fp8_format)
+        _check_backward_override(self.backward_override)
+        if self.enable_2d_quantization:
+            raise NotImplementedError("te_fuser does not implement MXFP8BlockScaling(enable_2d_quantization=True) "
+                                      "(32x32 weight blocks)")
+        if self.fp8_dpa or self.fp8_mha:
+            raise NotImplementedError("te_fuser's FP8 attention (fp8_dpa / fp8_mha) runs under DelayedScaling "
+                                      "and Float8CurrentScaling only, not MXFP8BlockScaling")
+        if self.fp8_format == Format.HYBRID:
+            warnings.warn("MXFP8BlockScaling(fp8_format=Format.HYBRID) casts gradients to E5M2 in 32-element "
+                          "blocks, which TE users have reported to diverge; TE's default is Format.E4M3",
+                          UserWarning, stacklevel=3)
+
+
+# TE reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES when the recipe module is imported.
+_FP32_BLOCK_SCALES = os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
+_BLOCK_QPARAMS = QParams(power_2_scale=not _FP32_BLOCK_SCALES, amax_epsilon=0.0)
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """FP8 with float32 scales per block: 1x128 tiles for activations and gradients, 128x128 blocks for
+    weights (by default), each scale from its block's amax (docs/block_scaling.md). Scales are powers
+    of two unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 at import (TE's default) or the QParams say so.
+
+    Unlike TE, where they are class attributes that the constructor ignores, fp8_quant_fwd_inp /
+    fp8_quant_fwd_weight / fp8_quant_bwd_grad can be passed; their defaults are TE's."""
+
+    use_f32_scales: bool = _FP32_BLOCK_SCALES
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = _BLOCK_QPARAMS
+    fp8_quant_fwd_weight: QParams = _BLOCK_QPARAMS
+    fp8_quant_bwd_grad: QParams = _BLOCK_QPARAMS
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams()
+    fp8_gemm_dgrad: MMParams = MMParams()
+    fp8_gemm_wgrad: MMParams = MMParams()
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+    override_linear_precision: InitVar[object] = None
+    params_dtype: InitVar[object] = None
+    device: InitVar[object] = None
+
+    def __post_init__(self, override_linear_precision, params_dtype, device):
+        del override_linear_precision, params_dtype, device
+        _check_not_e5m2(self.fp8_format)
+        _check_backward_override(self.backward_override)
+        dims = {"x_block_scaling_dim": self.x_block_scaling_dim, "w_block_scaling_dim": self.w_block_scaling_dim,
+                "grad_block_scaling_dim": self.grad_block_scaling_dim}
+        for name, dim in dims.items():
+            if dim not in (1, 2):
+                raise ValueError(f"{name} must be 1 or 2 (1x128 or 128x128 blocks), got {dim!r}")
+        for a, b in (("x", "w"), ("x", "grad"), ("w", "grad")):
+            if dims[f"{a}_block_scaling_dim"] == 2 and dims[f"{b}_block_scaling_dim"] == 2:
+                raise ValueError(f"{a}_block_scaling_dim and {b}_block_scaling_dim are both 2: a GEMM of two "
+                                 "128x128-scaled operands is not supported (as in TE)")
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            if not isinstance(getattr(self, name), QParams):
+                raise TypeError(f"{name} must be a te_fuser.recipe.QParams, got {getattr(self, name)!r}")
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            params = getattr(self, name)
+            if not isinstance(params, MMParams) or not params.use_split_accumulator:
+                raise ValueError(f"{name} must be MMParams(use_split_accumulator=True): block scaling needs "
+                                 "split accumulation (as in TE)")
+        if self.fp8_dpa or self.fp8_mha:
+            raise ValueError("FP8 attention (fp8_dpa / fp8_mha) is not supported for Float8BlockScaling (as in TE)")
+
+
 class _UnsupportedRecipe(Recipe):
     """A TE recipe te_fuser names (so code that refers to it imports) but does not implement."""
 
     def __init__(self, *args, **kwargs):
         del args, kwargs
-        raise NotImplementedError(f"te_fuser does not implement the {type(self).__name__} FP8 recipe; "
-                                  "use DelayedScaling or Float8CurrentScaling")
-
-
-class Float8BlockScaling(_UnsupportedRecipe):
-    """TE's FP8 recipe with 1x128 / 128x128 block scales: not implemented by te_fuser."""
-
-
-class MXFP8BlockScaling(_UnsupportedRecipe):
-    """TE's MXFP8 recipe (32-element blocks, E8M0 scales): not implemented by te_fuser."""
+        raise NotImplementedError(f"te_fuser does not implement the {type(self).__name__} recipe; use "
+                                  "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling")
 
 
 class NVFP4BlockScaling(_UnsupportedRecipe):

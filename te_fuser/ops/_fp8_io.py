@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 
 from ..tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_transpose
+from ..tensor.quantized_tensor import QuantizedTensor
 
 
 def direct_fp8_args(quantizer) -> Optional[tuple]:
@@ -33,8 +34,8 @@ def with_transpose(t: Float8Tensor) -> Float8Tensor:
 
 
 def high_precision(x):
-    """x as a plain tensor (dequantized when it is a Float8Tensor)."""
-    return x.dequantize() if isinstance(x, Float8Tensor) else x
+    """x as a plain tensor (dequantized when it is a quantized tensor)."""
+    return x.dequantize() if isinstance(x, QuantizedTensor) else x
 
 
 class QuantizeWithGrad(torch.autograd.Function):

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..quantization import make_recipe_state
+from ..quantization import is_block_scaled, make_recipe_state
 
 
 class OperationContext:
@@ -55,6 +55,8 @@ class BasicOperation(FusibleOperation):
 
     num_forward_quantizers = 0
     num_backward_quantizers = 0
+    # Whether the op runs under the block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling).
+    supports_block_scaling = False
     num_extra_outputs = 0  # tensors the op returns besides its output (see fuser.py)
 
     def __init__(self):
@@ -129,6 +131,9 @@ class BasicOperation(FusibleOperation):
         if not self._fp8_enabled:
             attrs["_forward_quantizers"], attrs["_backward_quantizers"] = [], []
             return
+        if is_block_scaled(recipe) and not self.supports_block_scaling:
+            raise NotImplementedError(f"te_fuser's {type(self).__name__} does not run under {type(recipe).__name__} "
+                                      "yet (Linear does); use DelayedScaling or Float8CurrentScaling for it")
         self._ensure_fp8_states(recipe, device)
         attrs["_forward_quantizers"] = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
         attrs["_backward_quantizers"] = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []

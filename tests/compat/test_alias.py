@@ -69,6 +69,9 @@ def test_te_layout_and_identity(alias):
     # Attribute chains, as `class X(te.pytorch.distributed.CudaRNGStatesTracker)` uses them.
     assert te.pytorch.distributed.CudaRNGStatesTracker is te_fuser.distributed.CudaRNGStatesTracker
     assert te.pytorch.ops.BasicLinear is te_fuser.ops.BasicLinear and te.common.recipe is recipe
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+    from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Tensor
+    assert MXFP8Tensor is te_fuser.tensor.MXFP8Tensor and Float8BlockwiseQTensor is te_fuser.tensor.Float8BlockwiseQTensor
     for sub in ("ops", "attention", "module", "tensor", "fp8", "distributed", "quantization"):
         assert importlib.import_module(f"transformer_engine.pytorch.{sub}").__name__ == f"transformer_engine.pytorch.{sub}"
     assert "Linear" in dir(tp)
@@ -80,7 +83,7 @@ def test_missing_names_fail_loudly(alias):
     with pytest.raises(ModuleNotFoundError, match="'transformer_engine.pytorch.router': te_fuser does not provide"):
         import transformer_engine.pytorch.router  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="te_fuser does not provide"):
-        from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Tensor  # noqa: F401
+        from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Tensor  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="transformer_engine.jax"):
         import transformer_engine.jax  # noqa: F401
     with pytest.raises(AttributeError, match="transformer_engine.pytorch.ops.FusedAdamW: te_fuser does not provide"):

@@ -9,7 +9,7 @@ import te_fuser
 from te_fuser.fp8 import FP8GlobalStateManager, fp8_model_init, quantized_model_init
 from te_fuser.quantization import FP8GlobalState
 from te_fuser.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format,
-                             MXFP8BlockScaling, NVFP4BlockScaling)
+                             MMParams, MXFP8BlockScaling, NVFP4BlockScaling, QParams)
 
 
 def test_manager_reports_the_autocast_state():
@@ -41,8 +41,10 @@ def test_fp8_availability_on_this_machine():
         assert (available, reason) == (True, "")  # te_fuser's FP8 runs on the CPU
     else:
         assert available == (torch.cuda.get_device_capability() >= (8, 9))
-    assert FP8GlobalStateManager.is_mxfp8_available() == (False, "te_fuser does not implement MXFP8 (MXFP8BlockScaling)")
-    assert not FP8GlobalStateManager.is_fp8_block_scaling_available()[0]
+    # The block-scaled recipes run on the CPU only so far.
+    for check in (FP8GlobalStateManager.is_mxfp8_available, FP8GlobalStateManager.is_fp8_block_scaling_available):
+        available, reason = check()
+        assert available == (not torch.cuda.is_available()) and ("CPU only" in reason) == torch.cuda.is_available()
 
 
 def test_reduce_and_update_updates_only_the_asked_direction():
@@ -104,12 +106,36 @@ def test_recipes_accept_what_te_ignores_and_reject_the_rest():
     assert Float8CurrentScaling().float8_per_tensor_scaling() and not DelayedScaling.mxfp8()
 
 
-@pytest.mark.parametrize("cls,test", [(Float8BlockScaling, "float8_block_scaling"), (MXFP8BlockScaling, "mxfp8"),
-                                      (NVFP4BlockScaling, "nvfp4"), (CustomRecipe, "custom")])
+@pytest.mark.parametrize("cls,test", [(NVFP4BlockScaling, "nvfp4"), (CustomRecipe, "custom")])
 def test_unimplemented_recipes_raise_naming_themselves(cls, test):
-    with pytest.raises(NotImplementedError, match=f"the {cls.__name__} FP8 recipe"):
+    with pytest.raises(NotImplementedError, match=f"the {cls.__name__} recipe"):
         cls(fp8_format=Format.HYBRID)
     assert getattr(cls, test)() and not getattr(DelayedScaling, test)()  # TE's class tests still answer
+
+
+def test_block_scaled_recipes_take_tes_fields():
+    recipe = Float8BlockScaling(fp8_format=Format.HYBRID, fp8_quant_fwd_inp=QParams(power_2_scale=False,
+                                                                                   amax_epsilon=1e-6),
+                                x_block_scaling_dim=1, w_block_scaling_dim=2, grad_block_scaling_dim=1,
+                                fp8_gemm_fprop=MMParams(use_split_accumulator=True), params_dtype=torch.bfloat16)
+    assert recipe.float8_block_scaling() and not recipe.mxfp8() and not recipe.float8_per_tensor_scaling()
+    assert recipe.fp8_quant_fwd_inp.amax_epsilon == 1e-6 and recipe.fp8_quant_fwd_weight.power_2_scale  # TE's default
+    mx = MXFP8BlockScaling(margin=0, fp8_format=Format.E4M3, backward_override=None, enable_2d_quantization=False)
+    assert mx.mxfp8() and mx == MXFP8BlockScaling()
+    with pytest.warns(UserWarning, match="HYBRID"):
+        MXFP8BlockScaling(fp8_format=Format.HYBRID)
+    with pytest.raises(ValueError, match="E5M2"):
+        MXFP8BlockScaling(fp8_format=Format.E5M2)
+    with pytest.raises(NotImplementedError, match="enable_2d_quantization"):
+        MXFP8BlockScaling(enable_2d_quantization=True)
+    with pytest.raises(ValueError, match="x_block_scaling_dim and w_block_scaling_dim are both 2"):
+        Float8BlockScaling(x_block_scaling_dim=2)
+    with pytest.raises(ValueError, match="fp8_gemm_dgrad"):
+        Float8BlockScaling(fp8_gemm_dgrad=MMParams(use_split_accumulator=False))
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        QParams(amax_epsilon=-1.0)
+    with pytest.raises(NotImplementedError, match="backward_override"):
+        Float8BlockScaling(backward_override="high_precision")
 
 
 def _te_reference_update(te_history, scale, fp8_max, recipe):

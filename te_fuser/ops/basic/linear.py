@@ -7,11 +7,14 @@ import torch
 
 from ... import amp
 from ...tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_transpose
-from ...quantization import FP8GlobalState, current_init, make_recipe_state
+from ...tensor.quantized_tensor import QuantizedTensor
+from ...quantization import FP8GlobalState, current_init, is_block_scaled, make_recipe_state
+from ...recipe import MXFP8BlockScaling
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from .. import _tensor_parallel as tp
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
+from ..block_gemm import MXFP8_BLOCK, FP8_BLOCK, block_scaled_gemm_nt, check_block_gemm_dims, gemm_operand
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation, OperationContext
 
@@ -54,6 +57,13 @@ def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
         weight._quantizer = rowwise_copy(quantizer)
 
 
+def _columnwise_only(t):
+    """A new block-scaled tensor over t's columnwise buffers only: what a gradient GEMM keeps of an operand
+    (prepare_for_saving() then empties this object, not t, which may live on as the cached weight)."""
+    return type(t)(t.shape, t.dtype, columnwise_data=t._columnwise_data, columnwise_scale_inv=t._columnwise_scale_inv,
+                   fp8_dtype=t._fp8_dtype, **t._meta())
+
+
 def _saved_input(x: Float8Tensor, caller_owned: bool) -> tuple:
     """(what the wgrad keeps of the FP8 GEMM input, whether it is row-major).
 
@@ -93,6 +103,7 @@ class BasicLinear(BasicOperation):
 
     num_forward_quantizers = 2
     num_backward_quantizers = 1
+    supports_block_scaling = True
 
     def __init__(self, in_features: int, out_features: int, *, device=None, dtype=None,
                  tensor_parallel_mode: Optional[str] = None, tensor_parallel_group=None,
@@ -206,6 +217,9 @@ class BasicLinear(BasicOperation):
             raise ValueError(f"kind must be 'output' or 'grad_input', got {kind!r}")
         if not self._fp8_enabled:
             raise RuntimeError("fp8_io_quantizer() needs FP8 to be set up (inside fp8_autocast)")
+        if is_block_scaled(self._fp8_recipe):
+            raise NotImplementedError(f"te_fuser does not implement fp8_output / fp8_grad under "
+                                      f"{type(self._fp8_recipe).__name__}")
         states = self.__dict__.setdefault("_fp8_io_states", {})
         state = states.get(kind)
         device = torch.device(device)
@@ -257,9 +271,11 @@ class BasicLinear(BasicOperation):
         if original is not None and self._fp8_enabled and isinstance(self._forward_quantizers[0], Float8Quantizer):
             raise ValueError("save_original_input does not work with the DelayedScaling recipe (as in "
                              "TransformerEngine): its backward could not reproduce the forward's scale")
-        fp8_gather = gather and self._fp8_enabled and _GATHER_IN_FP8
+        block_scaled = self._fp8_enabled and is_block_scaled(self._fp8_recipe)
+        fp8_gather = gather and self._fp8_enabled and not block_scaled and _GATHER_IN_FP8
         # The saved input is this rank's shard, gathered again in backward.
         ctx.regather_input = gather and (original is not None or fp8_gather)
+        ctx.block_scaled = block_scaled
         x_shard = None
         if fp8_gather:
             x_shard = quantize_shard(x, self._forward_quantizers[0], group)
@@ -269,7 +285,10 @@ class BasicLinear(BasicOperation):
         lead_shape = tuple(x.shape[:-1])
         k, n = self.local_in_features, self.local_out_features
         ctx.fp8 = self._fp8_enabled
-        if self._fp8_enabled:
+        if block_scaled:
+            y = self._block_scaled_forward(ctx, high_precision(x), weight, bias, is_first_microbatch, original,
+                                           wgrad_needed)
+        elif self._fp8_enabled:
             check_fp8_gemm_dims(**{"the number of input rows (tokens)": math.prod(lead_shape),
                                    "in_features (local)": k, "out_features (local)": n})
             input_quantizer = self._forward_quantizers[0]
@@ -333,7 +352,9 @@ class BasicLinear(BasicOperation):
         if ctx.regather_input and ctx.weight_requires_grad:
             x_saved = self._gather_saved_input(ctx, x_saved)
         dx = dw = None
-        if ctx.fp8:
+        if ctx.block_scaled:
+            dx, dw = self._block_scaled_backward(ctx, high_precision(dy), x_saved, w_saved)
+        elif ctx.fp8:
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
             if ctx.input_requires_grad:
                 dx = fp8_gemm_nt(dyq._data.reshape(-1, n), dyq._scale_inv,
@@ -362,11 +383,64 @@ class BasicLinear(BasicOperation):
             dw = self._finish_wgrad(ctx, dw)
         return dx, (dw,)
 
+    # -- block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling) -------------------
+    def _block_scaled_forward(self, ctx, x, weight, bias, is_first_microbatch, original, wgrad_needed):
+        """y = x @ W.T on block-scaled operands (ops/block_gemm.py). The backward keeps each operand's
+        columnwise usage only (x's for the wgrad, W's for the dgrad), as new tensors; sequence-parallel
+        gathers move high-precision values, quantized after the gather."""
+        recipe = self._fp8_recipe
+        if isinstance(weight, QuantizedTensor):
+            raise NotImplementedError(f"te_fuser does not run quantized weights (quantized_model_init) under "
+                                      f"{type(recipe).__name__}")
+        if x.dtype != weight.dtype:
+            raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
+        k, n = self.local_in_features, self.local_out_features
+        block = MXFP8_BLOCK if isinstance(recipe, MXFP8BlockScaling) else FP8_BLOCK
+        check_block_gemm_dims(block, **{"the number of input rows (tokens)": x.numel() // k,
+                                        "in_features (local)": k, "out_features (local)": n})
+        input_quantizer = self._forward_quantizers[0]
+        input_quantizer.set_usage(rowwise=True, columnwise=wgrad_needed and original is None)
+        xq = input_quantizer(x)
+        wq = self._quantized_block_weight(weight, is_first_microbatch, ctx.input_requires_grad)
+        y = block_scaled_gemm_nt(*gemm_operand(xq, False), *gemm_operand(wq, False), block, weight.dtype, bias)
+        ctx.block = block
+        ctx.grad_output_quantizer = self._backward_quantizers[0]
+        ctx.input_quantizer = input_quantizer if original is not None else None
+        x_saved = original if original is not None else (_columnwise_only(xq) if wgrad_needed else None)
+        ctx.save_for_backward(x_saved, _columnwise_only(wq) if ctx.input_requires_grad else None)
+        return y
+
+    def _quantized_block_weight(self, weight, is_first_microbatch, columnwise: bool):
+        """The block-scaled weight (rowwise, and columnwise for the dgrad), cached like _quantized_weight."""
+        if is_first_microbatch is False and self._fp8_weight_cache is not None:
+            return self._fp8_weight_cache
+        quantizer = self._forward_quantizers[1]
+        quantizer.set_usage(rowwise=True, columnwise=columnwise or is_first_microbatch is not None)
+        wq = quantizer(weight.detach())
+        self._fp8_weight_cache = wq if is_first_microbatch is not None else None
+        return wq
+
+    def _block_scaled_backward(self, ctx, dy, x_saved, w_saved):
+        """(dx, dW): dx = dy @ W over out_features blocks, dW = dy.T @ x over token blocks."""
+        n = self.local_out_features
+        block, dx, dw = ctx.block, None, None
+        quantizer = ctx.grad_output_quantizer
+        quantizer.set_usage(rowwise=ctx.input_requires_grad, columnwise=ctx.weight_requires_grad)
+        dyq = quantizer(dy.reshape(-1, n))
+        if ctx.input_requires_grad:
+            dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), block, ctx.dtype)
+        if ctx.weight_requires_grad:
+            if ctx.input_quantizer is not None:  # the saved original input
+                ctx.input_quantizer.set_usage(rowwise=False, columnwise=True)
+                x_saved = ctx.input_quantizer(x_saved.reshape(-1, self.local_in_features))
+            dw = block_scaled_gemm_nt(*gemm_operand(dyq, True), *gemm_operand(x_saved, True), block, torch.float32)
+        return dx, dw
+
     def _gather_saved_input(self, ctx, x_saved):
         """The whole input again from this rank's saved shard: FP8 bytes under FP8 (a saved
         original input is quantized first, with the group's common scale), else high precision."""
         group = self.tensor_parallel_group
-        if not ctx.fp8:
+        if not ctx.fp8 or ctx.block_scaled:  # block-scaled: the original input, quantized after the gather
             return tp.all_gather_dim0(x_saved, group)
         if not _GATHER_IN_FP8:  # the tests' bug-on switch (save_original_input only)
             return ctx.input_quantizer(tp.all_gather_dim0(x_saved, group))

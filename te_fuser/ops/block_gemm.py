@@ -1,0 +1,89 @@
+"""The GEMMs of the block-scaled recipes on the CPU (MXFP8BlockScaling, Float8BlockScaling).
+
+Every GEMM is `a @ b.T` over a reduction dimension K cut into blocks of `block` (32 for MXFP8, 128
+for Float8 block scaling), each operand row-major with one scale per (row, K block):
+
+    out[i, j] = sum over K blocks kb, in order kb = 0, 1, ...:
+                    P_kb[i, j] * float32(sa[i, kb] * sb[j, kb])
+    P_kb      = the block's FP8 values multiplied exactly and summed in float32 by te_fuser's FP8 GEMM
+                (te_fuser.kernels.gemm: in k order on the portable and AVX2 tiers, by pairs of k on
+                the bf16 dot-product tiers)
+
+each product and each addition rounded to float32, the bias added in float32 and the result rounded
+once to the output dtype. This is split accumulation, as TE requires for these recipes: each block is
+summed apart and scaled before it joins the total.
+
+    forward  y  = x  @ W.T   a = x rowwise,              b = W rowwise
+    dgrad    dx = dy @ W     a = dy rowwise,             b = W columnwise (as W.T's rows)
+    wgrad    dW = dy.T @ x   a = dy columnwise (dy.T),   b = x columnwise (x.T)
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..kernels import gemm as gemm_kernels
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..tensor.mxfp8_tensor import MXFP8Tensor
+
+MXFP8_BLOCK, FP8_BLOCK = 32, 128
+
+
+def block_of(t) -> int:
+    return MXFP8_BLOCK if isinstance(t, MXFP8Tensor) else FP8_BLOCK
+
+
+def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
+    """2^(code - 127) as float32 (2^-127 is a float32 subnormal); NaN for 255."""
+    values = torch.ldexp(torch.ones(codes.shape, dtype=torch.float32), codes.to(torch.int32) - 127)
+    return torch.where(codes == 255, torch.nan, values)
+
+
+def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of a block-scaled tensor as a GEMM operand: codes (rows, K) row-major FP8 with K
+    the reduction dimension, scales (rows, K / block) float32. Rowwise: the tensor as a matrix (the
+    reduction runs along its last dimension); columnwise: its transpose (along the leading ones)."""
+    cols = t.shape[-1]
+    rows = t.numel() // cols
+    block = block_of(t)
+    if isinstance(t, MXFP8Tensor):
+        if not columnwise:
+            return t._rowwise_data.reshape(rows, cols), e8m0_values(t._rowwise_scale_inv[:rows, : cols // block])
+        codes = t._columnwise_data.reshape(rows, cols).t().contiguous()
+        return codes, e8m0_values(t._columnwise_scale_inv[: rows // block, :cols]).t()
+    if not isinstance(t, Float8BlockwiseQTensor):
+        raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor or a Float8BlockwiseQTensor, got "
+                        f"{type(t).__name__}")
+    if columnwise:
+        codes, scale, n, k = t._columnwise_data.reshape(cols, rows), t._columnwise_scale_inv, cols, rows
+    else:
+        codes, scale, n, k = t._rowwise_data.reshape(rows, cols), t._rowwise_scale_inv, rows, cols
+    if t._is_2D_scaled:  # one scale per 128x128 block: repeated over its 128 rows
+        return codes, scale[: -(-n // block), : k // block].repeat_interleave(block, dim=0)[:n]
+    return codes, scale[: k // block, :n].t()
+
+
+def block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                         block: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b.T for FP8 a (M, K), b (N, K) with per-(row, K block) scales, as the module docstring says."""
+    m, k = a.shape
+    n = b.shape[0]
+    one = torch.ones(1, dtype=torch.float32)
+    out = torch.zeros(m, n, dtype=torch.float32)
+    for kb in range(k // block):
+        cols = slice(kb * block, (kb + 1) * block)
+        partial = gemm_kernels.fp8_gemm(a[:, cols].contiguous(), one, b[:, cols].contiguous(), one, torch.float32)
+        out += partial * (a_scales[:, kb, None] * b_scales[None, :, kb])
+    if bias is not None:
+        out += bias.float()
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+def check_block_gemm_dims(block: int, **dims: int) -> None:
+    """Every GEMM dimension a multiple of the block: each is the reduction dimension of one of the three
+    GEMMs (TE's quantizers take only such sizes)."""
+    for name, value in dims.items():
+        if value % block:
+            raise ValueError(f"te_fuser block-scaled GEMM: {name} = {value} is not divisible by the block size "
+                             f"{block}; MXFP8 needs multiples of 32 and Float8 block scaling of 128 (pad it, or "
+                             "run this layer under another recipe)")

@@ -1,0 +1,281 @@
+"""What MXFP8Tensor and Float8BlockwiseQTensor share: four buffers (rowwise data and scales,
+columnwise data and scales), saving them for backward, moving and copying them, pickling.
+
+A subclass says how its buffers are made (its quantizer) and read back (`_dequantize_usage`), and
+which extra metadata it carries (`_meta` / `_from_meta`).
+"""
+
+import copy
+from typing import List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from ..kernels.validate import FLOAT_DTYPES, check_fp8_dtype
+from .quantized_tensor import QuantizedTensor, Quantizer
+
+aten = torch.ops.aten
+
+BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
+
+
+class BlockScaledTensor(QuantizedTensor):
+    """A tensor quantized to FP8 with per-block scales, in one or both usages.
+
+    _rowwise_data, _rowwise_scale_inv:       the data in the tensor's layout and its scales
+    _columnwise_data, _columnwise_scale_inv: the data scaled along the other dimension (the
+                                             weight-gradient GEMM's operand) and its scales
+    _fp8_dtype:  the dtype of the data; _quantizer: what requantizes it (copy_, in-place ops)
+    dtype:       the nominal dtype it stands for
+    """
+
+    SAVED_TENSORS = len(BUFFERS)
+
+    @staticmethod
+    def __new__(cls, shape, dtype: torch.dtype, *, rowwise_data=None, rowwise_scale_inv=None,
+                columnwise_data=None, columnwise_scale_inv=None, fp8_dtype=torch.float8_e4m3fn, quantizer=None,
+                requires_grad: bool = False, **meta):
+        check_fp8_dtype(fp8_dtype)
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype (the nominal dtype) must be one of {FLOAT_DTYPES}, got {dtype}")
+        buffers = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
+        if (rowwise_data is None) != (rowwise_scale_inv is None) or \
+                (columnwise_data is None) != (columnwise_scale_inv is None):
+            raise ValueError("each usage needs both its data and its scale_inv (or neither)")
+        for data in (rowwise_data, columnwise_data):
+            if data is not None and data.dtype != fp8_dtype:
+                raise ValueError(f"data must hold {fp8_dtype}, got {data.dtype}")
+        held = next((b for b in buffers if b is not None), None)
+        device = held.device if held is not None else torch.device("cpu")
+        self = super().__new__(cls, tuple(shape), dtype, device, requires_grad)
+        (self._rowwise_data, self._rowwise_scale_inv, self._columnwise_data,
+         self._columnwise_scale_inv) = buffers
+        self._fp8_dtype = fp8_dtype
+        self._quantizer = quantizer
+        self._set_meta(**meta)
+        return self
+
+    # -- what a format defines ----------------------------------------------------------------
+    def _set_meta(self, **meta) -> None:
+        if meta:
+            raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(meta)}")
+
+    def _meta(self) -> dict:
+        return {}
+
+    def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- reading ------------------------------------------------------------------------------
+    def _buffers(self) -> List[Optional[torch.Tensor]]:
+        return [getattr(self, name) for name in BUFFERS]
+
+    def _live(self) -> "BlockScaledTensor":
+        if self._rowwise_data is None and self._columnwise_data is None:
+            raise RuntimeError(f"this {type(self).__name__} holds no data: it is a shell left by "
+                               "prepare_for_saving() or its buffers were released after backward")
+        return self
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The values as a `dtype` tensor (default: the nominal dtype), from the rowwise data when it is
+        there, else from the columnwise data (whose blocks run the other way: other values)."""
+        self._live()
+        dtype = dtype or self.dtype
+        kernel_dtype = dtype if dtype in FLOAT_DTYPES else torch.float32
+        out = self._dequantize_usage(self._rowwise_data is None, kernel_dtype)
+        return out if out.dtype == dtype else out.to(dtype)
+
+    def columnwise_dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The columnwise data's values in the tensor's own shape."""
+        if self._columnwise_data is None:
+            raise RuntimeError(f"this {type(self).__name__} was quantized without columnwise data")
+        return self._dequantize_usage(True, dtype or self.dtype)
+
+    def quantize_(self, src: torch.Tensor) -> "BlockScaledTensor":
+        """Requantize src (high precision) into this tensor's buffers with its quantizer."""
+        self._live()
+        if self._same_layout(src):  # the bytes and scales as they are (how a checkpoint loads)
+            for mine, theirs in zip(self._buffers(), src._live()._buffers()):
+                if mine is not None:
+                    mine.view(torch.uint8).copy_(theirs.view(torch.uint8))
+            return self
+        if self._quantizer is None:
+            raise RuntimeError(f"this {type(self).__name__} has no quantizer to requantize with")
+        if isinstance(src, QuantizedTensor):
+            src = src.dequantize()
+        src = src.detach().to(self.device)
+        if src.dtype not in FLOAT_DTYPES:
+            src = src.to(torch.float32)
+        fresh = self._quantizer.quantize(src.expand(self.shape).contiguous())
+        for name in BUFFERS:
+            mine, new = getattr(self, name), getattr(fresh, name)
+            if mine is not None and new is not None:
+                mine.view(torch.uint8).copy_(new.view(torch.uint8))
+        return self
+
+    def _same_layout(self, src) -> bool:
+        """Whether src holds this tensor's format, shape and at least its usages."""
+        return (type(src) is type(self) and src.shape == self.shape and src._fp8_dtype == self._fp8_dtype
+                and src._meta() == self._meta() and src.device == self.device
+                and all(theirs is not None for mine, theirs in zip(self._buffers(), src._buffers())
+                        if mine is not None))
+
+    # -- saving for backward --------------------------------------------------------------------
+    def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], object]:
+        """Hand the buffers over for ctx.save_for_backward; self becomes an empty shell (under
+        torch.compile, a record of the metadata that rebuilds a new tensor)."""
+        tensors = self._buffers()
+        if torch.compiler.is_compiling():
+            return tensors, BlockScaledRecord(type(self), tuple(self.shape), self.dtype, self._fp8_dtype,
+                                              self._quantizer, self._meta())
+        self.clear()
+        return tensors, self
+
+    def restore_from_saved(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """Take back the buffers given by prepare_for_saving(); returns the tensors left over."""
+        for name, t in zip(BUFFERS, tensors):
+            setattr(self, name, t)
+        return list(tensors[len(BUFFERS):])
+
+    def clear(self) -> None:
+        """Drop every buffer reference (what backward does once it is done with the tensor)."""
+        for name in BUFFERS:
+            setattr(self, name, None)
+
+    # -- ops that keep the format (everything else dequantizes: QuantizedTensor) --------------
+    def _with_buffers(self, fn, **kwargs) -> "BlockScaledTensor":
+        """A tensor of this kind whose buffers are fn(buffer) (None stays None)."""
+        moved = [None if b is None else fn(b) for b in self._buffers()]
+        return type(self)(self.shape, self.dtype, rowwise_data=moved[0], rowwise_scale_inv=moved[1],
+                          columnwise_data=moved[2], columnwise_scale_inv=moved[3], fp8_dtype=self._fp8_dtype,
+                          quantizer=self._quantizer, **self._meta(), **kwargs)
+
+    @classmethod
+    def _handled_op(cls, func, args, kwargs):
+        for t in args:
+            if isinstance(t, BlockScaledTensor):
+                t._live()
+        handler = _OPS.get(func)
+        return NotImplemented if handler is None else handler(func, args, kwargs)
+
+    # -- torch.compile, pickling, deepcopy ------------------------------------------------------
+    def __tensor_flatten__(self):
+        names = [name for name in BUFFERS if getattr(self, name) is not None]
+        return names, (self._fp8_dtype, self.dtype, self._meta())
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
+        del outer_stride
+        fp8_dtype, dtype, extra = meta
+        return cls(outer_size, dtype, fp8_dtype=fp8_dtype, **{name[1:]: inner.get(name) for name in BUFFERS},
+                   **extra)
+
+    def __reduce_ex__(self, protocol):
+        self._live()
+        return (_rebuild_block_scaled, (type(self), tuple(self.shape), self.dtype, self._fp8_dtype,
+                                        self._buffers(), self._meta(), self.requires_grad))
+
+    def __deepcopy__(self, memo):
+        self._live()
+        out = self._with_buffers(torch.clone, requires_grad=self.requires_grad)
+        out._quantizer = copy.deepcopy(self._quantizer, memo)
+        memo[id(self)] = out
+        return out
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        usages = [u for u, name in (("rowwise", "_rowwise_data"), ("columnwise", "_columnwise_data"))
+                  if getattr(self, name, None) is not None]
+        return (f"{type(self).__name__}(shape={tuple(self.shape)}, fp8_dtype={getattr(self, '_fp8_dtype', None)}, "
+                f"dtype={self.dtype}, usages={usages or '<empty shell>'})")
+
+
+class BlockScaledRecord:
+    """What prepare_for_saving keeps of a block-scaled tensor under torch.compile: its metadata only."""
+
+    SAVED_TENSORS = BlockScaledTensor.SAVED_TENSORS
+
+    def __init__(self, cls, shape, dtype, fp8_dtype, quantizer, meta):
+        self.cls, self.shape, self.dtype, self.fp8_dtype, self.quantizer, self.meta = (
+            cls, shape, dtype, fp8_dtype, quantizer, meta)
+
+    def rebuild(self, tensors):
+        return self.cls(self.shape, self.dtype, fp8_dtype=self.fp8_dtype, quantizer=self.quantizer,
+                        **{name[1:]: t for name, t in zip(BUFFERS, tensors)}, **self.meta)
+
+
+def _rebuild_block_scaled(cls, shape, dtype, fp8_dtype, buffers, meta, requires_grad):
+    return cls(shape, dtype, fp8_dtype=fp8_dtype, requires_grad=requires_grad,
+               **{name[1:]: b for name, b in zip(BUFFERS, buffers)}, **meta)
+
+
+class BlockScaledQuantizer(Quantizer):
+    """A quantizer whose tensors may carry either usage alone (TE's rowwise / columnwise usages)."""
+
+    def set_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        rowwise = self.rowwise if rowwise is None else bool(rowwise)
+        columnwise = getattr(self, "columnwise", False) if columnwise is None else bool(columnwise)
+        if not (rowwise or columnwise):
+            raise ValueError("at least one of rowwise and columnwise usage must be on")
+        self.rowwise, self.columnwise = rowwise, columnwise
+
+    rowwise = True
+
+    @property
+    def rowwise_usage(self) -> bool:
+        return self.rowwise
+
+    @property
+    def columnwise_usage(self) -> bool:
+        return self.columnwise
+
+    def copy(self):
+        return copy.copy(self)
+
+    def update_quantized(self, src: torch.Tensor, dst: BlockScaledTensor) -> BlockScaledTensor:
+        """Write src into dst's buffers (TE's name for copy_ through a quantizer)."""
+        return dst.quantize_(src)
+
+
+# -- the op table ------------------------------------------------------------------------------
+def _alias(func, args, kwargs):
+    t = args[0]
+    return return_and_correct_aliasing(func, args, kwargs, t._with_buffers(lambda b: b))
+
+
+def _clone(func, args, kwargs):
+    return args[0]._with_buffers(torch.clone)
+
+
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, BlockScaledTensor):
+        return dst.copy_(src.dequantize(dst.dtype))
+    return dst.quantize_(src)
+
+
+def _to(func, args, kwargs):
+    """to / _to_copy: another dtype dequantizes; another device (or a copy) keeps the format."""
+    names = [argument.name for argument in func._schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    t, other = bound["self"], bound.get("other")
+    dtype = other.dtype if other is not None else bound.get("dtype")
+    device = other.device if other is not None else bound.get("device")
+    device = torch.device(device) if device is not None else t.device
+    if dtype is not None and dtype != t.dtype:
+        return t.dequantize(dtype).to(device)
+    if device == t.device and func != aten._to_copy.default and not bound.get("copy", False):
+        return t
+    return t._with_buffers(lambda b: b.to(device, copy=True))
+
+
+_OPS = {
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.clone.default: _clone,
+    aten.copy_.default: _copy,
+    aten._to_copy.default: _to,
+    aten.to.dtype_layout: _to,
+    aten.to.device: _to,
+    aten.to.dtype: _to,
+    aten.to.other: _to,
+}

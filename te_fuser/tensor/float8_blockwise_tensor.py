@@ -1,0 +1,91 @@
+"""Float8BlockwiseQTensor and Float8BlockQuantizer: FP8 values with a float32 scale per 1x128 tile
+(activations, gradients) or 128x128 block (weights), TransformerEngine's Float8BlockScaling
+(docs/block_scaling.md).
+
+Rowwise data has the tensor's shape; columnwise data is transposed, (shape[-1], *shape[:-1]), as
+TE's GEMMs take it: 128x1 tiles of the tensor for 1D scaling, the same 128x128 blocks for 2D.
+Scales are float32 scale_inv in TE's "GEMM ready" layouts (1D ones transposed).
+"""
+
+import math
+from typing import Tuple
+
+import torch
+
+from ..kernels import fp8_block as kernels
+from ..kernels.validate import check_fp8_dtype
+from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor
+
+BLOCK_LEN = kernels.BLOCK_LEN
+
+
+class Float8BlockwiseQTensor(BlockScaledTensor):
+    """A tensor quantized with Float8 block scaling; `_is_2D_scaled` says 128x128 blocks (else 1x128
+    tiles). See BlockScaledTensor for the buffers."""
+
+    def _set_meta(self, is_2D_scaled: bool = False) -> None:
+        self._is_2D_scaled = bool(is_2D_scaled)
+
+    def _meta(self) -> dict:
+        return {"is_2D_scaled": self._is_2D_scaled}
+
+    def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
+        block = (BLOCK_LEN, BLOCK_LEN) if self._is_2D_scaled else (1, BLOCK_LEN)
+        if not columnwise:
+            cols = self.shape[-1] if self.dim() else 1
+            out = kernels.block_dequantize(self._rowwise_data.reshape(-1, cols), self._rowwise_scale_inv, *block,
+                                           scale_transposed=not self._is_2D_scaled, dtype=dtype)
+            return out.reshape(self.shape)
+        data_t = self._columnwise_data.reshape(self._columnwise_data.shape[0], -1)
+        out_t = kernels.block_dequantize(data_t, self._columnwise_scale_inv, *block,
+                                         scale_transposed=not self._is_2D_scaled, dtype=dtype)
+        return out_t.t().reshape(self.shape)
+
+
+class Float8BlockQuantizer(BlockScaledQuantizer):
+    """Quantizes a high-precision tensor with Float8 block scaling (TE's Float8BlockQuantizer):
+    block_scaling_dim 1 (1x128 tiles) or 2 (128x128 blocks); amax_epsilon floors each block's amax;
+    force_pow_2_scales rounds each scale down to a power of two."""
+
+    def __init__(self, fp8_dtype: torch.dtype, *, rowwise: bool, columnwise: bool, amax_epsilon: float = 0.0,
+                 force_pow_2_scales: bool = True, block_scaling_dim: int = 2):
+        check_fp8_dtype(fp8_dtype)
+        if block_scaling_dim not in (1, 2):
+            raise ValueError(f"block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
+        if not 0.0 <= amax_epsilon < math.inf:
+            raise ValueError(f"amax_epsilon must be finite and >= 0, got {amax_epsilon}")
+        self.dtype = fp8_dtype
+        self.block_len = BLOCK_LEN
+        self.amax_epsilon = float(amax_epsilon)
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.block_scaling_dim = block_scaling_dim
+        super().__init__(rowwise, columnwise)
+
+    def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
+        if x.dim() < 1:
+            raise ValueError("x must have at least 1 dimension to be quantized with block scaling")
+        data, s_inv, data_t, s_inv_t = kernels.fp8_block_quantize(
+            x.detach().contiguous(), self.dtype, self.block_scaling_dim, self.amax_epsilon, self.force_pow_2_scales,
+            self.rowwise, self.columnwise)
+        return Float8BlockwiseQTensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=s_inv,
+                                      columnwise_data=data_t, columnwise_scale_inv=s_inv_t, fp8_dtype=self.dtype,
+                                      quantizer=self, is_2D_scaled=self.block_scaling_dim == 2)
+
+    def get_scale_shape(self, shape, columnwise: bool) -> Tuple[int, int]:
+        return kernels.fp8_block_scale_shape(tuple(shape), self.block_scaling_dim, columnwise)
+
+    def get_columnwise_shape(self, shape) -> Tuple[int, ...]:
+        shape = tuple(shape)
+        return (shape[-1], *shape[:-1]) if shape else ()
+
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """TE's test: both matrix dimensions multiples of 128 (te_fuser's kernels also take other sizes)."""
+        return inp.dim() >= 2 and inp.shape[-1] % BLOCK_LEN == 0 and math.prod(inp.shape[:-1]) % BLOCK_LEN == 0
+
+    def __repr__(self) -> str:
+        return (f"Float8BlockQuantizer(fp8_dtype={self.dtype}, rowwise={self.rowwise}, columnwise={self.columnwise}, "
+                f"block_scaling_dim={self.block_scaling_dim}, amax_epsilon={self.amax_epsilon}, "
+                f"force_pow_2_scales={self.force_pow_2_scales})")
+
+
+torch.serialization.add_safe_globals([Float8BlockwiseQTensor])

@@ -1,0 +1,66 @@
+"""MXFP8Tensor and MXFP8Quantizer: FP8 values in blocks of 32 sharing an E8M0 scale (OCP MX v1.0,
+with TransformerEngine's scale rounding; docs/block_scaling.md).
+
+Rowwise data is scaled in 1x32 blocks along the last dimension (the reduction dimension of the
+forward GEMMs), columnwise data in 32x1 blocks along the flattened leading dimensions (the
+weight-gradient GEMM's); both keep the tensor's shape, and both are computed from the
+high-precision values (no requantization). Scales are uint8 E8M0 codes in TE's padded shapes.
+"""
+
+import math
+from typing import Tuple
+
+import torch
+
+from ..kernels import fp8_block as kernels
+from ..kernels.validate import check_fp8_dtype
+from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled
+
+MXFP8_BLOCK_SCALING_SIZE = kernels.MXFP8_BLOCK
+
+
+class MXFP8Tensor(BlockScaledTensor):
+    """A tensor quantized to MXFP8. Its values (rowwise) are `_rowwise_data * 2^(scale - 127)` per
+    1x32 block; see BlockScaledTensor for the buffers."""
+
+    def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
+        data = self._columnwise_data if columnwise else self._rowwise_data
+        scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
+        cols = self.shape[-1] if self.dim() else 1
+        block = (MXFP8_BLOCK_SCALING_SIZE, 1) if columnwise else (1, MXFP8_BLOCK_SCALING_SIZE)
+        out = kernels.block_dequantize(data.reshape(-1, cols), scale, *block, dtype=dtype)
+        return out.reshape(self.shape)
+
+
+class MXFP8Quantizer(BlockScaledQuantizer):
+    """Quantizes a high-precision tensor to MXFP8 (TE's MXFP8Quantizer: both usages by default)."""
+
+    def __init__(self, fp8_dtype: torch.dtype, *, rowwise: bool = True, columnwise: bool = True):
+        check_fp8_dtype(fp8_dtype)
+        self.dtype = fp8_dtype
+        super().__init__(rowwise, columnwise)
+
+    def quantize(self, x: torch.Tensor) -> MXFP8Tensor:
+        if x.dim() < 1:
+            raise ValueError("x must have at least 1 dimension to be quantized to MXFP8")
+        src = x.detach().contiguous()
+        data, scale, col_data, col_scale = kernels.mxfp8_quantize(src, self.dtype, self.rowwise, self.columnwise)
+        return MXFP8Tensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=scale, columnwise_data=col_data,
+                           columnwise_scale_inv=col_scale, fp8_dtype=self.dtype, quantizer=self)
+
+    def get_scale_shape(self, shape, columnwise: bool) -> Tuple[int, int]:
+        return kernels.mxfp8_scale_shape(tuple(shape), columnwise)
+
+    def get_columnwise_shape(self, shape) -> Tuple[int, ...]:
+        return tuple(shape)
+
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """TE's test: both matrix dimensions multiples of 32 (te_fuser's kernels also take other sizes)."""
+        return inp.dim() >= 2 and inp.shape[-1] % MXFP8_BLOCK_SCALING_SIZE == 0 and \
+            math.prod(inp.shape[:-1]) % MXFP8_BLOCK_SCALING_SIZE == 0
+
+    def __repr__(self) -> str:
+        return f"MXFP8Quantizer(fp8_dtype={self.dtype}, rowwise={self.rowwise}, columnwise={self.columnwise})"
+
+
+torch.serialization.add_safe_globals([MXFP8Tensor, _rebuild_block_scaled])
