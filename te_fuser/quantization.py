@@ -245,7 +245,7 @@ class DelayedScalingState:
 
     def quantizer(self, i: int) -> Float8Quantizer:
         """Tensor i's quantizer (views of its scale and amax slots), without marking the state for update."""
-        return Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype)
+        return Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype, columnwise=False)
 
     def update(self) -> None:
         """All-reduce amaxes over the group (if any), roll the history and update the scales."""
@@ -327,7 +327,7 @@ class CurrentScalingState:
 
     def quantizer(self, i: int) -> Float8CurrentScalingQuantizer:
         del i  # every tensor gets a fresh one
-        return Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device,
+        return Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device, columnwise=False,
                                              force_pow_2_scales=self.recipe.force_pow_2_scales,
                                              amax_epsilon=self.recipe.amax_epsilon)
 

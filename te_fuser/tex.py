@@ -6,10 +6,13 @@ userbuffers, multi-tensor kernels, ...) raises an AttributeError under the alias
 """
 
 import enum
+from typing import Optional
 
 import torch
 
-from .te_dtype import DType
+from .kernels.validate import FLOAT_DTYPES
+from .te_dtype import TORCH_DTYPE, DType
+from .tensor.quantized_tensor import QuantizedTensor
 
 
 class FP8FwdTensors(enum.IntEnum):
@@ -53,4 +56,25 @@ class FP8TensorMeta:
         return f"FP8TensorMeta({', '.join(f'{k}={v}' for k, v in shapes.items())})"
 
 
-__all__ = ["DType", "FP8BwdTensors", "FP8FwdTensors", "FP8TensorMeta"]
+def quantize(tensor: torch.Tensor, quantizer, output: Optional[QuantizedTensor] = None,
+             noop: Optional[torch.Tensor] = None) -> QuantizedTensor:
+    """tensor cast by quantizer (TE's signature); written into `output` when given. noop: TE's float32
+    flag, 1 skips the cast (an output made here is then left uninitialized, as in TE)."""
+    if output is None and noop is None:
+        return quantizer.quantize(tensor)
+    if output is None:
+        output = quantizer.make_empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return quantizer.update_quantized(tensor, output, noop_flag=noop)
+
+
+def dequantize(input: QuantizedTensor, otype: DType) -> torch.Tensor:  # noqa: A002 (TE's keyword)
+    """input's values as a tensor of TE dtype `otype` (kFloat32, kFloat16 or kBFloat16)."""
+    if not isinstance(input, QuantizedTensor):
+        raise TypeError(f"input must be a quantized tensor, got {type(input).__name__}")
+    dtype = TORCH_DTYPE.get(otype) if isinstance(otype, DType) else None
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"otype must be DType.kFloat32, kFloat16 or kBFloat16, got {otype!r}")
+    return input.dequantize(dtype)
+
+
+__all__ = ["DType", "FP8BwdTensors", "FP8FwdTensors", "FP8TensorMeta", "dequantize", "quantize"]

@@ -35,7 +35,7 @@ class SplitAlongDim(torch.autograd.Function):
         ctx.dim, ctx.sizes = dim, sizes
         if isinstance(mixed_x_layer, Float8Tensor):
             t = mixed_x_layer._live()
-            return tuple(Float8Tensor(part, t._scale_inv, t._fp8_dtype, t.dtype)
+            return tuple(Float8Tensor(part, t._scale_inv, t.fp8_dtype, t.dtype)
                          for part in t._data.split(sizes, dim))
         return mixed_x_layer.split(sizes, dim)
 

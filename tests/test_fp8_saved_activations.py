@@ -69,7 +69,7 @@ def test_fp8_saved_activation_input_keeps_grads_accurate(activation, recipe_name
 
     def spy(t):
         q = original(t)
-        saved_dtypes.append(q._data.dtype)
+        saved_dtypes.append(q.fp8_dtype)
         return q
 
     monkeypatch.setattr(activation_module, "quantize_saved_input", spy)

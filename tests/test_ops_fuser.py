@@ -281,7 +281,7 @@ def test_delayed_scaling_backward_state_is_e5m2_with_its_own_scale(monkeypatch):
 
     def spy_backward(self, ctx, grad_output):
         if isinstance(grad_output, Float8Tensor):
-            handed.append((grad_output._fp8_dtype, grad_output._data.dtype, grad_output._scale_inv.item()))
+            handed.append((grad_output.fp8_dtype, grad_output.fp8_data.dtype, grad_output._scale_inv.item()))
         return original_backward(self, ctx, grad_output)
 
     monkeypatch.setattr(BasicLinear, "op_backward", spy_backward)

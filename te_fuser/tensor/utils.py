@@ -90,12 +90,12 @@ def _cast_shard(model: Float8Tensor, shard: Optional[torch.Tensor], offset: int,
     """The scale for `amax` under the weight's recipe (its quantizer's scale_for_amax: delayed scaling
     records the amax for the slot's next update), the shard's bytes and scale_inv written into model."""
     quantizer = model._quantizer
-    if quantizer.fp8_dtype != model._fp8_dtype:
-        raise ValueError(f"the Float8Tensor holds {model._fp8_dtype} but its quantizer casts to {quantizer.fp8_dtype}")
+    if quantizer.fp8_dtype != model.fp8_dtype:
+        raise ValueError(f"the Float8Tensor holds {model.fp8_dtype} but its quantizer casts to {quantizer.fp8_dtype}")
     scale = quantizer.scale_for_amax(amax)
     if shard is not None:
-        data = fp8_kernels.quantize(shard, scale, torch.zeros_like(amax), model._fp8_dtype)
-        model._data.view(-1).view(torch.uint8)[offset: offset + shard.numel()].copy_(data.view(torch.uint8))
+        data = fp8_kernels.quantize(shard, scale, torch.zeros_like(amax), model.fp8_dtype)
+        model._data.view(-1)[offset: offset + shard.numel()].copy_(data.view(torch.uint8))
     model._scale_inv.copy_(torch.reciprocal(scale))
     if model._transpose is not None:
         # Stale until every shard's bytes are here: a whole master refreshes it, shards drop it (the
