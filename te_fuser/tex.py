@@ -10,8 +10,9 @@ from typing import Optional
 
 import torch
 
+from .kernels import fp8 as fp8_kernels
 from .kernels.validate import FLOAT_DTYPES
-from .te_dtype import TORCH_DTYPE, DType
+from .te_dtype import TORCH_DTYPE, DType, fp8_torch_dtype
 from .tensor.quantized_tensor import QuantizedTensor
 
 
@@ -77,4 +78,34 @@ def dequantize(input: QuantizedTensor, otype: DType) -> torch.Tensor:  # noqa: A
     return input.dequantize(dtype)
 
 
-__all__ = ["DType", "FP8BwdTensors", "FP8FwdTensors", "FP8TensorMeta", "dequantize", "quantize"]
+def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer: Optional[torch.Tensor], amax_histories,
+                                                scales, amax_compute_algo: str, fp8_dtype: DType,
+                                                margin: float) -> None:
+    """TE's delayed-scaling update after the amax all-reduce, in place, on te_fuser's kernel.
+
+    amax_histories: (history_len, n_i) float32 tensors in TE's layout (row 0 the recorded amaxes);
+    scales: their (n_i,) scales. The buffer, when given, holds the reduced amaxes of all of them one
+    after another; a non-zero entry stands for its history's row 0. A tensor that recorded nothing
+    keeps its history and scale; the others' windows are reduced with amax_compute_algo ("max" or
+    "most_recent"), rolled up a row, and their scales set to fp8_max(fp8_dtype) / amax / 2^margin."""
+    amax_histories, scales = list(amax_histories), list(scales)
+    if len(amax_histories) != len(scales):
+        raise ValueError(f"amax_histories has {len(amax_histories)} tensors but scales {len(scales)}")
+    fp8_max = fp8_kernels.fp8_max(fp8_torch_dtype(fp8_dtype))
+    total = sum(h.shape[1] for h in amax_histories)
+    if amax_reduction_buffer is not None and amax_reduction_buffer.numel() != total:
+        raise ValueError(f"amax_reduction_buffer has {amax_reduction_buffer.numel()} elements, the histories "
+                         f"{total} columns")
+    offset = 0
+    for history, scale in zip(amax_histories, scales):
+        n = history.shape[1]
+        if amax_reduction_buffer is not None:
+            reduced = amax_reduction_buffer.reshape(-1)[offset:offset + n]
+            history[0].copy_(torch.where(reduced != 0, reduced, history[0]))
+        offset += n
+        fp8_kernels.delayed_scaling_update(history, scale, torch.empty_like(scale), fp8_max, margin,
+                                           amax_compute_algo)
+
+
+__all__ = ["DType", "FP8BwdTensors", "FP8FwdTensors", "FP8TensorMeta", "dequantize",
+           "fused_amax_and_scale_update_after_reduction", "quantize"]

@@ -10,7 +10,6 @@ import inspect
 import pytest
 import torch
 
-import te_fuser
 import te_fuser.tex as tex
 from fp8_reference import edge_values, fp8_max, reference_current_scale, reference_quantize
 from te_fuser import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
@@ -290,3 +289,21 @@ def test_with_amax_reduction_needs_a_process_group():
     q = Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu", with_amax_reduction=True)
     with pytest.raises(RuntimeError, match="with_amax_reduction=True needs torch.distributed"):
         q(torch.ones(2))
+
+
+def test_replace_raw_data_moves_the_bytes_and_keeps_the_rest(generator):
+    from te_fuser.tensor.utils import replace_raw_data
+
+    q = Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu")
+    t = q.make_empty([8, 16], dtype=torch.bfloat16)
+    q.update_quantized(_values((8, 16), generator, torch.bfloat16), t)
+    kept = {name: getattr(t, name) for name in ("_quantizer", "_fp8_dtype", "_scale_inv", "_transpose")}
+    old = t._data
+    buffer = torch.zeros(200, dtype=torch.uint8)
+    replace_raw_data(t, buffer[40:168].view(8, 16))
+    assert t._data.data_ptr() == buffer[40:].data_ptr() and torch.equal(t._data, old)
+    assert all(getattr(t, name) is value for name, value in kept.items())
+    with pytest.raises(ValueError, match=r"new_raw_data must be a uint8 tensor of shape \(8, 16\)"):
+        replace_raw_data(t, torch.zeros(8, 15, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="tensor must be a Float8Tensor"):
+        replace_raw_data(torch.zeros(2), torch.zeros(2, dtype=torch.uint8))

@@ -56,7 +56,8 @@ def test_exit_updates_scales_from_recorded_amax(generator):
     amax = x.abs().max()
     assert state.scale[0].item() == ((torch.tensor(448.0) / amax) / 2).item()
     assert state.scale[1].item() == 1.0  # nothing recorded: old scale kept
-    assert state.amax_history[0, 0].item() == amax.item() and state.amax[0].item() == 0.0
+    # TE's layout: the recorded amax is now the newest completed one (last row), row 0 reset.
+    assert state.amax_history[-1, 0].item() == amax.item() and state.amax[0].item() == 0.0
 
 
 def test_state_dict_round_trip_and_mismatch():
@@ -81,7 +82,7 @@ def _reduce_worker(rank, world_size, port, results):
         with te_fuser.fp8_autocast(fp8_recipe=r, fp8_group=dist.group.WORLD):
             (q,) = state.quantizers(group=dist.group.WORLD)
             q(torch.full((8,), float(rank + 1) * 10))
-        results[rank] = (state.amax_history[0, 0].item(), state.scale[0].item())
+        results[rank] = (state.amax_history[-1, 0].item(), state.scale[0].item())
     finally:
         dist.destroy_process_group()
 

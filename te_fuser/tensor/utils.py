@@ -10,7 +10,7 @@ import torch
 from .float8_tensor import Float8Tensor
 from ..kernels import fp8 as fp8_kernels
 
-__all__ = ["cast_master_weights_to_fp8"]
+__all__ = ["cast_master_weights_to_fp8", "replace_raw_data"]
 
 # Attributes tensor parallelism and optimizers read off a weight; a new FP8 parameter keeps them.
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
@@ -53,6 +53,20 @@ def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_wei
         for i, (model, shard) in enumerate(zip(model_weights, shards)):
             if shard is not None and not isinstance(model, Float8Tensor):
                 model.view(-1)[offsets[i]: offsets[i] + shard.numel()].copy_(shard)
+
+
+def replace_raw_data(tensor: Float8Tensor, new_raw_data: torch.Tensor) -> None:
+    """Move a Float8Tensor's bytes into new_raw_data (TE's helper: e.g. into a slice of one flat buffer
+    that holds every FP8 weight); the tensor keeps everything else. new_raw_data: uint8, of the
+    tensor's shape."""
+    if not isinstance(tensor, Float8Tensor):
+        raise TypeError(f"tensor must be a Float8Tensor, got {type(tensor).__name__}")
+    old = tensor._live()._data
+    if new_raw_data.dtype != torch.uint8 or new_raw_data.shape != old.shape:
+        raise ValueError(f"new_raw_data must be a uint8 tensor of shape {tuple(old.shape)}, got "
+                         f"{new_raw_data.dtype} {tuple(new_raw_data.shape)}")
+    new_raw_data.detach().copy_(old)
+    tensor._data = new_raw_data
 
 
 def _flat_shard(i: int, model: torch.Tensor, master: Optional[torch.Tensor], offset: int,

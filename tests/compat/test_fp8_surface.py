@@ -139,7 +139,7 @@ def test_callable_amax_and_scaling_factor_algorithms(generator):
         fwd = layer._ops[0]._fp8_states[0]
         assert torch.equal(fwd.scale, te_scale), (factor, fwd.scale, te_scale)
         assert torch.equal(fwd.scale_inv, 1.0 / te_scale)
-        assert torch.equal(fwd.te_amax_history(), te_history)
+        assert torch.equal(fwd.amax_history, te_history)
 
 
 def test_quantized_tensor_base():
