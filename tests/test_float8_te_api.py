@@ -32,7 +32,7 @@ TE_SIGNATURES = {
 
 
 def _values(shape, generator, dtype=torch.float32, fp8_dtype=torch.float8_e4m3fn):
-    x = torch.randn(*shape, generator=generator, dtype=torch.float64) * 40
+    x = torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * 40
     edges = edge_values(fp8_dtype, torch.float32).double()
     edges = edges[torch.isfinite(edges)][: x.numel()]
     x.view(-1)[: edges.numel()] = edges / 40  # zeros, subnormals, values near the format's maximum
@@ -93,6 +93,23 @@ def test_current_scaling_quantizer_matches_the_formula(te_dtype, fp8_dtype, pow2
     assert t._fp8_dtype is te_dtype and t.shape == x.shape and t.dtype == torch.float16
 
 
+@pytest.mark.parametrize("shape", [(), (7,), (6, 10), (3, 4, 5), (2, 3, 4, 5)])
+def test_transposed_bytes_in_tes_quantize_layout(shape, generator):
+    """TE's quantize lays the columnwise data out as (last dim, *leading dims): the bytes of the transposed
+    (rows, last dim) matrix; a vector's and a scalar's are their own bytes. te_fuser's GEMMs read the 2-D
+    matrix view (fp8_data_transpose)."""
+    x = _values(shape, generator)
+    t = Float8CurrentScalingQuantizer(DType.kFloat8E4M3, "cpu")(x)
+    expected = t._data if len(shape) <= 1 else t._data.permute(len(shape) - 1, *range(len(shape) - 1))
+    assert t._transpose.shape == expected.shape and torch.equal(t._transpose, expected)
+    last = shape[-1] if shape else 1
+    assert torch.equal(_bytes(t.fp8_data_transpose), t._data.reshape(-1, last).t())
+    if len(shape) >= 2:  # a view that keeps the last dim keeps the transposed bytes, in the new layout
+        flat = t.view(-1, shape[-1])
+        assert flat._transpose.shape == (shape[-1], x.numel() // shape[-1])
+        assert flat._transpose.data_ptr() == t._transpose.data_ptr()
+
+
 def test_te_dtype_is_checked_and_named():
     for bad in (DType.kBFloat16, torch.float16):
         with pytest.raises(ValueError, match="fp8_dtype must be DType.kFloat8E4M3"):
@@ -145,9 +162,8 @@ def test_make_empty_then_update_quantized(columnwise, generator):
     assert isinstance(empty, Float8Tensor) and empty.shape == (6, 10) and empty.dtype == torch.bfloat16
     assert empty.requires_grad and empty._quantizer is q and empty._fp8_dtype is DType.kFloat8E5M2
     assert (empty._transpose is not None) == columnwise and empty._data.dtype == torch.uint8
-    if columnwise:
-        assert empty._transpose.shape == (10, 6)
-    assert q.make_empty([5])._transpose is None  # a vector has no transposed layout
+    if columnwise:  # TE's make_empty layout: (last dim, numel / last dim)
+        assert empty._transpose.shape == (10, 6) and q.make_empty([2, 3, 5])._transpose.shape == (5, 6)
     x = _values((6, 10), generator, torch.bfloat16, torch.float8_e5m2)
     out = q.update_quantized(x, empty)
     scale = reference_current_scale(x.float().abs().max(), 57344.0, 0.0, False)

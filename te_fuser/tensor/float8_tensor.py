@@ -11,6 +11,7 @@ called, so recipe code can reduce and roll amaxes without the quantizer's help.
 """
 
 import copy
+import math
 import weakref
 from typing import Iterable, List, Optional, Tuple
 
@@ -35,6 +36,23 @@ def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
     return d2.view(torch.uint8).t().contiguous().view(data.dtype)
 
 
+def columnwise_bytes(data: torch.Tensor) -> torch.Tensor:
+    """The transposed data as TE's quantize lays it out: uint8 bytes of shape (last dim, *leading dims),
+    the transpose of the (numel / last dim, last dim) matrix; a vector's or a scalar's are its own bytes."""
+    if data.dim() <= 1:
+        return data.view(torch.uint8).clone()
+    return fp8_transpose(data).view(torch.uint8).view(data.shape[-1], *data.shape[:-1])
+
+
+def _transpose_shapes(shape) -> tuple:
+    """The shapes a Float8Tensor's transposed bytes may have: TE's quantize's (last dim, *leading dims)
+    and TE's make_empty's (last dim, numel / last dim)."""
+    if len(shape) == 0:
+        return ((), (1, 1))
+    rows = math.prod(shape[:-1])
+    return ((shape[-1], *shape[:-1]), (shape[-1], rows))
+
+
 class Float8Tensor(QuantizedTensor):
     """A tensor quantized to FP8 with one per-tensor scale.
 
@@ -50,8 +68,10 @@ class Float8Tensor(QuantizedTensor):
                 fp8_dtype (torch.float8_e4m3fn / float8_e5m2)
     _scale_inv: float32 tensor of one element, 1 / scale
     _fp8_dtype: the format as TE's DType (kFloat8E4M3 / kFloat8E5M2); fp8_dtype is its torch dtype
-    _transpose: optional bytes of the transpose of the data viewed as a matrix (cast-transpose
-                output), (last dim, numel / last dim); fp8_data_transpose views them as fp8_dtype
+    _transpose: optional bytes of the transpose of the data viewed as a (numel / last dim, last dim)
+                matrix (cast-transpose output), shaped as TE's quantize shapes them, (last dim,
+                *leading dims), or as its make_empty does, (last dim, numel / last dim);
+                fp8_data_transpose views them as that 2-D matrix in fp8_dtype
     _quantizer: optional quantizer that writes new high-precision values into it (copy_, in-place
                 ops); without one, they are quantized with the tensor's own scale. A Float8Tensor
                 of the same FP8 format is copied as it is (bytes and scale)
@@ -77,10 +97,11 @@ class Float8Tensor(QuantizedTensor):
                              f"with {scale_inv.numel()} elements")
         data = _as_bytes(data, fp8_dtype, "data")
         transpose = _as_bytes(transpose, fp8_dtype, "transpose")
-        if data is not None and transpose is not None and data.dim() > 0:
-            rows = data.numel() // data.shape[-1] if data.shape[-1] else 0
-            if tuple(transpose.shape) != (data.shape[-1], rows):
-                raise ValueError(f"transpose must have shape {(data.shape[-1], rows)}, got {tuple(transpose.shape)}")
+        if data is not None and transpose is not None:
+            shapes = _transpose_shapes(tuple(data.shape))
+            if tuple(transpose.shape) not in shapes:
+                raise ValueError(f"transpose must have shape {' or '.join(map(str, shapes))}, got "
+                                 f"{tuple(transpose.shape)}")
         if data is not None:
             if shape is not None and tuple(shape) != tuple(data.shape):
                 raise ValueError(f"shape {tuple(shape)} does not match data's shape {tuple(data.shape)}")
@@ -115,8 +136,11 @@ class Float8Tensor(QuantizedTensor):
 
     @property
     def fp8_data_transpose(self) -> Optional[torch.Tensor]:
-        """_transpose viewed as fp8_dtype, or None."""
-        return None if self._transpose is None else self._transpose.view(self.fp8_dtype)
+        """_transpose viewed as the 2-D (last dim, numel / last dim) matrix in fp8_dtype, or None."""
+        t = self._transpose
+        if t is None:
+            return None
+        return t.view(self.fp8_dtype).reshape(t.shape[0] if t.dim() else 1, -1)
 
     @property
     def _transpose_invalid(self) -> bool:
@@ -139,9 +163,7 @@ class Float8Tensor(QuantizedTensor):
         if not columnwise_usage:
             self._transpose = None
         elif self._transpose is None:
-            if self._data.dim() == 0:
-                raise ValueError("a 0-dim Float8Tensor has no transposed data (columnwise_usage)")
-            self._transpose = fp8_transpose(self.fp8_data).view(torch.uint8)
+            self._transpose = columnwise_bytes(self.fp8_data)
 
     def _live(self) -> "Float8Tensor":
         if self._data is None:
@@ -226,9 +248,9 @@ class Float8Tensor(QuantizedTensor):
             whole, whole_transpose = self._whole
             transpose = None if whole_transpose is None else whole_transpose()
             if transpose is not None:
-                transpose.copy_(fp8_transpose(whole.view(self.fp8_dtype)).view(torch.uint8))
+                transpose.copy_(columnwise_bytes(whole.view(self.fp8_dtype)).view(transpose.shape))
         elif self._transpose is not None:
-            self._transpose.copy_(fp8_transpose(self.fp8_data).view(torch.uint8))
+            self._transpose.copy_(columnwise_bytes(self.fp8_data).view(self._transpose.shape))
 
     def _quantize_part_(self, src: torch.Tensor) -> "Float8Tensor":
         """quantize_ of a part: the bytes outside it keep their values, read with the whole's scale."""
@@ -417,9 +439,16 @@ def _alias(func, args, kwargs):
 
 def _reshaped(t: Float8Tensor, size) -> Float8Tensor:
     data = t._data.view(size)
-    # The transpose is of the (rows, last dim) matrix: still right while the last dim is unchanged.
-    same_rows = data.dim() > 0 and t._data.dim() > 0 and data.shape[-1] == t._data.shape[-1]
-    return _same_bytes(t, data, t._transpose if same_rows else None)
+    # The transpose is of the (rows, last dim) matrix: still right while the last dim is unchanged; in TE's
+    # quantize layout (last dim, *leading dims) it takes the new leading dims.
+    transpose = t._transpose
+    if transpose is not None:
+        same_rows = data.dim() > 0 and t._data.dim() > 0 and data.shape[-1] == t._data.shape[-1]
+        if not same_rows:
+            transpose = None
+        elif transpose.dim() == t._data.dim():
+            transpose = transpose.view(data.shape[-1], *data.shape[:-1])
+    return _same_bytes(t, data, transpose)
 
 
 def _view(func, args, kwargs):
@@ -547,8 +576,10 @@ class _Float8Quantizer(Quantizer):
         columnwise = self.columnwise_usage if columnwise is None else columnwise
         if columnwise and x.dim() >= 2:
             data, data_t = fp8_kernels.cast_transpose(x, scale, amax, self.fp8_dtype)
+            data_t = data_t.view(torch.uint8).view(x.shape[-1], *x.shape[:-1])  # TE's layout
         else:
-            data, data_t = fp8_kernels.quantize(x, scale, amax, self.fp8_dtype), None
+            data = fp8_kernels.quantize(x, scale, amax, self.fp8_dtype)
+            data_t = columnwise_bytes(data) if columnwise else None
         return Float8Tensor(data, torch.reciprocal(scale).reshape(1), self.fp8_dtype, x.dtype, transpose=data_t)
 
     def _cast(self, x: torch.Tensor, columnwise: Optional[bool] = None) -> Float8Tensor:
@@ -583,15 +614,15 @@ class _Float8Quantizer(Quantizer):
 
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
                    requires_grad: bool = False) -> Float8Tensor:
-        """An uninitialized Float8Tensor of this format (TE's method), with its transposed bytes when the
-        quantizer's columnwise usage is on; scale_inv 1. device defaults to the scaling state's."""
+        """An uninitialized Float8Tensor of this format (TE's method), with its transposed bytes, (last dim,
+        numel / last dim) as TE allocates them, when the quantizer's columnwise usage is on; scale_inv 1.
+        device defaults to the scaling state's."""
         shape = tuple(int(n) for n in shape)
         device = self._state_device() if device is None else torch.device(device)
         data = torch.empty(shape, dtype=torch.uint8, device=device)
         transpose = None
-        if self.columnwise_usage and len(shape) >= 2:
-            transpose = torch.empty((shape[-1], data.numel() // shape[-1] if shape[-1] else 0),
-                                    dtype=torch.uint8, device=device)
+        if self.columnwise_usage:
+            transpose = torch.empty(_transpose_shapes(shape)[1], dtype=torch.uint8, device=device)
         return Float8Tensor(data, torch.ones(1, dtype=torch.float32, device=device), self.fp8_dtype, dtype,
                             transpose, quantizer=self, requires_grad=requires_grad)
 

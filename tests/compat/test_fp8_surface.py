@@ -104,6 +104,16 @@ def test_recipes_accept_what_te_ignores_and_reject_the_rest():
     assert Float8CurrentScaling().float8_per_tensor_scaling() and not DelayedScaling.mxfp8()
 
 
+def test_format_values_are_tes_maxima():
+    """TE's Format members hold _FormatHelper(max_fwd, max_bwd) (TE's tests read Format.HYBRID.value.max_fwd);
+    the torch dtypes they stand for, from torch's own tables."""
+    for fmt, (fwd, bwd) in {Format.E4M3: (torch.float8_e4m3fn,) * 2, Format.E5M2: (torch.float8_e5m2,) * 2,
+                            Format.HYBRID: (torch.float8_e4m3fn, torch.float8_e5m2)}.items():
+        assert (fmt.fwd_dtype, fmt.bwd_dtype) == (fwd, bwd)
+        assert (fmt.value.max_fwd, fmt.value.max_bwd) == (torch.finfo(fwd).max, torch.finfo(bwd).max)
+        assert fmt.value == (fmt.max_fwd, fmt.max_bwd)
+
+
 @pytest.mark.parametrize("cls,test", [(Float8BlockScaling, "float8_block_scaling"), (MXFP8BlockScaling, "mxfp8"),
                                       (NVFP4BlockScaling, "nvfp4"), (CustomRecipe, "custom")])
 def test_unimplemented_recipes_raise_naming_themselves(cls, test):

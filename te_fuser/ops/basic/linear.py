@@ -29,7 +29,7 @@ def _saved_transpose(t: Float8Tensor) -> Float8Tensor:
     scale_inv. A new object, so prepare_for_saving() cannot empty a tensor that lives on (the
     cached FP8 weight), and the row-major data is not kept alive.
     """
-    return Float8Tensor(t._transpose, t._scale_inv, t.fp8_dtype, t.dtype)
+    return Float8Tensor(t.fp8_data_transpose, t._scale_inv, t.fp8_dtype, t.dtype)
 
 
 def saved_weight(w: Float8Tensor, fp8_weight: bool) -> Float8Tensor:
