@@ -130,7 +130,7 @@ def test_checkpoint_recomputes_in_the_forward_fp8_state(generator, checkpoint_fn
         state.load_state_dict(saved)  # both runs start from the same scaling state
     if checkpoint_fn == "te_fuser":
         torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
-        # the recompute recorded no amax: the history holds one entry per real forward
-        assert after["amax"].item() == 0.0
+        # the recompute recorded no amax: nothing recorded since the update (row 0 of TE's layout)
+        assert after["amax_history"][0].item() == 0.0
     else:  # plain torch checkpoint recomputes outside fp8_autocast: the values differ
         assert not torch.equal(grads[1], grads[0])
