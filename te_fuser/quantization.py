@@ -25,6 +25,7 @@ import torch.utils.checkpoint
 
 from .kernels import fp8 as fp8_kernels
 from .tensor.float8_blockwise_tensor import Float8BlockQuantizer
+from .te_dtype import DType, te_dtype
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .tensor.mxfp8_tensor import MXFP8Quantizer
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
@@ -220,11 +221,67 @@ def fp8_model_init(enabled: bool = True, recipe=None, preserve_high_precision_in
                                 preserve_high_precision_init_val=preserve_high_precision_init_val)
 
 
-class DelayedScalingState:
-    """Scaling state of `num_quantizers` tensors that share a delayed-scaling recipe.
+class _TERecipeStateNames:
+    """TE's names of what a recipe state is for: `mode` ("forward" / "backward") and `dtype` (TE's DType
+    of the format); te_fuser's own are `forward` and `fp8_dtype`."""
 
-    Buffers: amax_history (history_len, n), amax (n), scale (n), scale_inv (n).
-    `forward=True` uses the recipe's forward format, else its backward format.
+    forward: bool
+    fp8_dtype: torch.dtype
+
+    @property
+    def mode(self) -> str:
+        return "forward" if self.forward else "backward"
+
+    @property
+    def dtype(self) -> DType:
+        return te_dtype(self.fp8_dtype)
+
+
+_DELAYED_BUFFERS = ("amax_history", "scale", "scale_inv")
+
+
+def _default_sf_compute(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """TE's default scaling factor, with te_fuser's kernel formula (csrc/fp8/fp8_scaling.h): fp8_max / amax
+    (FLT_MAX when that overflows) / 2^margin; the old scale where amax is 0 or not finite."""
+    # (A scalar / tensor in torch multiplies by the reciprocal: divide a full tensor instead.)
+    new = torch.full_like(amax, fp8_max).div(amax).clamp(max=torch.finfo(torch.float32).max)
+    new = new / 2.0 ** margin
+    return torch.where((amax > 0) & torch.isfinite(amax), new, scale)
+
+
+def _amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float, recipe) -> None:
+    """TE's unfused delayed-scaling update, in place, on a history in TE's layout: amax from the recipe's
+    amax_compute_algo (a callable of the history, "max" or "most_recent"), the scale from its
+    scaling_factor_compute_algo (or _default_sf_compute), then the history rolled up one row and row 0
+    reset, whether or not an amax was recorded (TE's semantics)."""
+    if callable(recipe.amax_compute_algo):
+        amax = recipe.amax_compute_algo(amax_history.clone())
+    elif recipe.amax_compute_algo == "max":
+        amax = amax_history.amax(dim=0)
+    else:
+        amax = amax_history[0].clone()
+    if recipe.scaling_factor_compute_algo is not None:
+        new = recipe.scaling_factor_compute_algo(amax, scale.clone(), fp8_max, recipe)
+    else:
+        new = _default_sf_compute(amax, scale, fp8_max, recipe.margin)
+    new = torch.as_tensor(new, dtype=torch.float32, device=scale.device)
+    if new.shape != scale.shape:
+        raise ValueError(f"scaling_factor_compute_algo returned shape {tuple(new.shape)}, "
+                         f"expected {tuple(scale.shape)}")
+    amax_history.copy_(torch.roll(amax_history, -1, 0))
+    amax_history[0].zero_()
+    scale.copy_(new)
+
+
+class DelayedScalingState(_TERecipeStateNames):
+    """Scaling state of `num_quantizers` tensors that share a delayed-scaling recipe, in TransformerEngine's
+    layout: a module's `fp8_meta["scaling_fwd"]` / `["scaling_bwd"]` are these objects, their tensors the
+    ones te_fuser casts with and updates.
+
+    Buffers, float32 whatever torch's default dtype: amax_history (history_len, n), row 0 the amaxes
+    recorded since the last update (`amax`, a view of that row), rows 1.. the completed ones, oldest
+    first; scale (n); scale_inv (n). `forward=True` uses the recipe's forward format, else its backward
+    format; `mode` and `dtype` say so as TE's recipe states do.
     """
 
     def __init__(self, recipe: DelayedScaling, num_quantizers: int, forward: bool = True, device=None):
@@ -232,14 +289,18 @@ class DelayedScalingState:
         self.forward = forward
         self.fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
         device = torch.device(device) if device is not None else torch.device("cpu")
-        # float32 whatever torch's default dtype is (Lightning sets it to bf16), as in TE.
-        self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, device=device, dtype=torch.float32)
-        self.amax = torch.zeros(num_quantizers, device=device, dtype=torch.float32)
-        self.scale = torch.ones(num_quantizers, device=device, dtype=torch.float32)
-        self.scale_inv = torch.ones(num_quantizers, device=device, dtype=torch.float32)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, **f32)
+        self.scale = torch.ones(num_quantizers, **f32)
+        self.scale_inv = torch.ones(num_quantizers, **f32)
         self.group = None
         self._quantizers = None  # quantizers(), made on first use, views of the buffers above
         FP8GlobalState._live_states.add(self)
+
+    @property
+    def amax(self) -> torch.Tensor:
+        """The amaxes being recorded: row 0 of amax_history."""
+        return self.amax_history[0]
 
     def quantizers(self, group=None) -> List[Float8Quantizer]:
         """One quantizer per tensor, writing into this state's buffers; marks the state for update.
@@ -250,68 +311,45 @@ class DelayedScalingState:
         self.group = group
         FP8GlobalState.mark_pending(self)
         if self._quantizers is None:
-            self._quantizers = [self.quantizer(i) for i in range(self.amax.numel())]
+            self._quantizers = [self.quantizer(i) for i in range(self.amax_history.shape[1])]
         return list(self._quantizers)
 
     def quantizer(self, i: int) -> Float8Quantizer:
         """Tensor i's quantizer (views of its scale and amax slots), without marking the state for update."""
-        return Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype)
+        return Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype, columnwise=False)
 
     def update(self) -> None:
-        """All-reduce amaxes over the group (if any), roll the history and update the scales."""
+        """All-reduce the recorded amaxes over the group (if any), update the scales and roll the history."""
         if self.group is not None and self.recipe.reduce_amax and torch.distributed.is_initialized():
             torch.distributed.all_reduce(self.amax, op=torch.distributed.ReduceOp.MAX, group=self.group)
         if callable(self.recipe.amax_compute_algo) or self.recipe.scaling_factor_compute_algo is not None:
             self._update_with_callables()
             return
-        fp8_kernels.delayed_scaling_update(self.amax_history, self.amax, self.scale, self.scale_inv,
+        fp8_kernels.delayed_scaling_update(self.amax_history, self.scale, self.scale_inv,
                                            fp8_kernels.fp8_max(self.fp8_dtype), self.recipe.margin,
                                            self.recipe.amax_compute_algo)
 
-    def te_amax_history(self) -> torch.Tensor:
-        """The history in TE's layout: row 0 the amax being recorded, rows 1.. the last
-        amax_history_len - 1 closed steps, oldest first (the same window the update reduces)."""
-        return torch.cat([self.amax[None], self.amax_history[:-1].flip(0)])
-
     def _update_with_callables(self) -> None:
-        """The update with the recipe's amax_compute_algo / scaling_factor_compute_algo callables (TE's semantics)."""
-        recipe = self.recipe
-        te_history = self.te_amax_history()
-        if callable(recipe.amax_compute_algo):
-            amax = recipe.amax_compute_algo(te_history.clone())
-        elif recipe.amax_compute_algo == "max":
-            amax = te_history.amax(dim=0)
-        else:
-            amax = te_history[0].clone()
-        fp8_max = fp8_kernels.fp8_max(self.fp8_dtype)
-        if recipe.scaling_factor_compute_algo is not None:
-            scale = recipe.scaling_factor_compute_algo(amax, self.scale.clone(), fp8_max, recipe)
-        else:  # the kernel's formula (csrc/fp8/fp8_scaling.h)
-            # (A scalar / tensor in torch multiplies by the reciprocal: divide a full tensor instead.)
-            new = torch.full_like(amax, fp8_max).div(amax).clamp(max=torch.finfo(torch.float32).max)
-            new = new / 2.0 ** recipe.margin
-            scale = torch.where((amax > 0) & torch.isfinite(amax), new, self.scale)
-        scale = torch.as_tensor(scale, dtype=torch.float32, device=self.scale.device)
-        if scale.shape != self.scale.shape:
-            raise ValueError(f"scaling_factor_compute_algo returned shape {tuple(scale.shape)}, "
-                             f"expected {tuple(self.scale.shape)}")
-        self.amax_history.copy_(torch.cat([self.amax[None], self.amax_history[:-1]]))
-        self.scale.copy_(scale)
+        """The update with the recipe's amax_compute_algo / scaling_factor_compute_algo callables."""
+        _amax_and_scale_update(self.amax_history, self.scale, fp8_kernels.fp8_max(self.fp8_dtype), self.recipe)
         self.scale_inv.copy_(torch.reciprocal(self.scale))
-        self.amax.zero_()
 
     def to(self, device) -> "DelayedScalingState":
-        for name in ("amax_history", "amax", "scale", "scale_inv"):
+        for name in _DELAYED_BUFFERS:
             setattr(self, name, getattr(self, name).to(device))
         self._quantizers = None  # they viewed the old buffers
         return self
 
     def state_dict(self) -> dict:
-        return {name: getattr(self, name).detach().cpu().clone()
-                for name in ("amax_history", "amax", "scale", "scale_inv")}
+        return {name: getattr(self, name).detach().cpu().clone() for name in _DELAYED_BUFFERS}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in ("amax_history", "amax", "scale", "scale_inv"):
+        """Load state_dict()'s tensors; a state saved before te_fuser kept TE's layout (its `amax` apart,
+        the completed amaxes newest first) is converted, keeping every future scale the same."""
+        if "amax" in state and "amax_history" in state:
+            old = state["amax_history"]
+            state = {**state, "amax_history": torch.cat([state["amax"].reshape(1, -1).to(old), old[:-1].flip(0)])}
+        for name in _DELAYED_BUFFERS:
             if name not in state:
                 raise KeyError(f"FP8 recipe state is missing '{name}'")
             mine, theirs = getattr(self, name), state[name]
@@ -321,7 +359,7 @@ class DelayedScalingState:
             mine.copy_(theirs)
 
 
-class CurrentScalingState:
+class CurrentScalingState(_TERecipeStateNames):
     """Current scaling needs no history: fresh quantizers per tensor."""
 
     def __init__(self, recipe: Float8CurrentScaling, num_quantizers: int, forward: bool = True, device=None):
@@ -337,7 +375,7 @@ class CurrentScalingState:
 
     def quantizer(self, i: int) -> Float8CurrentScalingQuantizer:
         del i  # every tensor gets a fresh one
-        return Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device,
+        return Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device, columnwise=False,
                                              force_pow_2_scales=self.recipe.force_pow_2_scales,
                                              amax_epsilon=self.recipe.amax_epsilon)
 
@@ -546,6 +584,12 @@ class FP8GlobalStateManager:
     @classmethod
     def get_fp8_group(cls):
         return FP8GlobalState.get_group()
+
+    @staticmethod
+    def get_meta_tensor_key(forward: bool = True) -> str:
+        """The key of a module's fp8_meta that holds its forward ("scaling_fwd") or backward
+        ("scaling_bwd") scaling state."""
+        return "scaling_fwd" if forward else "scaling_bwd"
 
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:

@@ -12,37 +12,48 @@ import math
 import os
 import warnings
 from dataclasses import InitVar, dataclass
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
+
+
+class _FormatHelper(NamedTuple):
+    """A Format's value, as TE's: the largest finite forward and backward values."""
+
+    max_fwd: float
+    max_bwd: float
+
+
+_FP8_DTYPE_OF_MAX = {448.0: torch.float8_e4m3fn, 57344.0: torch.float8_e5m2}
 
 
 class Format(enum.Enum):
     """FP8 formats for the forward and the backward pass.
 
     E4M3 everywhere, E5M2 everywhere, or HYBRID: E4M3 forward (activations,
-    weights) and E5M2 backward (gradients, which need the range).
+    weights) and E5M2 backward (gradients, which need the range). Each value is
+    TE's (max_fwd, max_bwd) pair; fwd_dtype / bwd_dtype are the torch dtypes.
     """
 
-    E4M3 = (torch.float8_e4m3fn, torch.float8_e4m3fn)
-    E5M2 = (torch.float8_e5m2, torch.float8_e5m2)
-    HYBRID = (torch.float8_e4m3fn, torch.float8_e5m2)
+    E4M3 = _FormatHelper(max_fwd=448.0, max_bwd=448.0)
+    E5M2 = _FormatHelper(max_fwd=57344.0, max_bwd=57344.0)
+    HYBRID = _FormatHelper(max_fwd=448.0, max_bwd=57344.0)
 
     @property
     def fwd_dtype(self) -> torch.dtype:
-        return self.value[0]
+        return _FP8_DTYPE_OF_MAX[self.value.max_fwd]
 
     @property
     def bwd_dtype(self) -> torch.dtype:
-        return self.value[1]
+        return _FP8_DTYPE_OF_MAX[self.value.max_bwd]
 
     @property
     def max_fwd(self) -> float:
-        return torch.finfo(self.fwd_dtype).max
+        return self.value.max_fwd
 
     @property
     def max_bwd(self) -> float:
-        return torch.finfo(self.bwd_dtype).max
+        return self.value.max_bwd
 
 
 _AMAX_ALGOS = ("max", "most_recent")

@@ -1,10 +1,18 @@
-"""TransformerEngine's `pytorch.utils` names that client code calls: SplitAlongDim."""
+"""TransformerEngine's `pytorch.utils` names that client code calls: SplitAlongDim,
+is_non_tn_fp8_gemm_supported."""
 
 from typing import Sequence, Union
 
 import torch
 
 from .tensor.float8_tensor import Float8Tensor
+
+
+def is_non_tn_fp8_gemm_supported() -> bool:
+    """Whether FP8 GEMMs take their operands in any layout (TE: Blackwell's). te_fuser's FP8 GEMMs (its C
+    GEMM, torch._scaled_mm) take the "TN" layout only, so a Float8Tensor carries its transposed bytes for
+    the gradient GEMMs: False on every device."""
+    return False
 
 
 def _sizes(length: int, split_size_or_sections: Union[int, Sequence[int]]) -> list:
@@ -35,7 +43,7 @@ class SplitAlongDim(torch.autograd.Function):
         ctx.dim, ctx.sizes = dim, sizes
         if isinstance(mixed_x_layer, Float8Tensor):
             t = mixed_x_layer._live()
-            return tuple(Float8Tensor(part, t._scale_inv, t._fp8_dtype, t.dtype)
+            return tuple(Float8Tensor(part, t._scale_inv, t.fp8_dtype, t.dtype)
                          for part in t._data.split(sizes, dim))
         return mixed_x_layer.split(sizes, dim)
 

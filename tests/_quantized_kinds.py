@@ -43,7 +43,7 @@ def _f8_scale_and_amax(t, values):
         return torch.reciprocal(t._scale_inv), None
     if isinstance(quantizer, Float8CurrentScalingQuantizer):
         assert quantizer.amax_epsilon == 0 and not quantizer.force_pow_2_scales, "reference: plain fp8_max / amax"
-        fp8_max = torch.full_like(amax, torch.finfo(t._fp8_dtype).max)  # (a Python float / a tensor would
+        fp8_max = torch.full_like(amax, torch.finfo(t.fp8_dtype).max)  # (a Python float / a tensor would
         usable = (amax > 0) & torch.isfinite(amax)                        # round 1 / amax first)
         return torch.where(usable, fp8_max / amax, torch.ones(1)), amax
     return quantizer.scale.clone(), torch.maximum(quantizer.amax, amax)  # delayed: the recipe's scale
@@ -51,8 +51,8 @@ def _f8_scale_and_amax(t, values):
 
 def _f8_expect(t, values):
     scale, amax = _f8_scale_and_amax(t, values)
-    limit = torch.finfo(t._fp8_dtype).max
-    codes = (values.float() * scale).clamp(-limit, limit).to(t._fp8_dtype)  # torch's cast, saturated like TE
+    limit = torch.finfo(t.fp8_dtype).max
+    codes = (values.float() * scale).clamp(-limit, limit).to(t.fp8_dtype)  # torch's cast, saturated like TE
     scale_inv = torch.reciprocal(scale)
     expected = {"values": codes.double() * scale_inv.double(), "scale_inv": scale_inv}
     if t._transpose is not None:
@@ -63,9 +63,9 @@ def _f8_expect(t, values):
 
 
 def _f8_observe(t):
-    observed = {"values": t._data.double() * t._scale_inv.double(), "scale_inv": t._scale_inv.clone()}
+    observed = {"values": t.fp8_data.double() * t._scale_inv.double(), "scale_inv": t._scale_inv.clone()}
     if t._transpose is not None:
-        observed["transpose"] = t._transpose.double()
+        observed["transpose"] = t.fp8_data_transpose.double()
     if t._quantizer is not None:
         observed["quantizer.scale"] = t._quantizer.scale.clone()
         observed["quantizer.amax"] = t._quantizer.amax.clone()
@@ -73,12 +73,12 @@ def _f8_observe(t):
 
 
 def _f8_dequantized(t):
-    return (t._data.float() * t._scale_inv).to(t.dtype)
+    return (t.fp8_data.float() * t._scale_inv).to(t.dtype)
 
 
 def _f8_rescaled(t, values):
     scale = torch.reciprocal(t._scale_inv) * 0.125
-    return Float8Quantizer(scale, torch.zeros(1), t._fp8_dtype)(values.to(t.dtype))
+    return Float8Quantizer(scale, torch.zeros(1), t.fp8_dtype)(values.to(t.dtype))
 
 
 def _f8_tensor(fp8_dtype, scale, dtype, columnwise):

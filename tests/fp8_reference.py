@@ -54,17 +54,22 @@ def all_16bit_patterns(dtype):
     return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
 
 
-def reference_delayed_update(history, amax, scale, fp8_max_value, margin, algo):
-    """The delayed-scaling formula on float32 tensors (a copy of the state is returned)."""
-    history = torch.roll(history.clone(), 1, dims=0)
-    history[0] = amax
-    reduced = history.amax(dim=0) if algo == "max" else history[0]  # amax propagates NaN
+def reference_delayed_update(history, scale, fp8_max_value, margin, algo):
+    """TransformerEngine's delayed-scaling update on float32 tensors, in its history layout (row 0 the
+    amaxes recorded since the last update, rows 1.. the completed ones, oldest first): a column that
+    recorded nothing (0) stays as it is; otherwise its window is reduced, rolled up one row (the recorded
+    amax last) and row 0 reset. Returns (history, scale, scale_inv), new tensors."""
+    recorded = history[0]
+    reduced = history.amax(dim=0) if algo == "max" else recorded  # amax propagates NaN
     new = torch.tensor(fp8_max_value, dtype=torch.float32) / reduced
     new = torch.where(torch.isinf(new), torch.tensor(FLT_MAX), new)
     new = new / torch.tensor(2.0**margin, dtype=torch.float32)
-    keep = (reduced <= 0) | ~torch.isfinite(reduced)
+    keep = (reduced <= 0) | ~torch.isfinite(reduced) | (recorded == 0)
     new_scale = torch.where(keep, scale, new)
-    return history, torch.zeros_like(amax), new_scale, 1.0 / new_scale
+    rolled = torch.roll(history, -1, dims=0)
+    rolled[0] = 0.0
+    new_history = torch.where(recorded == 0, history, rolled)
+    return new_history, new_scale, 1.0 / new_scale
 
 
 def reference_current_scale(amax, fp8_max_value, epsilon, pow2):

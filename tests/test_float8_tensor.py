@@ -13,10 +13,10 @@ def test_delayed_quantizer_returns_float8_tensor_and_updates_amax(device, genera
     x = (torch.randn(48, 80, generator=generator) * 20).to(dtype).to(device)
     scale = torch.tensor([0.75], device=device)
     amax = torch.zeros(1, device=device)
-    q = te_fuser.Float8Quantizer(scale, amax, fp8_dtype)
+    q = te_fuser.Float8Quantizer(scale, amax, fp8_dtype, columnwise=False)
     t = q(x)
     assert isinstance(t, te_fuser.Float8Tensor)
-    assert t.shape == x.shape and t.dtype == dtype and t._fp8_dtype == fp8_dtype and t._transpose is None
+    assert t.shape == x.shape and t.dtype == dtype and t.fp8_dtype == fp8_dtype and t._transpose is None
     assert amax.item() == x.float().abs().max().item()
     torch.testing.assert_close(t._scale_inv, 1 / scale, rtol=0, atol=0)
     expected = reference_quantize(x, scale, fp8_dtype)
@@ -42,7 +42,7 @@ def test_current_scaling_quantizer(device, generator):
     expected_scale = torch.tensor(448.0) / amax.cpu()
     assert q.scale.item() == expected_scale.item()
     # With the scale fitted to the data, the largest element lands on the largest FP8 value.
-    assert t._data.float().abs().max().item() == 448.0
+    assert t.fp8_data.float().abs().max().item() == 448.0
     rel = ((t.dequantize() - x).abs() / x.abs().clamp_min(1e-6)).max().item()
     assert rel <= 2**-3 / 2 + 1e-6 or (t.dequantize() - x).abs().max() <= 2**-9 / expected_scale.item()
 

@@ -421,7 +421,7 @@ def _scale_mismatch_case(rank):
     # codes differ from its own; neither saturates (|x| < 18).
     scales = (torch.tensor([16.0]), torch.tensor([24.0]))
     amax = torch.zeros(1)
-    quantizer = te_fuser.tensor.float8_tensor.Float8Quantizer(scales[rank].clone(), amax, e4m3)
+    quantizer = te_fuser.tensor.float8_tensor.Float8Quantizer(scales[rank].clone(), amax, e4m3, columnwise=False)
     shard = _fp8_gather.quantize_shard(_shard(x_full, rank), quantizer, group)
     assert amax.item() == _shard(x_full, rank).float().abs().max().item()  # this shard's amax recorded
     gathered = _fp8_gather.all_gather_fp8_dim0(shard, group)
@@ -436,7 +436,7 @@ def _scale_mismatch_case(rank):
     assert torch.equal(got[1], requantized)
     assert not torch.equal(got[1], _torch_fp8_cast(_shard(x_full, 1), scales[0], e4m3).reshape(-1))
     # Two roundings: within one E4M3 step (2^-3 relative) of the values.
-    values = gathered._data.double() * gathered._scale_inv.double()
+    values = gathered.fp8_data.double() * gathered._scale_inv.double()
     rel = (values.reshape(x_full.shape) - x_full.double()).abs() / x_full.double().abs().clamp(min=2 ** -6)
     assert rel.max() <= 2 ** -3, rel.max()
 

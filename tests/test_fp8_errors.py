@@ -69,19 +69,19 @@ def test_cast_transpose_needs_a_matrix():
 
 
 def test_scaling_update_bad_arguments():
-    h, a, s, si = torch.zeros(4, 2), torch.zeros(2), torch.ones(2), torch.ones(2)
+    h, s, si = torch.zeros(4, 2), torch.ones(2), torch.ones(2)
     with pytest.raises(ValueError, match="amax_compute_algo"):
-        k.delayed_scaling_update(h, a, s, si, 448.0, 0, "mean")
-    with pytest.raises(ValueError, match="amax must have"):
-        k.delayed_scaling_update(h, torch.zeros(3), s, si, 448.0, 0)
+        k.delayed_scaling_update(h, s, si, 448.0, 0, "mean")
+    with pytest.raises(ValueError, match="scale must have"):
+        k.delayed_scaling_update(h, torch.ones(3), si, 448.0, 0)
     with pytest.raises(ValueError, match="amax_history must be 2-D"):
-        k.delayed_scaling_update(torch.zeros(4), a, s, si, 448.0, 0)
+        k.delayed_scaling_update(torch.zeros(4), s, si, 448.0, 0)
     with pytest.raises(TypeError, match="scale must have dtype"):
-        k.delayed_scaling_update(h, a, s.double(), si, 448.0, 0)
+        k.delayed_scaling_update(h, s.double(), si, 448.0, 0)
     with pytest.raises(ValueError, match="margin"):
-        k.delayed_scaling_update(h, a, s, si, 448.0, 500)
+        k.delayed_scaling_update(h, s, si, 448.0, 500)
     with pytest.raises(ValueError, match="margin must be an integer"):
-        k.delayed_scaling_update(h, a, s, si, 448.0, 0.5)
+        k.delayed_scaling_update(h, s, si, 448.0, 0.5)
     for bad in (-1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="epsilon"):
             k.current_scale(ONE, 448.0, epsilon=bad)
@@ -102,7 +102,7 @@ def test_raw_ops_reject_bad_input_without_crashing():
     with pytest.raises(RuntimeError, match="fp8_dtype must be"):
         ops.fp8_quantize(torch.ones(4), ONE, ZERO.clone(), torch.float16)
     with pytest.raises(RuntimeError, match="amax_compute_algo|argument"):
-        ops.fp8_delayed_scaling_update(torch.zeros(2, 1), torch.zeros(1), torch.ones(1), torch.ones(1), 448.0, 0, 7)
+        ops.fp8_delayed_scaling_update(torch.zeros(2, 1), torch.ones(1), torch.ones(1), 448.0, 0, 7)
 
 
 def test_raw_ops_refuse_a_meta_argument_beside_real_tensors():
@@ -131,7 +131,7 @@ def _bad_calls():
     ops, e4, meta = torch.ops.te_fuser, torch.float8_e4m3fn, torch.ones(1, device="meta")
     x, x8 = torch.ones(4, 8), torch.ones(4, 8).to(e4)
     b8 = torch.ones(6, 8).to(e4)
-    h, a, s, si = torch.zeros(4, 3), torch.zeros(3), torch.ones(3), torch.ones(3)
+    h, s, si = torch.zeros(4, 3), torch.ones(3), torch.ones(3)
     si_strided = torch.ones(6)[::2]
     return [
         ("quantize x dtype", lambda: k.quantize(x.int(), ONE, ZERO.clone(), e4),
@@ -180,26 +180,26 @@ def _bad_calls():
         ("fp8_gemm bias layout", lambda: fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(6, 2)[:, 0]),
          lambda: ops.fp8_gemm(x8, ONE, b8, ONE, torch.float32, torch.zeros(6, 2)[:, 0]), ValueError,
          "bias must be contiguous"),
-        ("scaling update history rank", lambda: k.delayed_scaling_update(h.flatten(), a, s, si, 448.0, 0),
-         lambda: ops.fp8_delayed_scaling_update(h.flatten(), a, s, si, 448.0, 0, 0), ValueError,
+        ("scaling update history rank", lambda: k.delayed_scaling_update(h.flatten(), s, si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h.flatten(), s, si, 448.0, 0, 0), ValueError,
          "amax_history must be 2-D"),
-        ("scaling update history dtype", lambda: k.delayed_scaling_update(h.double(), a, s, si, 448.0, 0),
-         lambda: ops.fp8_delayed_scaling_update(h.double(), a, s, si, 448.0, 0, 0), TypeError,
+        ("scaling update history dtype", lambda: k.delayed_scaling_update(h.double(), s, si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h.double(), s, si, 448.0, 0, 0), TypeError,
          "amax_history must have dtype"),
-        ("scaling update scale dtype", lambda: k.delayed_scaling_update(h, a, s.half(), si, 448.0, 0),
-         lambda: ops.fp8_delayed_scaling_update(h, a, s.half(), si, 448.0, 0, 0), TypeError,
+        ("scaling update scale dtype", lambda: k.delayed_scaling_update(h, s.half(), si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, s.half(), si, 448.0, 0, 0), TypeError,
          "scale must have dtype"),
-        ("scaling update scale_inv layout", lambda: k.delayed_scaling_update(h, a, s, si_strided, 448.0, 0),
-         lambda: ops.fp8_delayed_scaling_update(h, a, s, si_strided, 448.0, 0, 0), ValueError,
+        ("scaling update scale_inv layout", lambda: k.delayed_scaling_update(h, s, si_strided, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, s, si_strided, 448.0, 0, 0), ValueError,
          "scale_inv must be contiguous"),
-        ("scaling update amax size", lambda: k.delayed_scaling_update(h, a[:2], s, si, 448.0, 0),
-         lambda: ops.fp8_delayed_scaling_update(h, a[:2], s, si, 448.0, 0, 0), ValueError,
-         "amax must have amax_history.shape"),
-        ("scaling update amax not a tensor", lambda: k.delayed_scaling_update(h, 0.0, s, si, 448.0, 0),
-         lambda: ops.fp8_delayed_scaling_update(h, 0.0, s, si, 448.0, 0, 0), TypeError,
-         "amax must be a torch.Tensor"),
-        ("scaling update scale on meta", lambda: k.delayed_scaling_update(h, a, s.to("meta"), si, 448.0, 0),
-         lambda: ops.fp8_delayed_scaling_update(h, a, s.to("meta"), si, 448.0, 0, 0), ValueError,
+        ("scaling update scale size", lambda: k.delayed_scaling_update(h, s[:2], si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, s[:2], si, 448.0, 0, 0), ValueError,
+         "scale must have amax_history.shape"),
+        ("scaling update scale not a tensor", lambda: k.delayed_scaling_update(h, 1.0, si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, 1.0, si, 448.0, 0, 0), TypeError,
+         "scale must be a torch.Tensor"),
+        ("scaling update scale on meta", lambda: k.delayed_scaling_update(h, s.to("meta"), si, 448.0, 0),
+         lambda: ops.fp8_delayed_scaling_update(h, s.to("meta"), si, 448.0, 0, 0), ValueError,
          "scale is on meta but amax_history is on cpu"),
         ("current_scale amax shape", lambda: k.current_scale(torch.ones(2), 448.0),
          lambda: ops.fp8_current_scale(torch.ones(2), 448.0, 0.0, False), TypeError,

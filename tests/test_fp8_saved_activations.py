@@ -68,7 +68,7 @@ def test_fp8_saved_activation_input_keeps_grads_accurate(activation, recipe_name
 
     def spy(t):
         q = original(t)
-        saved_dtypes.append(q._data.dtype)
+        saved_dtypes.append(q.fp8_dtype)
         return q
 
     monkeypatch.setattr(activation_module, "quantize_saved_input", spy)
@@ -96,7 +96,7 @@ def test_cache_quantized_input_saves_fp8_without_fp8_autocast(activation, monkey
 
     def spy(t):
         q = original(t)
-        saved_dtypes.append(q._data.dtype)
+        saved_dtypes.append(q.fp8_data.dtype)
         return q
 
     monkeypatch.setattr(activation_module, "quantize_saved_input", spy)

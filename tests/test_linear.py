@@ -133,9 +133,9 @@ def test_fp8_gemm_equals_dequantize_then_float32_matmul():
     b = torch.randn(16, 48)
     qa = te_fuser.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(a)
     qb = te_fuser.Float8CurrentScalingQuantizer(torch.float8_e5m2)(b)
-    got = fp8_gemm_nt(qa._data, qa._scale_inv, qb._data, qb._scale_inv, torch.float32)
+    got = fp8_gemm_nt(qa.fp8_data, qa._scale_inv, qb.fp8_data, qb._scale_inv, torch.float32)
     # Independent dequantization: torch's float8 -> float32 conversion times scale_inv.
-    ref = (qa._data.float() * qa._scale_inv) @ (qb._data.float() * qb._scale_inv).T
+    ref = (qa.fp8_data.float() * qa._scale_inv) @ (qb.fp8_data.float() * qb._scale_inv).T
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 

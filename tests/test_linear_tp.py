@@ -152,7 +152,7 @@ def _amax_reduction_case(rank):
     x = torch.randn(SEQ, BATCH, IN // WORLD) * (rank + 1)
     with te_fuser.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=4), fp8_group=group):
         layer(x)
-    history = layer._ops[0]._fp8_states[0].amax_history[0].clone()
+    history = layer._ops[0]._fp8_states[0].amax_history[-1].clone()
     gathered = [torch.empty_like(history) for _ in range(WORLD)]
     dist.all_gather(gathered, history, group=group)
     assert torch.equal(gathered[0], gathered[1]), gathered

@@ -141,7 +141,7 @@ def test_no_grad_runs_the_chain_without_an_autograd_function(monkeypatch, fp8_re
         return te_fuser.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe)
 
     expected, out, transposes = run_with_and_without_grad(
-        monkeypatch, fuser_module._FuserFunction, (_fp8_io, "fp8_transpose"), fp8, lambda: model(x))
+        monkeypatch, fuser_module._FuserFunction, (_fp8_io, "columnwise_bytes"), fp8, lambda: model(x))
     assert out.grad_fn is None and not out.requires_grad
     assert torch.equal(out, expected)
     assert not transposes
@@ -290,7 +290,7 @@ def test_delayed_scaling_backward_state_is_e5m2_with_its_own_scale(monkeypatch):
 
     def spy_backward(self, ctx, grad_output):
         if isinstance(grad_output, Float8Tensor):
-            handed.append((grad_output._fp8_dtype, grad_output._data.dtype, grad_output._scale_inv.item()))
+            handed.append((grad_output.fp8_dtype, grad_output.fp8_data.dtype, grad_output._scale_inv.item()))
         return original_backward(self, ctx, grad_output)
 
     monkeypatch.setattr(BasicLinear, "op_backward", spy_backward)

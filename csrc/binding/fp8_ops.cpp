@@ -162,15 +162,14 @@ Tensor fp8_transpose_cpu(Tensor data) {
   return out;
 }
 
-void fp8_delayed_scaling_update_cpu(Tensor amax_history, Tensor amax, Tensor scale,
-                                    Tensor scale_inv, double fp8_max, int64_t margin,
-                                    int64_t amax_compute_algo) {
-  const int64_t n = check_scaling_update_args(amax_history, amax, scale, scale_inv, margin);
+void fp8_delayed_scaling_update_cpu(Tensor amax_history, Tensor scale, Tensor scale_inv,
+                                    double fp8_max, int64_t margin, int64_t amax_compute_algo) {
+  const int64_t n = check_scaling_update_args(amax_history, scale, scale_inv, margin);
   check_status(tf_fp8_delayed_scaling_update(
                    amax_history.mutable_data_ptr<float>(), amax_history.size(0), n,
-                   amax.mutable_data_ptr<float>(), scale.mutable_data_ptr<float>(),
-                   scale_inv.mutable_data_ptr<float>(), static_cast<float>(fp8_max),
-                   static_cast<int32_t>(margin), static_cast<tf_amax_algo>(amax_compute_algo)),
+                   scale.mutable_data_ptr<float>(), scale_inv.mutable_data_ptr<float>(),
+                   static_cast<float>(fp8_max), static_cast<int32_t>(margin),
+                   static_cast<tf_amax_algo>(amax_compute_algo)),
                "fp8_delayed_scaling_update");
 }
 
@@ -198,8 +197,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
       "fp8_cast_transpose(Tensor input, Tensor scale, Tensor(a!) amax, ScalarType fp8_dtype)"
       " -> (Tensor, Tensor)");
   m.def(
-      "fp8_delayed_scaling_update(Tensor(a!) amax_history, Tensor(b!) amax, Tensor(c!) scale,"
-      " Tensor(d!) scale_inv, float fp8_max, int margin, int amax_compute_algo) -> ()");
+      "fp8_delayed_scaling_update(Tensor(a!) amax_history, Tensor(b!) scale, Tensor(c!) scale_inv,"
+      " float fp8_max, int margin, int amax_compute_algo) -> ()");
   m.def(
       "fp8_current_scale(Tensor amax, float fp8_max, float epsilon, bool force_pow2)"
       " -> (Tensor, Tensor)");

@@ -87,18 +87,16 @@ std::tuple<Tensor, Tensor> fp8_cast_transpose_cuda(Tensor input, Tensor scale, T
   return std::make_tuple(out, out_t);
 }
 
-void fp8_delayed_scaling_update_cuda(Tensor amax_history, Tensor amax, Tensor scale,
-                                     Tensor scale_inv, double fp8_max, int64_t margin,
-                                     int64_t amax_compute_algo) {
-  const int64_t n = check_scaling_update_args(amax_history, amax, scale, scale_inv, margin);
+void fp8_delayed_scaling_update_cuda(Tensor amax_history, Tensor scale, Tensor scale_inv,
+                                     double fp8_max, int64_t margin, int64_t amax_compute_algo) {
+  const int64_t n = check_scaling_update_args(amax_history, scale, scale_inv, margin);
   const DeviceGuard guard(amax_history.get_device_index());
   void* stream = current_cuda_stream(amax_history, "amax_history");
   check_status(tf_fp8_delayed_scaling_update_cuda(
                    amax_history.mutable_data_ptr<float>(), amax_history.size(0), n,
-                   amax.mutable_data_ptr<float>(), scale.mutable_data_ptr<float>(),
-                   scale_inv.mutable_data_ptr<float>(), static_cast<float>(fp8_max),
-                   static_cast<int32_t>(margin), static_cast<tf_amax_algo>(amax_compute_algo),
-                   stream),
+                   scale.mutable_data_ptr<float>(), scale_inv.mutable_data_ptr<float>(),
+                   static_cast<float>(fp8_max), static_cast<int32_t>(margin),
+                   static_cast<tf_amax_algo>(amax_compute_algo), stream),
                "fp8_delayed_scaling_update");
 }
 

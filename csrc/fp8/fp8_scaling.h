@@ -46,15 +46,42 @@ TF_HD float tf_fp8_current_scale(float amax, float fp8_max, float epsilon, int f
 }
 
 /*
- * Delayed-scaling update of num_scales tensors that share one history:
- * amax_history is history_len x num_scales (row 0 the newest). For each
- * tensor j: shift the history down one row, put amax[j] in row 0, reduce it
- * with `algo`, write scale[j] and scale_inv[j], and reset amax[j] to 0.
- * margin must lie in [-126, 126] so 2^margin is a normal float.
+ * One tensor's delayed-scaling update, in TransformerEngine's history layout:
+ * `column` is its column of a history_len-row history whose rows lie `stride`
+ * floats apart; row 0 holds the amax recorded since the last update, rows 1..
+ * the completed amaxes, oldest first. With nothing recorded (row 0 is 0: a
+ * cached weight was not cast again) the column and the scale stay as they are.
+ * Otherwise the window (every row) is reduced with `algo`, letting NaN through
+ * so that a NaN keeps the old scale; the rows move up one (the recorded amax
+ * becomes the newest completed one, the oldest drops out); row 0 is reset to
+ * 0; and the new scale is returned.
+ */
+TF_HD float tf_fp8_delayed_update_column(float *column, int64_t history_len, int64_t stride,
+                                         float old_scale, float fp8_max, int32_t margin,
+                                         tf_amax_algo algo) {
+  const float recorded = column[0];
+  if (recorded == 0.0f) return old_scale;
+  float reduced = recorded;
+  if (algo == TF_AMAX_MAX)
+    for (int64_t i = 1; i < history_len; ++i) {
+      const float h = column[i * stride];
+      reduced = (h > reduced || h != h) ? h : reduced;
+    }
+  for (int64_t i = 1; i + 1 < history_len; ++i) column[i * stride] = column[(i + 1) * stride];
+  if (history_len > 1) column[(history_len - 1) * stride] = recorded;
+  column[0] = 0.0f;
+  return tf_fp8_delayed_scale(reduced, old_scale, fp8_max, margin);
+}
+
+/*
+ * Delayed-scaling update of num_scales tensors that share one history
+ * (history_len x num_scales, TransformerEngine's layout: see
+ * tf_fp8_delayed_update_column): each tensor's column is updated and its
+ * scale[j] and scale_inv[j] = 1 / scale[j] written. margin must lie in
+ * [-126, 126] so 2^margin is a normal float.
  */
 tf_status tf_fp8_delayed_scaling_update(float *amax_history, int64_t history_len,
-                                        int64_t num_scales, float *amax, float *scale,
-                                        float *scale_inv, float fp8_max, int32_t margin,
-                                        tf_amax_algo algo);
+                                        int64_t num_scales, float *scale, float *scale_inv,
+                                        float fp8_max, int32_t margin, tf_amax_algo algo);
 
 #endif /* TF_FP8_SCALING_H */

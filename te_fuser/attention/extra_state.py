@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from ..quantization import DelayedScalingState
-from ..module._extra_state import empty_te_slots, from_te_history, read_te_state, te_state_payload
+from ..module._extra_state import empty_te_slots, read_te_state, te_state_payload
 
 DPA_NUM_GEMMS = 3  # TE's DotProductAttention runs prepare_forward(num_gemms=3)
 QKV_SLOT = 2  # TE's META_QKV: FP8FwdTensors.GEMM1_OUTPUT
@@ -45,14 +45,14 @@ def dpa_extra_state(state, output_state=None) -> torch.Tensor:
     if not isinstance(state, DelayedScalingState):
         return torch.empty(0, dtype=torch.uint8)
     scale_fwd, hist_fwd, scale_bwd, hist_bwd = empty_te_slots(state.recipe, DPA_NUM_GEMMS)
-    scale, history = state.scale.detach().cpu(), state.te_amax_history().cpu()
+    scale, history = state.scale.detach().cpu(), state.amax_history.cpu()
     scale_fwd[QKV_SLOT] = scale.min()
     hist_fwd[:, QKV_SLOT] = history.amax(dim=1)
     scale_fwd[PER_TENSOR_SLOTS] = scale
     hist_fwd[:, PER_TENSOR_SLOTS] = history
     if isinstance(output_state, DelayedScalingState) and output_state.recipe == state.recipe:
         scale_fwd[O_SLOT] = output_state.scale[0]
-        hist_fwd[:, O_SLOT] = output_state.te_amax_history().cpu()[:, 0]
+        hist_fwd[:, O_SLOT] = output_state.amax_history.cpu()[:, 0]
     return te_state_payload(state.recipe, DPA_NUM_GEMMS, scale_fwd, hist_fwd, scale_bwd, hist_bwd)
 
 
@@ -76,10 +76,8 @@ def load_dpa_extra_state(payload, device) -> Optional[DelayedScalingState]:
     if not _is_qkv_triple(scale, history, slots.scale_fwd[QKV_SLOT], slots.amax_history_fwd[:, QKV_SLOT]):
         scale = slots.scale_fwd[QKV_SLOT].repeat(_QKV)
         history = slots.amax_history_fwd[:, QKV_SLOT:QKV_SLOT + 1].repeat(1, _QKV)
-    amax, history = from_te_history(history)
     state = DelayedScalingState(slots.recipe, _QKV, forward=True, device=device)
-    state.load_state_dict({"amax_history": history, "amax": amax, "scale": scale,
-                           "scale_inv": torch.reciprocal(scale)})
+    state.load_state_dict({"amax_history": history, "scale": scale, "scale_inv": torch.reciprocal(scale)})
     return state
 
 
@@ -92,8 +90,6 @@ def load_dpa_output_state(payload, device) -> Optional[DelayedScalingState]:
     scale, history = slots.scale_fwd[O_SLOT:O_SLOT + 1].clone(), slots.amax_history_fwd[:, O_SLOT:O_SLOT + 1]
     if scale.item() == 1 and not history.any():
         return None
-    amax, history = from_te_history(history)
     state = DelayedScalingState(slots.recipe, 1, forward=True, device=device)
-    state.load_state_dict({"amax_history": history, "amax": amax, "scale": scale,
-                           "scale_inv": torch.reciprocal(scale)})
+    state.load_state_dict({"amax_history": history, "scale": scale, "scale_inv": torch.reciprocal(scale)})
     return state

@@ -56,18 +56,18 @@ def fp8_input(t: torch.Tensor, quantizer) -> Float8Tensor:
     """t for the FP8 kernels: quantized, or, when it already is a Float8Tensor in the quantizer's
     format (fp8_mha: a view of the QKV projection's FP8 output), its bytes and scale as they are,
     in a new wrapper (prepare_for_saving empties the wrapper, never the caller's tensor)."""
-    if isinstance(t, Float8Tensor) and t._fp8_dtype == quantizer.fp8_dtype:
+    if isinstance(t, Float8Tensor) and t.fp8_dtype == quantizer.fp8_dtype:
         return t.rewrapped()
     return quantizer(t.dequantize() if isinstance(t, Float8Tensor) else t)
 
 
 def _fp8_parts(t: Float8Tensor, qkv_format: str):
-    return to_kernel_layout(t._data, qkv_format), t._scale_inv
+    return to_kernel_layout(t.fp8_data, qkv_format), t._scale_inv
 
 
 def quantize_saved_output(out: torch.Tensor) -> Float8Tensor:
     """The FP8 E4M3 copy of the attention output that the backward keeps (current scaling)."""
-    return Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=out.device)(out)
+    return Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=out.device, columnwise=False)(out)
 
 
 def choose_backend(q, k, qkv_format: str, lengths: Lengths, softmax_scale: float, causal: bool, dropout: str,

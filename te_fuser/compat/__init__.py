@@ -9,8 +9,10 @@ or run a script unchanged: `python -m te_fuser.compat script.py args...`.
 Every `transformer_engine.pytorch.X...` module is an alias module forwarding
 to te_fuser's `X...` (the names below are renamed where TE's layout differs),
 `transformer_engine.common.recipe` is te_fuser.recipe, and `transformer_engine`
-itself carries `__version__` (see TE_API_VERSION). Objects are te_fuser's own,
-so `transformer_engine.pytorch.Linear is te_fuser.Linear`.
+itself carries `__version__` (see TE_API_VERSION). TE's compiled module, the
+second top-level name `transformer_engine_torch` (`import transformer_engine_torch
+as tex`), is te_fuser.tex. Objects are te_fuser's own, so
+`transformer_engine.pytorch.Linear is te_fuser.Linear`.
 
 What te_fuser lacks fails loudly: a missing module raises ModuleNotFoundError
 and a missing name AttributeError, both saying te_fuser does not provide it
@@ -23,9 +25,10 @@ of version TE_API_VERSION (_metadata.py): clients such as accelerate and
 Lightning look for TE there before importing it.
 
 A real TransformerEngine installation is never shadowed: install refuses
-(RuntimeError) when `transformer_engine` is importable from elsewhere, unless
-force=True, and an installed `transformer-engine` distribution's metadata is
-never replaced, not even with force=True.
+(RuntimeError) when `transformer_engine` or `transformer_engine_torch` is
+importable from elsewhere, unless force=True, and an installed
+`transformer-engine` distribution's metadata is never replaced, not even with
+force=True.
 """
 
 import importlib
@@ -45,8 +48,12 @@ from . import _metadata
 TE_API_VERSION = "2.6.0"
 
 _ROOT = "transformer_engine"
+# TE's compiled extension: a plain module (no submodules), te_fuser.tex.
+_EXTENSION = "transformer_engine_torch"
+_TOP_LEVEL = (_ROOT, _EXTENSION)
 # The roots: transformer_engine.pytorch.X maps to te_fuser.X, te_fuser's tree being TE's.
 _ROOTS = {
+    _EXTENSION: "te_fuser.tex",
     "transformer_engine.pytorch": "te_fuser",
     "transformer_engine.common.recipe": "te_fuser.recipe",
 }
@@ -117,13 +124,19 @@ class _AliasLoader(importlib.abc.Loader):
         del module  # everything is read from the te_fuser module on access
 
 
+def _aliased(name: str) -> bool:
+    return any(name == top or name.startswith(top + ".") for top in _TOP_LEVEL)
+
+
 class _AliasFinder(importlib.abc.MetaPathFinder):
-    """Resolves `transformer_engine` and its submodules to te_fuser's modules."""
+    """Resolves `transformer_engine` and its submodules, and `transformer_engine_torch`, to te_fuser's modules."""
 
     def find_spec(self, fullname, path=None, target=None):
         del path, target
-        if fullname != _ROOT and not fullname.startswith(_ROOT + "."):
+        if not _aliased(fullname):
             return None
+        if fullname == _EXTENSION:  # a compiled module in TE: not a package
+            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(), is_package=False)
         target_name = _target(fullname)
         if target_name is not None and not _exists(target_name):
             raise ModuleNotFoundError(f"No module named {fullname!r}: te_fuser does not provide it "
@@ -145,14 +158,17 @@ _DISTRIBUTIONS = _metadata.DistributionFinder(TE_API_VERSION)
 
 
 def _real_te_location():
-    """Where an installed `transformer_engine` would be imported from, or None."""
+    """Where an installed `transformer_engine` (or its `transformer_engine_torch`) would be imported from, or None."""
     if is_installed():
         return None
-    module = sys.modules.get(_ROOT)
-    if module is not None:
-        return getattr(module, "__file__", None) or repr(module)
-    spec = importlib.machinery.PathFinder.find_spec(_ROOT)
-    return None if spec is None else (spec.origin or str(list(spec.submodule_search_locations or [])))
+    for name in _TOP_LEVEL:
+        module = sys.modules.get(name)
+        if module is not None:
+            return getattr(module, "__file__", None) or repr(module)
+        spec = importlib.machinery.PathFinder.find_spec(name)
+        if spec is not None:
+            return spec.origin or str(list(spec.submodule_search_locations or []))
+    return None
 
 
 def is_installed() -> bool:
@@ -187,7 +203,7 @@ def uninstall_transformer_engine() -> None:
 
 
 def _drop_transformer_engine_modules() -> None:
-    for name in [n for n in sys.modules if n == _ROOT or n.startswith(_ROOT + ".")]:
+    for name in [n for n in sys.modules if _aliased(n)]:
         del sys.modules[name]
     importlib.invalidate_caches()
 

@@ -95,23 +95,25 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
     return _ops.fp8_transpose(data)
 
 
-def _check_scaling_update_tensors(amax_history, amax, scale, scale_inv):
+def _check_scaling_update_tensors(amax_history, scale, scale_inv):
     check_tensor(amax_history, "amax_history")
     if amax_history.dim() != 2:
         raise ValueError(f"amax_history must be 2-D (history_len, n), got shape {tuple(amax_history.shape)}")
-    for name, t in (("amax_history", amax_history), ("amax", amax), ("scale", scale), ("scale_inv", scale_inv)):
+    for name, t in (("amax_history", amax_history), ("scale", scale), ("scale_inv", scale_inv)):
         check_dtype(t, name, (torch.float32,))
         check_contiguous(t, name)
         check_same_device(t, name, amax_history, "amax_history")
     n = amax_history.shape[1]
-    for name, t in (("amax", amax), ("scale", scale), ("scale_inv", scale_inv)):
+    for name, t in (("scale", scale), ("scale_inv", scale_inv)):
         if t.numel() != n:
             raise ValueError(f"{name} must have amax_history.shape[1] = {n} elements, got {t.numel()}")
 
 
-def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: float, margin: int,
+def delayed_scaling_update(amax_history, scale, scale_inv, fp8_max_value: float, margin: int,
                            amax_compute_algo: str = "max") -> None:
-    """Roll amax into the history, reduce it, and update scale/scale_inv in place (see csrc/fp8/fp8_scaling.h).
+    """Update scale/scale_inv from the amax history and roll it, in place, in TransformerEngine's layout:
+    row 0 the amaxes recorded since the last update, rows 1.. the completed ones, oldest first; a tensor
+    that recorded nothing (0) keeps its history and scale (see csrc/fp8/fp8_scaling.h).
 
     The tensors are checked in Python only when the binding refuses them (validate.call_checked), as in
     quantize; the binding takes margin as an integer and the algorithm as its number, so those two are
@@ -120,8 +122,8 @@ def delayed_scaling_update(amax_history, amax, scale, scale_inv, fp8_max_value: 
         raise ValueError(f"amax_compute_algo must be one of {sorted(AMAX_ALGOS)}, got {amax_compute_algo!r}")
     if not (isinstance(margin, (int, float)) and margin == int(margin) and -126 <= margin <= 126):
         raise ValueError(f"margin must be an integer in [-126, 126], got {margin!r}")
-    call_checked(lambda: _check_scaling_update_tensors(amax_history, amax, scale, scale_inv),
-                 _ops.fp8_delayed_scaling_update, amax_history, amax, scale, scale_inv, float(fp8_max_value),
+    call_checked(lambda: _check_scaling_update_tensors(amax_history, scale, scale_inv),
+                 _ops.fp8_delayed_scaling_update, amax_history, scale, scale_inv, float(fp8_max_value),
                  int(margin), AMAX_ALGOS[amax_compute_algo])
 
 
@@ -166,8 +168,8 @@ def _(data):
 
 
 @torch.library.register_fake("te_fuser::fp8_delayed_scaling_update")
-def _(amax_history, amax, scale, scale_inv, fp8_max_value, margin, amax_compute_algo):
-    check_one_device_in_fake(amax_history=amax_history, amax=amax, scale=scale, scale_inv=scale_inv)
+def _(amax_history, scale, scale_inv, fp8_max_value, margin, amax_compute_algo):
+    check_one_device_in_fake(amax_history=amax_history, scale=scale, scale_inv=scale_inv)
     return None
 
 

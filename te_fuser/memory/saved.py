@@ -7,7 +7,8 @@ The storages come from torch.autograd.graph.saved_tensors_hooks (the ground
 truth: everything any node saved while fn ran, counted once per storage); the
 names come from a walk of the output's graph: a builtin node's `_saved_*`
 attributes, a custom Function's saved_tensors, and for te_fuser's op fuser the
-basic op each tensor belongs to.
+basic op each tensor belongs to. A Float8Tensor's bytes (uint8, as TE keeps
+them) are listed in its FP8 dtype when the walk finds the tensor they belong to.
 """
 
 from collections import OrderedDict
@@ -73,21 +74,28 @@ def _plain_tensors(t):
     return [("", t)]
 
 
+def _fp8_dtype_of(shell, part: str):
+    """The FP8 dtype of a Float8Tensor's byte buffer `part`, None for any other tensor."""
+    return shell.fp8_dtype if isinstance(shell, Float8Tensor) and part in ("_data", "_transpose") else None
+
+
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _shell_slots(objects, owner) -> List[str]:
-    """'<owner>[item].<buffer>' per saved tensor of prepare_for_saving's layout (a shell gives 3 buffers)."""
+def _shell_slots(objects, owner) -> List[Tuple[str, object]]:
+    """('<owner>[item].<buffer>', FP8 dtype or None) per saved tensor of prepare_for_saving's layout (a
+    shell gives 3 buffers)."""
     slots = []
     for item, shell in enumerate(objects):
-        parts = ("_data", "_transpose", "_scale_inv") if shell is not None else ("",)
-        slots += [f"{owner[item]}[{item}]{part and '.' + part}" for part in parts]
+        parts = _FLOAT8_PARTS if shell is not None else ("",)
+        slots += [(f"{owner[item]}[{item}]{part and '.' + part}", _fp8_dtype_of(shell, part)) for part in parts]
     return slots
 
 
-def _custom_slots(node, saved) -> List[str]:
-    """Slot names of a custom Function's saved tensors: per basic op for the op fuser's node."""
+def _custom_slots(node, saved) -> List[Tuple[str, object]]:
+    """(slot name, FP8 dtype or None) of a custom Function's saved tensors: per basic op for the op
+    fuser's node."""
     state = getattr(node, "state", None)
     if state is not None:  # te_fuser's op fuser: its ops' to_save lists, in order
         op_names = {}
@@ -99,14 +107,14 @@ def _custom_slots(node, saved) -> List[str]:
     elif getattr(node, "tensor_objects", None) is not None:
         slots = _shell_slots(node.tensor_objects, [""] * len(node.tensor_objects))
     else:
-        slots = [f"[{i}]" for i in range(len(saved))]
+        slots = [(f"[{i}]", None) for i in range(len(saved))]
     if len(slots) != len(saved):
         raise ValueError("unknown layout")
     return slots
 
 
-def _node_tensors(node, name: str) -> List[Tuple[str, str, torch.Tensor]]:
-    """(op, slot, tensor) for what one graph node (called name) saved."""
+def _node_tensors(node, name: str) -> List[Tuple[str, str, torch.Tensor, object]]:
+    """(op, slot, tensor, FP8 dtype of its bytes or None) for what one graph node (called name) saved."""
     found = []
     if isinstance(node, BackwardCFunction):
         try:
@@ -116,10 +124,11 @@ def _node_tensors(node, name: str) -> List[Tuple[str, str, torch.Tensor]]:
         try:
             slots = _custom_slots(node, saved)
         except (AttributeError, KeyError, IndexError, ValueError):  # a layout this walk does not know
-            slots = [f"[{i}]" for i in range(len(saved))]
-        for slot, t in zip(slots, saved):
+            slots = [(f"[{i}]", None) for i in range(len(saved))]
+        for (slot, fp8_dtype), t in zip(slots, saved):
             op = name + (f"/{slot.split('[')[0]}" if not slot.startswith("[") else "")
-            found += [(op, slot + (f".{part}" if part else ""), p) for part, p in _plain_tensors(t) if p is not None]
+            found += [(op, slot + (f".{part}" if part else ""), p, _fp8_dtype_of(t, part) or fp8_dtype)
+                      for part, p in _plain_tensors(t) if p is not None]
     for attr in dir(node):
         if attr.startswith("_saved_"):
             try:
@@ -129,12 +138,13 @@ def _node_tensors(node, name: str) -> List[Tuple[str, str, torch.Tensor]]:
             values = value if isinstance(value, (list, tuple)) else [value]
             for v in values:
                 if isinstance(v, torch.Tensor):
-                    found += [(name, attr[len("_saved_"):], p) for _, p in _plain_tensors(v) if p is not None]
+                    found += [(name, attr[len("_saved_"):], p, _fp8_dtype_of(v, part))
+                              for part, p in _plain_tensors(v) if p is not None]
     return found
 
 
-def _names(outputs) -> Dict[int, Tuple[str, str]]:
-    names: Dict[int, Tuple[str, str]] = {}
+def _names(outputs) -> Dict[int, Tuple[str, str, object]]:
+    names: Dict[int, Tuple[str, str, object]] = {}
     stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen = set()
     count: Dict[str, int] = {}  # custom Function nodes numbered per class, from the output back
@@ -147,8 +157,8 @@ def _names(outputs) -> Dict[int, Tuple[str, str]]:
         if isinstance(node, BackwardCFunction):
             count[name] = count.get(name, 0) + 1
             name = f"{name}({count[name]})"
-        for op, slot, t in _node_tensors(node, name):
-            names.setdefault(_key(t), (op, slot))
+        for op, slot, t, fp8_dtype in _node_tensors(node, name):
+            names.setdefault(_key(t), (op, slot, fp8_dtype))
         stack.extend(n for n, _ in node.next_functions)
     return names
 
@@ -167,5 +177,10 @@ def saved_for_backward(fn: Callable[[], object]) -> Tuple[object, SavedTensors]:
         result = fn()
     outputs = result if isinstance(result, (list, tuple)) else [result]
     names = _names(outputs)
-    entries = [SavedTensor(*names.get(k, ("?", "?")), t) for k, t in storages.items()]
+    entries = []
+    for key, t in storages.items():
+        op, slot, fp8_dtype = names.get(key, ("?", "?", None))
+        if fp8_dtype is not None and t.dtype == torch.uint8:
+            t = t.view(fp8_dtype)
+        entries.append(SavedTensor(op, slot, t))
     return result, SavedTensors(entries)

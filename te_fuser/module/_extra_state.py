@@ -23,11 +23,9 @@ go to TE's slots 3k+2 and 2k+1, and come back from them when those slots hold
 a state (a scale other than 1 or a non-zero history); otherwise TE's slots are
 written as scale 1 with an empty history.
 
-History layouts differ: TE accumulates the current amax in history row 0 and
-keeps the completed amaxes oldest-to-newest in rows 1.., te_fuser accumulates
-in a separate `amax` and keeps the completed ones newest first. Both reduce
-over the same window (the current amax and the last len-1 completed ones), so
-converting between them keeps every future scale identical.
+te_fuser keeps its delayed-scaling histories in TE's layout (the current amax
+in row 0, the completed amaxes oldest-to-newest in rows 1..), so columns are
+copied as they are.
 """
 
 import io
@@ -71,14 +69,6 @@ def _fp8_ops(ops: Sequence[BasicOperation]) -> List[Tuple[BasicOperation, int]]:
 
 def _empty() -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8)
-
-
-# -- te_fuser history <-> TE history ---------------------------------------------------------
-def from_te_history(te_history: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(amax, amax_history) of a te_fuser state from a TE-layout history (see the module docstring)."""
-    history = torch.zeros_like(te_history)
-    history[:-1] = te_history[1:].flip(0)
-    return te_history[0].clone(), history
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -126,7 +116,7 @@ def get_fp8_extra_state(ops: Sequence[BasicOperation]) -> torch.Tensor:
         if op._fp8_recipe != recipe:
             raise ValueError("the ops of one module must share one FP8 recipe")
         fwd, bwd = op._fp8_states
-        fwd_hist, bwd_hist = fwd.te_amax_history().cpu(), bwd.te_amax_history().cpu()
+        fwd_hist, bwd_hist = fwd.amax_history.cpu(), bwd.amax_history.cpu()
         for k in range(g):
             for role in range(2):  # input, weight
                 j, slot = 2 * k + role, _FWD_SLOTS * (gemm + k) + role
@@ -141,7 +131,7 @@ def get_fp8_extra_state(ops: Sequence[BasicOperation]) -> torch.Tensor:
             if isinstance(io, DelayedScalingState) and io.recipe == recipe:
                 scales, hists = (scale_fwd, hist_fwd) if forward else (scale_bwd, hist_bwd)
                 scales[column] = io.scale[0]
-                hists[:, column] = io.te_amax_history().cpu()[:, 0]
+                hists[:, column] = io.amax_history.cpu()[:, 0]
         gemm += g
     return te_state_payload(recipe, num_gemms, scale_fwd, hist_fwd, scale_bwd, hist_bwd)
 
@@ -237,18 +227,16 @@ def _load_te(fp8_ops, slots: TESlots, device) -> None:
         op_state = {"recipe": slots.recipe}
         for key, columns, scale, hist in (("forward", fwd_slots, slots.scale_fwd, slots.amax_history_fwd),
                                           ("backward", bwd_slots, slots.scale_bwd, slots.amax_history_bwd)):
-            amax, history = from_te_history(hist[:, columns])
             scale_part = scale[columns].clone()
-            op_state[key] = {"amax_history": history, "amax": amax, "scale": scale_part,
+            op_state[key] = {"amax_history": hist[:, columns], "scale": scale_part,
                              "scale_inv": torch.reciprocal(scale_part)}
         op.load_fp8_extra_state(op_state, device)
         for kind, forward, column in _io_columns(gemm) if g == 1 and hasattr(op, "load_fp8_io_state") else ():
             scale, hist = ((slots.scale_fwd, slots.amax_history_fwd) if forward
                            else (slots.scale_bwd, slots.amax_history_bwd))
             if scale[column] != 1 or hist[:, column].any():
-                amax, history = from_te_history(hist[:, column:column + 1])
                 scale_part = scale[column:column + 1].clone()
-                op.load_fp8_io_state(kind, {"amax_history": history, "amax": amax, "scale": scale_part,
+                op.load_fp8_io_state(kind, {"amax_history": hist[:, column:column + 1], "scale": scale_part,
                                             "scale_inv": torch.reciprocal(scale_part)}, device)
         gemm += g
 

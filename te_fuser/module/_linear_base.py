@@ -14,6 +14,7 @@ from ..ops import _tensor_parallel as tp
 from ..ops.basic.linear import BasicLinear
 from ..ops.fuser import OperationFuser
 from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
+from ._fp8_meta import fp8_meta_view
 from ._noop_cat import noop_cat
 
 _DEFAULT_INIT_STD = 0.023  # TransformerEngine's default init_method: normal(0, 0.023)
@@ -75,6 +76,8 @@ class FusedModule(torch.nn.Module):
         object.__setattr__(self, "_fuser", OperationFuser(ops))
 
     def __getattr__(self, name: str):
+        if name == "fp8_meta":  # TE's dict of the FP8 state, a view made on each access (_fp8_meta.py)
+            return fp8_meta_view(type(self).__name__, self.__dict__["_ops"])
         # With parameters_split, weight/bias are the concatenation of the split parameters.
         if name in ("weight", "bias") and self.__dict__.get("_split") is not None:
             weights = self.__dict__["_weights"]

@@ -40,7 +40,7 @@ def quantize_shard(x, quantizer, group) -> Float8Tensor:
         if quantizer.amax.device == x.device:  # its documented state: the values of the last call
             quantizer.amax.copy_(amax)
             quantizer.scale.copy_(scale)
-        return Float8Quantizer(scale, amax.clone(), quantizer.fp8_dtype)(x)
+        return Float8Quantizer(scale, amax.clone(), quantizer.fp8_dtype, columnwise=False)(x)
     if isinstance(quantizer, Float8Quantizer):
         # Records this shard's amax (reduced over fp8_group at the scale update).
         return _with_common_scale(quantizer(x), group)
@@ -60,14 +60,14 @@ def _with_common_scale(xq: Float8Tensor, group) -> Float8Tensor:
         return xq
     values = xq.dequantize(torch.float32)
     scratch_amax = torch.zeros(1, dtype=torch.float32, device=values.device)
-    data = fp8_kernels.quantize(values, torch.reciprocal(common), scratch_amax, xq._fp8_dtype)
-    return Float8Tensor(data, common, xq._fp8_dtype, xq.dtype)
+    data = fp8_kernels.quantize(values, torch.reciprocal(common), scratch_amax, xq.fp8_dtype)
+    return Float8Tensor(data, common, xq.fp8_dtype, xq.dtype)
 
 
 def all_gather_fp8_dim0(xq: Float8Tensor, group) -> Float8Tensor:
     """The ranks' FP8 shards (sharing xq's scale) concatenated along dim 0, without a transpose."""
-    data = tp.all_gather_dim0(xq._data.view(torch.uint8), group).view(xq._fp8_dtype)
-    return Float8Tensor(data, xq._scale_inv, xq._fp8_dtype, xq.dtype)
+    data = tp.all_gather_dim0(xq._data, group)
+    return Float8Tensor(data, xq._scale_inv, xq.fp8_dtype, xq.dtype)
 
 
 def shard_for_saving(xq: Float8Tensor) -> Float8Tensor:

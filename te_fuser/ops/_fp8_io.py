@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_transpose
+from ..tensor.float8_tensor import Float8Quantizer, Float8Tensor, columnwise_bytes, fp8_transpose
 from ..tensor.quantized_tensor import QuantizedTensor
 
 
@@ -22,14 +22,14 @@ def direct_fp8_args(quantizer) -> Optional[tuple]:
 
 def wrap_kernel_output(data: torch.Tensor, quantizer: Float8Quantizer, nominal_dtype: torch.dtype) -> Float8Tensor:
     """A Float8Tensor around FP8 codes a kernel wrote with quantizer's scale."""
-    transpose = fp8_transpose(data) if quantizer.columnwise else None
+    transpose = columnwise_bytes(data) if quantizer.columnwise_usage else None
     return Float8Tensor(data, torch.reciprocal(quantizer.scale), quantizer.fp8_dtype, nominal_dtype, transpose)
 
 
 def with_transpose(t: Float8Tensor) -> Float8Tensor:
     """t, given its transposed data when it came without (byte transpose, no requantization)."""
     if t._transpose is None:
-        t._transpose = fp8_transpose(t._data)
+        t._transpose = columnwise_bytes(t.fp8_data)
     return t
 
 

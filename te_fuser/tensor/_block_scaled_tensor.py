@@ -211,22 +211,20 @@ def _rebuild_block_scaled(cls, shape, dtype, fp8_dtype, buffers, meta, requires_
 class BlockScaledQuantizer(Quantizer):
     """A quantizer whose tensors may carry either usage alone (TE's rowwise / columnwise usages)."""
 
-    def set_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        rowwise = self.rowwise if rowwise is None else bool(rowwise)
-        columnwise = getattr(self, "columnwise", False) if columnwise is None else bool(columnwise)
+    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        rowwise = self.rowwise_usage if rowwise is None else bool(rowwise)
+        columnwise = self.columnwise_usage if columnwise is None else bool(columnwise)
         if not (rowwise or columnwise):
             raise ValueError("at least one of rowwise and columnwise usage must be on")
-        self.rowwise, self.columnwise = rowwise, columnwise
-
-    rowwise = True
+        self.rowwise_usage, self.columnwise_usage = rowwise, columnwise
 
     @property
-    def rowwise_usage(self) -> bool:
-        return self.rowwise
+    def rowwise(self) -> bool:
+        return self.rowwise_usage
 
     @property
-    def columnwise_usage(self) -> bool:
-        return self.columnwise
+    def columnwise(self) -> bool:
+        return self.columnwise_usage
 
     def copy(self):
         return copy.copy(self)

@@ -59,7 +59,7 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
         self.amax_epsilon = float(amax_epsilon)
         self.force_pow_2_scales = bool(force_pow_2_scales)
         self.block_scaling_dim = block_scaling_dim
-        super().__init__(rowwise, columnwise)
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
 
     def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
         if x.dim() < 1:

@@ -1,20 +1,27 @@
 """Float8Tensor (FP8 bytes with their inverse scale, as a torch.Tensor, and how it is saved for backward)
 and its quantizers: Float8Quantizer (delayed scaling) and Float8CurrentScalingQuantizer.
 
+Both follow TransformerEngine 2.6: its constructors, attributes (`_data` and `_transpose` as uint8 bytes,
+`_fp8_dtype` and a quantizer's `dtype` as TE's DType) and methods. te_fuser's own code reads the
+typed views (`fp8_data`, `fp8_data_transpose`, `fp8_dtype`), and passes torch float8 dtypes where TE
+passes a DType; both spellings are accepted everywhere.
+
 A quantizer holds its scaling state as tensors (scale, amax) and updates amax in place each time it is
 called, so recipe code can reduce and roll amaxes without the quantizer's help.
 """
 
 import copy
+import math
 import weakref
-from typing import List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..kernels import fp8 as fp8_kernels
 from ..kernels.validate import FLOAT_DTYPES as _HIGH_PRECISION  # what the FP8 kernels read and write
-from ..kernels.validate import check_fp8_dtype, check_scalar_f32
+from ..kernels.validate import check_scalar_f32, check_tensor
+from ..te_dtype import TORCH_DTYPE, DType, fp8_torch_dtype, te_dtype
 from .quantized_tensor import QuantizedTensor, Quantizer
 
 aten = torch.ops.aten
@@ -29,17 +36,42 @@ def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
     return d2.view(torch.uint8).t().contiguous().view(data.dtype)
 
 
+def columnwise_bytes(data: torch.Tensor) -> torch.Tensor:
+    """The transposed data as TE's quantize lays it out: uint8 bytes of shape (last dim, *leading dims),
+    the transpose of the (numel / last dim, last dim) matrix; a vector's or a scalar's are its own bytes."""
+    if data.dim() <= 1:
+        return data.view(torch.uint8).clone()
+    return fp8_transpose(data).view(torch.uint8).view(data.shape[-1], *data.shape[:-1])
+
+
+def _transpose_shapes(shape) -> tuple:
+    """The shapes a Float8Tensor's transposed bytes may have: TE's quantize's (last dim, *leading dims)
+    and TE's make_empty's (last dim, numel / last dim)."""
+    if len(shape) == 0:
+        return ((), (1, 1))
+    rows = math.prod(shape[:-1])
+    return ((shape[-1], *shape[:-1]), (shape[-1], rows))
+
+
 class Float8Tensor(QuantizedTensor):
     """A tensor quantized to FP8 with one per-tensor scale.
 
     It is a torch.Tensor of the nominal (high-precision) dtype and shape; its values are
-    `_data * _scale_inv`. FP8 GEMMs and kernels consume its parts directly; every other op sees
+    `fp8_data * _scale_inv`. FP8 GEMMs and kernels consume its parts directly; every other op sees
     it dequantized (QuantizedTensor's rules; Float8Tensor.OPS lists the ops that stay in FP8).
 
-    _data:      the FP8 values (torch.float8_e4m3fn / float8_e5m2), the tensor's shape
+    Made as te_fuser does, `Float8Tensor(data, scale_inv, fp8_dtype, dtype, transpose)`, or with TE's
+    keywords, `Float8Tensor(shape=, dtype=, data=, fp8_scale_inv=, fp8_dtype=, data_transpose=,
+    quantizer=, requires_grad=)`; data and transpose as uint8 bytes or in the FP8 dtype.
+
+    _data:      the FP8 bytes (uint8, as TE keeps them), the tensor's shape; fp8_data views them as
+                fp8_dtype (torch.float8_e4m3fn / float8_e5m2)
     _scale_inv: float32 tensor of one element, 1 / scale
-    _fp8_dtype: the dtype of _data
-    _transpose: optional FP8 transpose of _data viewed as a matrix (cast-transpose output)
+    _fp8_dtype: the format as TE's DType (kFloat8E4M3 / kFloat8E5M2); fp8_dtype is its torch dtype
+    _transpose: optional bytes of the transpose of the data viewed as a (numel / last dim, last dim)
+                matrix (cast-transpose output), shaped as TE's quantize shapes them, (last dim,
+                *leading dims), or as its make_empty does, (last dim, numel / last dim);
+                fp8_data_transpose views them as that 2-D matrix in fp8_dtype
     _quantizer: optional quantizer that writes new high-precision values into it (copy_, in-place
                 ops); without one, they are quantized with the tensor's own scale. A Float8Tensor
                 of the same FP8 format is copied as it is (bytes and scale)
@@ -51,41 +83,87 @@ class Float8Tensor(QuantizedTensor):
     """
 
     @staticmethod
-    def __new__(cls, data: Optional[torch.Tensor], scale_inv: Optional[torch.Tensor], fp8_dtype: torch.dtype,
-                dtype: torch.dtype, transpose: Optional[torch.Tensor] = None, *, shape=None,
-                quantizer=None, requires_grad: bool = False):
-        if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    def __new__(cls, data: Optional[torch.Tensor] = None, scale_inv: Optional[torch.Tensor] = None,
+                fp8_dtype=None, dtype: Optional[torch.dtype] = None, transpose: Optional[torch.Tensor] = None, *,
+                shape=None, quantizer=None, requires_grad: bool = False, fp8_scale_inv: Optional[torch.Tensor] = None,
+                data_transpose: Optional[torch.Tensor] = None, device=None):
+        scale_inv = _one_of(scale_inv, "scale_inv", fp8_scale_inv, "fp8_scale_inv")
+        transpose = _one_of(transpose, "transpose", data_transpose, "data_transpose")
+        fp8_dtype = fp8_torch_dtype(fp8_dtype)
         if dtype not in _HIGH_PRECISION:
             raise ValueError(f"dtype (the nominal dtype) must be one of {_HIGH_PRECISION}, got {dtype}")
         if scale_inv is not None and (scale_inv.dtype != torch.float32 or scale_inv.numel() != 1):
             raise ValueError(f"scale_inv must be a float32 tensor of one element, got {scale_inv.dtype} "
                              f"with {scale_inv.numel()} elements")
-        if data is not None and transpose is not None and data.dim() > 0:
-            rows = data.numel() // data.shape[-1] if data.shape[-1] else 0
-            if tuple(transpose.shape) != (data.shape[-1], rows) or transpose.dtype != fp8_dtype:
-                raise ValueError(f"transpose must be a {fp8_dtype} tensor of shape {(data.shape[-1], rows)}, "
-                                 f"got {transpose.dtype} {tuple(transpose.shape)}")
+        data = _as_bytes(data, fp8_dtype, "data")
+        transpose = _as_bytes(transpose, fp8_dtype, "transpose")
+        if data is not None and transpose is not None:
+            shapes = _transpose_shapes(tuple(data.shape))
+            if tuple(transpose.shape) not in shapes:
+                raise ValueError(f"transpose must have shape {' or '.join(map(str, shapes))}, got "
+                                 f"{tuple(transpose.shape)}")
         if data is not None:
-            if data.dtype != fp8_dtype:
-                raise ValueError(f"data must hold {fp8_dtype}, got {data.dtype}")
             if shape is not None and tuple(shape) != tuple(data.shape):
                 raise ValueError(f"shape {tuple(shape)} does not match data's shape {tuple(data.shape)}")
-            shape, device, strides = data.shape, data.device, data.stride()
+            shape, held, strides = data.shape, data, data.stride()
         elif shape is None:
             raise ValueError("a Float8Tensor without data needs its shape")
         else:
-            held = transpose if transpose is not None else scale_inv
-            device = held.device if held is not None else torch.device("cpu")
-            strides = None
-        self = super().__new__(cls, shape, dtype, device, requires_grad, strides)
+            held, strides = transpose if transpose is not None else scale_inv, None
+        if held is not None:
+            if device is not None and torch.device(device) != held.device:
+                raise ValueError(f"device {device} does not match the buffers' device {held.device}")
+            device = held.device
+        self = super().__new__(cls, shape, dtype, torch.device(device or "cpu"), requires_grad, strides)
         self._data = data
         self._scale_inv = scale_inv
-        self._fp8_dtype = fp8_dtype
+        self._fp8_dtype = te_dtype(fp8_dtype)
         self._transpose = transpose
         self._quantizer = quantizer
         self._whole = None
         return self
+
+    # -- te_fuser's typed views of TE's attributes ------------------------------------------
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The format as a torch float8 dtype (_fp8_dtype is TE's DType)."""
+        return TORCH_DTYPE[self._fp8_dtype]
+
+    @property
+    def fp8_data(self) -> Optional[torch.Tensor]:
+        """_data viewed as fp8_dtype (None when the tensor holds no data)."""
+        return None if self._data is None else self._data.view(self.fp8_dtype)
+
+    @property
+    def fp8_data_transpose(self) -> Optional[torch.Tensor]:
+        """_transpose viewed as the 2-D (last dim, numel / last dim) matrix in fp8_dtype, or None."""
+        t = self._transpose
+        if t is None:
+            return None
+        return t.view(self.fp8_dtype).reshape(t.shape[0] if t.dim() else 1, -1)
+
+    @property
+    def _transpose_invalid(self) -> bool:
+        """TE's flag: te_fuser keeps a transpose up to date or holds none."""
+        return self._transpose is None
+
+    def _get_quantizer(self):
+        """The quantizer that writes into this tensor (TE's accessor); ValueError when it has none."""
+        if self._quantizer is None:
+            raise ValueError("this Float8Tensor has no quantizer")
+        return self._quantizer
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """Make (columnwise_usage=True) or drop (False) the transposed data; the row-major data stays."""
+        if rowwise_usage is not None and not rowwise_usage:
+            raise ValueError("rowwise_usage cannot be turned off: te_fuser always keeps the row-major data")
+        self._live()
+        if columnwise_usage is None:
+            return
+        if not columnwise_usage:
+            self._transpose = None
+        elif self._transpose is None:
+            self._transpose = columnwise_bytes(self.fp8_data)
 
     def _live(self) -> "Float8Tensor":
         if self._data is None:
@@ -99,32 +177,36 @@ class Float8Tensor(QuantizedTensor):
         """A new Float8Tensor over the same bytes and scale, without the transpose: what an op saves of a
         tensor that lives on, since prepare_for_saving() empties the wrapper it is given."""
         self._live()
-        return Float8Tensor(self._data, self._scale_inv, self._fp8_dtype, self.dtype)
+        return Float8Tensor(self._data, self._scale_inv, self.fp8_dtype, self.dtype)
 
     def _like(self, data, transpose, scale_inv=None, requires_grad=False) -> "Float8Tensor":
-        return Float8Tensor(data, self._scale_inv if scale_inv is None else scale_inv, self._fp8_dtype, self.dtype,
+        return Float8Tensor(data, self._scale_inv if scale_inv is None else scale_inv, self.fp8_dtype, self.dtype,
                             transpose, quantizer=self._quantizer, requires_grad=requires_grad)
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The values as a `dtype` tensor (default: the nominal dtype)."""
         self._live()
         if dtype == torch.float64:  # exact: an FP8 value times a float32 scale fits a double
-            return self._data.to(torch.float64) * self._scale_inv.to(torch.float64)
+            return self.fp8_data.to(torch.float64) * self._scale_inv.to(torch.float64)
         if dtype not in (None, *_HIGH_PRECISION):
             return self.dequantize().to(dtype)
         data = self._data
         if not data.is_contiguous():  # a part or a strided view: the kernel reads contiguous bytes
-            data = data.view(torch.uint8).contiguous().view(self._fp8_dtype)
-        return fp8_kernels.dequantize(data, self._scale_inv, dtype or self.dtype)
+            data = data.contiguous()
+        return fp8_kernels.dequantize(data.view(self.fp8_dtype), self._scale_inv, dtype or self.dtype)
 
     def transpose_dequantized(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The cast-transpose data dequantized (the transpose of the 2-D view of the values)."""
         if self._transpose is None:
             raise RuntimeError("this Float8Tensor was quantized without its transpose (columnwise=False)")
-        return fp8_kernels.dequantize(self._transpose, self._scale_inv, dtype or self.dtype)
+        return fp8_kernels.dequantize(self.fp8_data_transpose, self._scale_inv, dtype or self.dtype)
 
-    def quantize_(self, src: torch.Tensor) -> "Float8Tensor":
-        """Write src's values into this tensor's FP8 buffers (its quantizer's scale, else its own)."""
+    def quantize_(self, src: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None) -> "Float8Tensor":
+        """Write src's values into this tensor's FP8 buffers (its quantizer's scale, else its own).
+
+        noop_flag: TE's float32 flag of one element; 1 skips the write."""
+        if _skips(noop_flag):
+            return self
         self._live()
         if tuple(src.shape) != tuple(self.shape):
             try:  # copy_ broadcasts its source
@@ -140,57 +222,61 @@ class Float8Tensor(QuantizedTensor):
             # FP8 into FP8 of the same format: the bytes and scale as they are (exact; how a
             # checkpoint of FP8 weights loads, whatever the receiving quantizer's scale is).
             if src._fp8_dtype == self._fp8_dtype and src.device == self.device:
-                self._data.view(torch.uint8).copy_(src._live()._data.view(torch.uint8))
+                self._data.copy_(src._live()._data)
                 self._scale_inv.copy_(src._scale_inv)
                 self._refresh_transpose()
                 return self
             src = src.dequantize()
         src = src.to(self.device).contiguous()
         if self._quantizer is not None:
-            fresh = self._quantizer.quantize(src)
+            fresh = self._quantizer._cast(src, columnwise=False)
             if fresh._fp8_dtype != self._fp8_dtype:
-                raise ValueError(f"this Float8Tensor holds {self._fp8_dtype} but its quantizer casts to "
-                                 f"{fresh._fp8_dtype}")
-            self._data.view(torch.uint8).copy_(fresh._data.view(torch.uint8))
+                raise ValueError(f"this Float8Tensor holds {self.fp8_dtype} but its quantizer casts to "
+                                 f"{fresh.fp8_dtype}")
+            self._data.copy_(fresh._data)
             self._scale_inv.copy_(fresh._scale_inv)
         else:
             scale = torch.reciprocal(self._scale_inv)
             scratch_amax = torch.zeros_like(self._scale_inv)
-            self._data.copy_(fp8_kernels.quantize(src, scale, scratch_amax, self._fp8_dtype))
+            self._data.copy_(fp8_kernels.quantize(src, scale, scratch_amax, self.fp8_dtype).view(torch.uint8))
         self._refresh_transpose()
         return self
 
     def _refresh_transpose(self) -> None:
-        if self._transpose is not None:
-            self._transpose.copy_(fp8_transpose(self._data))
+        """Rewrite the transposed bytes from the data: this tensor's own, or a part's whole's."""
+        if self._whole is not None:
+            whole, whole_transpose = self._whole
+            transpose = None if whole_transpose is None else whole_transpose()
+            if transpose is not None:
+                transpose.copy_(columnwise_bytes(whole.view(self.fp8_dtype)).view(transpose.shape))
+        elif self._transpose is not None:
+            self._transpose.copy_(columnwise_bytes(self.fp8_data).view(self._transpose.shape))
 
     def _quantize_part_(self, src: torch.Tensor) -> "Float8Tensor":
         """quantize_ of a part: the bytes outside it keep their values, read with the whole's scale."""
-        whole, whole_transpose = self._whole
+        whole = self._whole[0]
         if isinstance(src, Float8Tensor) and src._fp8_dtype == self._fp8_dtype and \
                 torch.equal(src._live()._scale_inv, self._scale_inv):
-            self._data.view(torch.uint8).copy_(src._data.view(torch.uint8))
+            self._data.copy_(src._data)
         elif self._quantizer is None or not whole.is_contiguous():
             # The whole keeps its scale: only this part's bytes change (values beyond it saturate).
             values = (src.dequantize() if isinstance(src, Float8Tensor) else src).to(self.device)
             codes = fp8_kernels.quantize(values.contiguous(), torch.reciprocal(self._scale_inv),
-                                         torch.zeros_like(self._scale_inv), self._fp8_dtype)
-            self._data.view(torch.uint8).copy_(codes.view(torch.uint8))
+                                         torch.zeros_like(self._scale_inv), self.fp8_dtype)
+            self._data.copy_(codes.view(torch.uint8))
         else:
             # The quantizer's scale is the whole's: requantize all of it, with this part's new values.
-            values = Float8Tensor(whole, self._scale_inv, self._fp8_dtype, torch.float32).dequantize()
+            values = Float8Tensor(whole, self._scale_inv, self.fp8_dtype, torch.float32).dequantize()
             part = values.as_strided(self.shape, self._data.stride(),
                                      self._data.storage_offset() - whole.storage_offset())
             part.copy_(src.dequantize(torch.float32) if isinstance(src, Float8Tensor) else src)
-            fresh = self._quantizer.quantize(values)
+            fresh = self._quantizer._cast(values, columnwise=False)
             if fresh._fp8_dtype != self._fp8_dtype:
-                raise ValueError(f"this Float8Tensor holds {self._fp8_dtype} but its quantizer casts to "
-                                 f"{fresh._fp8_dtype}")
-            whole.view(torch.uint8).copy_(fresh._data.view(torch.uint8))
+                raise ValueError(f"this Float8Tensor holds {self.fp8_dtype} but its quantizer casts to "
+                                 f"{fresh.fp8_dtype}")
+            whole.copy_(fresh._data)
             self._scale_inv.copy_(fresh._scale_inv)
-        transpose = None if whole_transpose is None else whole_transpose()
-        if transpose is not None:
-            transpose.copy_(fp8_transpose(whole))
+        self._refresh_transpose()
         return self
 
     # -- the ops that keep FP8 (everything else dequantizes: QuantizedTensor) --------------
@@ -217,7 +303,7 @@ class Float8Tensor(QuantizedTensor):
         """
         tensors = [self._data, self._transpose, self._scale_inv]
         if torch.compiler.is_compiling() or self._base is not None:
-            return tensors, Float8Record(self._fp8_dtype, self.dtype, self._quantizer)
+            return tensors, Float8Record(self.fp8_dtype, self.dtype, self._quantizer)
         self._data = self._transpose = self._scale_inv = self._whole = None
         return tensors, self
 
@@ -240,12 +326,12 @@ class Float8Tensor(QuantizedTensor):
         self._live()
         world = mesh.size()
         padded_rows = -(-outer_size[0] // world)
-        data = self._data.view(torch.uint8)
+        data = self._data
         if data.shape[0] < padded_rows:  # an uneven last shard: FSDP gathers equal sizes
             padded = data.new_zeros((padded_rows, *data.shape[1:]))
             padded[:data.shape[0]].copy_(data)
             data = padded
-        return (data,), (self._scale_inv.clone(), self._fp8_dtype, self._quantizer)
+        return (data,), (self._scale_inv.clone(), self.fp8_dtype, self._quantizer)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The unsharded weight as a Float8Tensor over the gathered bytes (no copy)."""
@@ -254,13 +340,12 @@ class Float8Tensor(QuantizedTensor):
         if out is not None:  # later all-gathers land in the same storage: refresh the scale
             out._scale_inv.copy_(scale_inv)
             return None
-        data = gathered.view(fp8_dtype)
-        return Float8Tensor(data, scale_inv, fp8_dtype, param_dtype, quantizer=quantizer), ()
+        return Float8Tensor(gathered, scale_inv, fp8_dtype, param_dtype, quantizer=quantizer), ()
 
     # -- torch.compile, pickling, deepcopy --------------------------------------------------
     def __tensor_flatten__(self):
         names = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
-        return names, (self._fp8_dtype, self.dtype)
+        return names, (self.fp8_dtype, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -272,11 +357,11 @@ class Float8Tensor(QuantizedTensor):
     def __reduce_ex__(self, protocol):
         self._live()
         return (_rebuild_float8_tensor,
-                (self._data, self._scale_inv, self._fp8_dtype, self.dtype, self._transpose, self.requires_grad))
+                (self._data, self._scale_inv, self.fp8_dtype, self.dtype, self._transpose, self.requires_grad))
 
     def __deepcopy__(self, memo):
         self._live()
-        out = Float8Tensor(self._data.clone(), self._scale_inv.clone(), self._fp8_dtype, self.dtype,
+        out = Float8Tensor(self._data.clone(), self._scale_inv.clone(), self.fp8_dtype, self.dtype,
                            None if self._transpose is None else self._transpose.clone(),
                            quantizer=copy.deepcopy(self._quantizer, memo), requires_grad=self.requires_grad)
         memo[id(self)] = out
@@ -288,6 +373,7 @@ class Float8Tensor(QuantizedTensor):
     def __repr__(self, *, tensor_contents=None) -> str:
         data = getattr(self, "_data", None)  # also called by torch.compile on half-built or traced objects
         fp8_dtype = getattr(self, "_fp8_dtype", None)
+        fp8_dtype = TORCH_DTYPE.get(fp8_dtype, fp8_dtype)
         if data is None:
             return f"Float8Tensor(<empty shell>, shape={tuple(self.shape)}, fp8_dtype={fp8_dtype}, dtype={self.dtype})"
         try:
@@ -316,6 +402,33 @@ def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, transpose, require
     return Float8Tensor(data, scale_inv, fp8_dtype, dtype, transpose, requires_grad=requires_grad)
 
 
+def _one_of(value, name: str, te_value, te_name: str):
+    """An argument given under te_fuser's name or TE's, not both."""
+    if value is not None and te_value is not None:
+        raise TypeError(f"pass {name} or {te_name}, not both")
+    return te_value if value is None else value
+
+
+def _as_bytes(t: Optional[torch.Tensor], fp8_dtype: torch.dtype, name: str) -> Optional[torch.Tensor]:
+    """FP8 data as the uint8 bytes TE keeps (given as bytes, or in the tensor's FP8 dtype)."""
+    if t is None:
+        return None
+    check_tensor(t, name)
+    if t.dtype not in (torch.uint8, fp8_dtype):
+        raise ValueError(f"{name} must hold uint8 bytes or {fp8_dtype}, got {t.dtype}")
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _skips(noop_flag: Optional[torch.Tensor]) -> bool:
+    """TE's noop_flag: a float32 tensor whose first element is 1 when the write is to be skipped."""
+    if noop_flag is None:
+        return False
+    check_tensor(noop_flag, "noop_flag")
+    if noop_flag.numel() < 1:
+        raise ValueError("noop_flag must hold at least one element")
+    return bool(noop_flag.reshape(-1)[0] == 1.0)
+
+
 # -- the FP8 op table ------------------------------------------------------------------------
 def _same_bytes(t: Float8Tensor, data: torch.Tensor, transpose) -> Float8Tensor:
     """A view of all of t's bytes (alias, detach, view): a part's stays a part of the same whole."""
@@ -331,9 +444,16 @@ def _alias(func, args, kwargs):
 
 def _reshaped(t: Float8Tensor, size) -> Float8Tensor:
     data = t._data.view(size)
-    # The transpose is of the (rows, last dim) matrix: still right while the last dim is unchanged.
-    same_rows = data.dim() > 0 and t._data.dim() > 0 and data.shape[-1] == t._data.shape[-1]
-    return _same_bytes(t, data, t._transpose if same_rows else None)
+    # The transpose is of the (rows, last dim) matrix: still right while the last dim is unchanged; in TE's
+    # quantize layout (last dim, *leading dims) it takes the new leading dims.
+    transpose = t._transpose
+    if transpose is not None:
+        same_rows = data.dim() > 0 and t._data.dim() > 0 and data.shape[-1] == t._data.shape[-1]
+        if not same_rows:
+            transpose = None
+        elif transpose.dim() == t._data.dim():
+            transpose = transpose.view(data.shape[-1], *data.shape[:-1])
+    return _same_bytes(t, data, transpose)
 
 
 def _view(func, args, kwargs):
@@ -372,7 +492,7 @@ def _to(func, args, kwargs):
     if device == t.device and func != aten._to_copy.default and not bound.get("copy", False):
         return t
     move = lambda b: None if b is None else b.to(device, copy=True)  # noqa: E731
-    return Float8Tensor(move(t._data), move(t._scale_inv), t._fp8_dtype, t.dtype, move(t._transpose),
+    return Float8Tensor(move(t._data), move(t._scale_inv), t.fp8_dtype, t.dtype, move(t._transpose),
                         quantizer=t._quantizer)
 
 
@@ -403,8 +523,8 @@ def _new_fp8(func, args, kwargs):
     if bound.get("dtype") not in (None, t.dtype):
         return func(t.dequantize(), *args[1:], **kwargs)
     device = t.device if bound.get("device") is None else torch.device(bound["device"])
-    data = torch.zeros(size, dtype=t._fp8_dtype, device=device)
-    return Float8Tensor(data, t._scale_inv.to(device, copy=True), t._fp8_dtype, t.dtype, quantizer=t._quantizer)
+    data = torch.zeros(size, dtype=torch.uint8, device=device)
+    return Float8Tensor(data, t._scale_inv.to(device, copy=True), t.fp8_dtype, t.dtype, quantizer=t._quantizer)
 
 
 _FP8_OPS = {
@@ -431,73 +551,161 @@ _FP8_OPS = {
 
 # -- quantizers ------------------------------------------------------------------------------
 class _Float8Quantizer(Quantizer):
-    """What both FP8 quantizers share: the FP8 dtype and the cast with a given scale."""
+    """What both FP8 quantizers share: the FP8 dtype, the cast with a given scale, and TE's methods that
+    write into or allocate Float8Tensors.
 
-    def __init__(self, fp8_dtype: torch.dtype, rowwise: bool = True, columnwise: bool = False):
-        check_fp8_dtype(fp8_dtype)
-        self.fp8_dtype = fp8_dtype
-        super().__init__(rowwise, columnwise)
+    fp8_dtype: the format as a torch float8 dtype (te_fuser's); `dtype` is the same as TE's DType.
+    """
 
-    def _cast(self, x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> Float8Tensor:
+    def __init__(self, fp8_dtype, *, rowwise: bool, columnwise: bool):
+        self.fp8_dtype = fp8_torch_dtype(fp8_dtype)
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+
+    @property
+    def dtype(self) -> DType:
+        """The format as TE's DType (TE's attribute)."""
+        return te_dtype(self.fp8_dtype)
+
+    @dtype.setter
+    def dtype(self, value) -> None:
+        self.fp8_dtype = fp8_torch_dtype(value, "dtype")
+
+    def _state_device(self) -> torch.device:
+        return self.amax.device
+
+    def _cast_with(self, x: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                   columnwise: Optional[bool]) -> Float8Tensor:
+        """x cast with `scale` (amax recorded into `amax`); the transpose too when columnwise (default:
+        the quantizer's usage) and x has 2 dimensions or more."""
         x = x.contiguous()
-        if self.columnwise and x.dim() >= 2:
+        columnwise = self.columnwise_usage if columnwise is None else columnwise
+        if columnwise and x.dim() >= 2:
             data, data_t = fp8_kernels.cast_transpose(x, scale, amax, self.fp8_dtype)
+            data_t = data_t.view(torch.uint8).view(x.shape[-1], *x.shape[:-1])  # TE's layout
         else:
-            data, data_t = fp8_kernels.quantize(x, scale, amax, self.fp8_dtype), None
-        return Float8Tensor(data, torch.reciprocal(scale), self.fp8_dtype, x.dtype, transpose=data_t)
+            data = fp8_kernels.quantize(x, scale, amax, self.fp8_dtype)
+            data_t = columnwise_bytes(data) if columnwise else None
+        return Float8Tensor(data, torch.reciprocal(scale).reshape(1), self.fp8_dtype, x.dtype, transpose=data_t)
+
+    def _cast(self, x: torch.Tensor, columnwise: Optional[bool] = None) -> Float8Tensor:
+        raise NotImplementedError
+
+    def _quantize(self, x: torch.Tensor) -> Float8Tensor:
+        return self._cast(x)
+
+    def update_quantized(self, src: torch.Tensor, dst: Float8Tensor, *,
+                         noop_flag: Optional[torch.Tensor] = None) -> Float8Tensor:
+        """Quantize src into dst's buffers in place, with this quantizer's scaling and format (TE's
+        method): dst's bytes, its transpose when it has one, its scale_inv and its format.
+        noop_flag: TE's float32 flag; 1 skips the write."""
+        if not isinstance(dst, Float8Tensor):
+            raise TypeError(f"dst must be a Float8Tensor, got {type(dst).__name__}")
+        check_tensor(src, "src")
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"src has shape {tuple(src.shape)}, dst {tuple(dst.shape)}")
+        if _skips(noop_flag):
+            return dst
+        dst._live()
+        if isinstance(src, Float8Tensor):
+            src = src.dequantize()
+        if src.dtype not in _HIGH_PRECISION:
+            src = src.to(torch.float32)
+        fresh = self._cast(src.detach().to(dst.device), columnwise=False)
+        dst._data.copy_(fresh._data)
+        dst._scale_inv.copy_(fresh._scale_inv)
+        dst._fp8_dtype = fresh._fp8_dtype
+        dst._refresh_transpose()
+        return dst
+
+    def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
+                   requires_grad: bool = False) -> Float8Tensor:
+        """An uninitialized Float8Tensor of this format (TE's method), with its transposed bytes, (last dim,
+        numel / last dim) as TE allocates them, when the quantizer's columnwise usage is on; scale_inv 1.
+        device defaults to the scaling state's."""
+        shape = tuple(int(n) for n in shape)
+        device = self._state_device() if device is None else torch.device(device)
+        data = torch.empty(shape, dtype=torch.uint8, device=device)
+        transpose = None
+        if self.columnwise_usage:
+            transpose = torch.empty(_transpose_shapes(shape)[1], dtype=torch.uint8, device=device)
+        return Float8Tensor(data, torch.ones(1, dtype=torch.float32, device=device), self.fp8_dtype, dtype,
+                            transpose, quantizer=self, requires_grad=requires_grad)
 
 
 class Float8Quantizer(_Float8Quantizer):
     """Delayed scaling: casts with a scale fixed beforehand and records amax = max(amax, max|x|).
 
-    scale and amax are float32 tensors of one element, usually views into a
-    recipe state's buffers, so every update lands there.
+    TE's constructor: Float8Quantizer(scale, amax, fp8_dtype, *, rowwise=True, columnwise=True);
+    fp8_dtype a DType or a torch float8 dtype. scale and amax are float32 tensors of one element,
+    usually views into a recipe state's buffers, so every update lands there.
     """
 
-    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype,
-                 rowwise: bool = True, columnwise: bool = False):
-        super().__init__(fp8_dtype, rowwise, columnwise)
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype, *, rowwise: bool = True,
+                 columnwise: bool = True):
+        super().__init__(fp8_dtype, rowwise=rowwise, columnwise=columnwise)
         check_scalar_f32(scale, "scale", scale, "scale")
         check_scalar_f32(amax, "amax", scale, "scale")
         self.scale = scale
         self.amax = amax
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+    def _cast(self, x: torch.Tensor, columnwise: Optional[bool] = None) -> Float8Tensor:
         if x.device != self.scale.device:
             raise ValueError(f"x is on {x.device} but the quantizer's scale is on {self.scale.device}")
-        return self._cast(x, self.scale, self.amax)
+        return self._cast_with(x, self.scale, self.amax, columnwise)
+
+    def calibrate(self, tensor: torch.Tensor) -> None:
+        """Set amax to max|tensor| without casting (TE's calibration step)."""
+        check_tensor(tensor, "tensor")
+        self.amax.copy_(fp8_kernels.compute_amax(tensor.detach().contiguous()).reshape(self.amax.shape))
 
     def scale_for_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """The scale to cast a tensor of this amax with (e.g. reduced over shards), recording the amax as
         a call would: the scale fixed beforehand; amax = max(amax, the tensor's)."""
-        torch.maximum(self.amax, amax, out=self.amax)
+        torch.maximum(self.amax, amax.reshape(self.amax.shape), out=self.amax)
         return self.scale
 
 
 class Float8CurrentScalingQuantizer(_Float8Quantizer):
     """Current scaling: each call computes amax of x, then scale = fp8_max / amax, then casts.
 
+    TE's constructor: Float8CurrentScalingQuantizer(fp8_dtype, device, *, rowwise=True, columnwise=True,
+    with_amax_reduction=False, amax_reduction_group=None, force_pow_2_scales=False, amax_epsilon=0.0).
+    device may be None: the state then follows the first tensor quantized. with_amax_reduction=True
+    all-reduces (MAX) each tensor's amax over amax_reduction_group (default: the whole world) before
+    the scale is taken, so every rank casts with the same scale.
+
     The quantizer's `amax` and `scale` tensors hold the values of the last call.
     """
 
-    def __init__(self, fp8_dtype: torch.dtype, device=None, rowwise: bool = True, columnwise: bool = False,
-                 force_pow_2_scales: bool = False, amax_epsilon: float = 0.0):
-        super().__init__(fp8_dtype, rowwise, columnwise)
+    def __init__(self, fp8_dtype, device=None, *, rowwise: bool = True, columnwise: bool = True,
+                 with_amax_reduction: bool = False, amax_reduction_group=None, force_pow_2_scales: bool = False,
+                 amax_epsilon: float = 0.0):
+        super().__init__(fp8_dtype, rowwise=rowwise, columnwise=columnwise)
         if amax_epsilon < 0:
             raise ValueError(f"amax_epsilon must be >= 0, got {amax_epsilon}")
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.amax = torch.zeros(1, dtype=torch.float32, device=device)
         self.scale = torch.ones(1, dtype=torch.float32, device=device)
+        self.with_amax_reduction = bool(with_amax_reduction)
+        self.amax_reduction_group = amax_reduction_group
         self.force_pow_2_scales = force_pow_2_scales
         self.amax_epsilon = amax_epsilon
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+    def _cast(self, x: torch.Tensor, columnwise: Optional[bool] = None) -> Float8Tensor:
         if x.device != self.amax.device:
             # Follow the data: the scaling state is tiny.
             self.amax = self.amax.to(x.device)
             self.scale = self.scale.to(x.device)
         amax = fp8_kernels.compute_amax(x.contiguous())
-        return self._cast(x, self.scale_for_amax(amax), amax.clone())
+        if self.with_amax_reduction:
+            if not torch.distributed.is_initialized():
+                raise RuntimeError("with_amax_reduction=True needs torch.distributed to be initialized")
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
+        return self._cast_with(x, self.scale_for_amax(amax), amax.clone(), columnwise)
+
+    def calibrate(self, tensor: torch.Tensor) -> None:
+        """Nothing to calibrate: every cast takes its own amax (TE's behaviour)."""
+        del tensor
 
     def scale_for_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """The scale to cast a tensor of this amax with (e.g. reduced over shards): fp8_max / amax; the

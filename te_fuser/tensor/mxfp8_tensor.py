@@ -38,7 +38,7 @@ class MXFP8Quantizer(BlockScaledQuantizer):
     def __init__(self, fp8_dtype: torch.dtype, *, rowwise: bool = True, columnwise: bool = True):
         check_fp8_dtype(fp8_dtype)
         self.dtype = fp8_dtype
-        super().__init__(rowwise, columnwise)
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
 
     def quantize(self, x: torch.Tensor) -> MXFP8Tensor:
         if x.dim() < 1:

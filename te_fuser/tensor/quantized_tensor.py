@@ -12,6 +12,7 @@ What an op does with it (the table subclasses extend, see Float8Tensor.OPS):
 - every other op dequantizes its quantized arguments and returns plain tensors.
 """
 
+import copy
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -100,27 +101,61 @@ class QuantizedTensor(torch.Tensor):
 class Quantizer:
     """Turns a high-precision tensor into a QuantizedTensor; says which layouts that tensor carries.
 
-    rowwise:    the data in the tensor's own layout (forward GEMMs)
-    columnwise: also the transposed data (the weight-gradient GEMM), from the same pass
+    TransformerEngine's Quantizer: keyword-only usages in the constructor, `set_usage`, `quantize`
+    (`out=` writes into an existing tensor), `update_quantized`, `make_empty`, `calibrate`, `copy`.
+
+    rowwise_usage:    the data in the tensor's own layout (forward GEMMs); te_fuser always keeps it
+    columnwise_usage: also the transposed data (the weight-gradient GEMM), from the same pass
+    internal:         TE's request for its storage-only tensor class; te_fuser always returns the
+                      tensor subclass, which carries the same attributes
     """
 
-    def __init__(self, rowwise: bool = True, columnwise: bool = False):
+    def __init__(self, *, rowwise: bool = True, columnwise: bool = True):
+        self.internal = False
+        self.rowwise_usage = True
+        self.columnwise_usage = False
         self.set_usage(rowwise=rowwise, columnwise=columnwise)
 
-    def set_usage(self, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
-        if rowwise is not None:
-            self.rowwise = bool(rowwise)
-        if columnwise is not None:
-            self.columnwise = bool(columnwise)
-        if not self.rowwise:
+    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        if rowwise is not None and not rowwise:
             raise ValueError("rowwise usage cannot be turned off: te_fuser always keeps the row-major data")
+        if columnwise is not None:
+            self.columnwise_usage = bool(columnwise)
 
-    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+    def quantize(self, tensor: torch.Tensor, *, out: Optional["QuantizedTensor"] = None,
+                 dtype: Optional[torch.dtype] = None) -> "QuantizedTensor":
+        """tensor quantized; with out=, written into out's buffers (update_quantized) and out returned.
+        dtype is TE's hook for other quantizers and is not used by te_fuser's."""
+        del dtype
+        if out is not None:
+            return self.update_quantized(tensor, out)
+        return self._quantize(tensor)
+
+    def _quantize(self, x: torch.Tensor) -> "QuantizedTensor":
         raise NotImplementedError(f"{type(self).__name__} does not implement quantize()")
+
+    def update_quantized(self, src: torch.Tensor, dst: "QuantizedTensor", *,
+                         noop_flag: Optional[torch.Tensor] = None) -> "QuantizedTensor":
+        raise NotImplementedError(f"{type(self).__name__} does not implement update_quantized()")
+
+    def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None,
+                   requires_grad: bool = False) -> "QuantizedTensor":
+        raise NotImplementedError(f"{type(self).__name__} does not implement make_empty()")
+
+    def calibrate(self, tensor: torch.Tensor) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement calibrate()")
+
+    def copy(self) -> "Quantizer":
+        """A shallow copy (TE's): the same scaling-state tensors, its own usages."""
+        return copy.copy(self)
 
     def __call__(self, x: torch.Tensor) -> QuantizedTensor:
         check_tensor(x, "x")
         return self.quantize(x)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(rowwise_usage={self.rowwise_usage}, "
+                f"columnwise_usage={self.columnwise_usage})")
 
 
 # -- saving for backward without keeping tensors on ctx ------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from .float8_tensor import Float8Tensor
 from ..kernels import fp8 as fp8_kernels
 
-__all__ = ["cast_master_weights_to_fp8"]
+__all__ = ["cast_master_weights_to_fp8", "replace_raw_data"]
 
 # Attributes tensor parallelism and optimizers read off a weight; a new FP8 parameter keeps them.
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
@@ -55,6 +55,20 @@ def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_wei
                 model.view(-1)[offsets[i]: offsets[i] + shard.numel()].copy_(shard)
 
 
+def replace_raw_data(tensor: Float8Tensor, new_raw_data: torch.Tensor) -> None:
+    """Move a Float8Tensor's bytes into new_raw_data (TE's helper: e.g. into a slice of one flat buffer
+    that holds every FP8 weight); the tensor keeps everything else. new_raw_data: uint8, of the
+    tensor's shape."""
+    if not isinstance(tensor, Float8Tensor):
+        raise TypeError(f"tensor must be a Float8Tensor, got {type(tensor).__name__}")
+    old = tensor._live()._data
+    if new_raw_data.dtype != torch.uint8 or new_raw_data.shape != old.shape:
+        raise ValueError(f"new_raw_data must be a uint8 tensor of shape {tuple(old.shape)}, got "
+                         f"{new_raw_data.dtype} {tuple(new_raw_data.shape)}")
+    new_raw_data.detach().copy_(old)
+    tensor._data = new_raw_data
+
+
 def _flat_shard(i: int, model: torch.Tensor, master: Optional[torch.Tensor], offset: int,
                 sharded: bool) -> Optional[torch.Tensor]:
     """master_weights[i] flattened, on its model weight's device, after checking where it lands."""
@@ -90,12 +104,12 @@ def _cast_shard(model: Float8Tensor, shard: Optional[torch.Tensor], offset: int,
     """The scale for `amax` under the weight's recipe (its quantizer's scale_for_amax: delayed scaling
     records the amax for the slot's next update), the shard's bytes and scale_inv written into model."""
     quantizer = model._quantizer
-    if quantizer.fp8_dtype != model._fp8_dtype:
-        raise ValueError(f"the Float8Tensor holds {model._fp8_dtype} but its quantizer casts to {quantizer.fp8_dtype}")
+    if quantizer.fp8_dtype != model.fp8_dtype:
+        raise ValueError(f"the Float8Tensor holds {model.fp8_dtype} but its quantizer casts to {quantizer.fp8_dtype}")
     scale = quantizer.scale_for_amax(amax)
     if shard is not None:
-        data = fp8_kernels.quantize(shard, scale, torch.zeros_like(amax), model._fp8_dtype)
-        model._data.view(-1).view(torch.uint8)[offset: offset + shard.numel()].copy_(data.view(torch.uint8))
+        data = fp8_kernels.quantize(shard, scale, torch.zeros_like(amax), model.fp8_dtype)
+        model._data.view(-1)[offset: offset + shard.numel()].copy_(data.view(torch.uint8))
     model._scale_inv.copy_(torch.reciprocal(scale))
     if model._transpose is not None:
         # Stale until every shard's bytes are here: a whole master refreshes it, shards drop it (the

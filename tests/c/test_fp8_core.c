@@ -831,63 +831,69 @@ static void test_isa_paths(void) {
 /* ---- Scaling. ---- */
 
 static void test_delayed_scaling(void) {
-  /* history_len 3, two tensors; row 0 newest. */
-  float hist[6] = {1.0f, 4.0f, 8.0f, 2.0f, 2.0f, 16.0f};
-  float amax[2] = {3.0f, 0.0f};
+  /* history_len 3, two tensors, TransformerEngine's layout: row 0 the amax recorded since the last
+   * update, rows 1.. the completed ones, oldest first. */
+  float hist[6] = {3.0f, 0.0f, /* recorded: tensor 0 has 3, tensor 1 nothing */
+                   1.0f, 4.0f, /* oldest completed */
+                   8.0f, 2.0f};
   float scale[2] = {5.0f, 7.0f};
   float scale_inv[2];
-  tf_status st = tf_fp8_delayed_scaling_update(hist, 3, 2, amax, scale, scale_inv, 448.0f, 1,
-                                               TF_AMAX_MAX);
+  tf_status st = tf_fp8_delayed_scaling_update(hist, 3, 2, scale, scale_inv, 448.0f, 1, TF_AMAX_MAX);
   CHECK(st == TF_OK, "delayed update ok");
-  CHECK(hist[0] == 3.0f && hist[2] == 1.0f && hist[4] == 8.0f, "history of tensor 0 shifted");
-  CHECK(hist[1] == 0.0f && hist[3] == 4.0f && hist[5] == 2.0f, "history of tensor 1 shifted");
-  /* tensor 0: max(3, 1, 8) = 8 -> 448 / 8 / 2 = 28; tensor 1: max(0, 4, 2) = 4 -> 56. */
-  CHECK(scale[0] == 28.0f && scale[1] == 56.0f, "delayed scales %g %g", scale[0], scale[1]);
-  CHECK(scale_inv[0] == 1.0f / 28.0f && scale_inv[1] == 1.0f / 56.0f, "scale_inv");
-  CHECK(amax[0] == 0.0f && amax[1] == 0.0f, "amax reset");
+  /* tensor 0: max(3, 1, 8) = 8 -> 448 / 8 / 2 = 28, rows move up (1 drops out), 3 is the newest. */
+  CHECK(hist[0] == 0.0f && hist[2] == 8.0f && hist[4] == 3.0f, "history of tensor 0 rolled");
+  /* tensor 1 recorded nothing: its history and scale stay (TE skips such a tensor). */
+  CHECK(hist[1] == 0.0f && hist[3] == 4.0f && hist[5] == 2.0f, "history of tensor 1 kept");
+  CHECK(scale[0] == 28.0f && scale[1] == 7.0f, "delayed scales %g %g", scale[0], scale[1]);
+  CHECK(scale_inv[0] == 1.0f / 28.0f && scale_inv[1] == 1.0f / 7.0f, "scale_inv");
 
-  /* most_recent: only the new amax; 0 keeps the old scale. */
-  float h1[2] = {100.0f, 100.0f};
-  float a1[2] = {2.0f, 0.0f}, s1[2] = {1.0f, 3.0f}, si1[2];
-  st = tf_fp8_delayed_scaling_update(h1, 1, 2, a1, s1, si1, 448.0f, 0, TF_AMAX_MOST_RECENT);
+  /* most_recent: only the recorded amax, whatever the older rows hold. */
+  float h1[4] = {2.0f, 0.0f, 100.0f, 100.0f};
+  float s1[2] = {1.0f, 3.0f}, si1[2];
+  st = tf_fp8_delayed_scaling_update(h1, 2, 2, s1, si1, 448.0f, 0, TF_AMAX_MOST_RECENT);
   CHECK(st == TF_OK && s1[0] == 224.0f && s1[1] == 3.0f && si1[1] == 1.0f / 3.0f,
-        "most_recent / zero amax keeps scale");
+        "most_recent / nothing recorded keeps scale");
+  CHECK(h1[0] == 0.0f && h1[2] == 2.0f && h1[1] == 0.0f && h1[3] == 100.0f, "most_recent history");
 
-  /* Inf or NaN anywhere in the reduced history keeps the old scale. */
-  float h2[4] = {INFINITY, NAN, 0.0f, 0.0f}; /* shifted into row 1 */
-  float a2[2] = {1.0f, 1.0f}, s2[2] = {9.0f, 10.0f}, si2[2];
-  st = tf_fp8_delayed_scaling_update(h2, 2, 2, a2, s2, si2, 448.0f, 0, TF_AMAX_MAX);
+  /* history_len 1: the recorded amax alone, then row 0 is reset. */
+  float h5[1] = {4.0f}, s5[1] = {1.0f}, si5[1];
+  st = tf_fp8_delayed_scaling_update(h5, 1, 1, s5, si5, 448.0f, 0, TF_AMAX_MAX);
+  CHECK(st == TF_OK && s5[0] == 112.0f && h5[0] == 0.0f, "history_len 1");
+
+  /* Inf or NaN anywhere in the reduced window keeps the old scale. */
+  float h2[4] = {1.0f, 1.0f, INFINITY, NAN};
+  float s2[2] = {9.0f, 10.0f}, si2[2];
+  st = tf_fp8_delayed_scaling_update(h2, 2, 2, s2, si2, 448.0f, 0, TF_AMAX_MAX);
   CHECK(st == TF_OK && s2[0] == 9.0f && s2[1] == 10.0f, "Inf/NaN history keeps the scale");
-  float h3[1] = {0.0f}, a3[1] = {NAN}, s3[1] = {2.0f}, si3[1];
-  st = tf_fp8_delayed_scaling_update(h3, 1, 1, a3, s3, si3, 448.0f, 0, TF_AMAX_MOST_RECENT);
-  CHECK(st == TF_OK && s3[0] == 2.0f && isnan(h3[0]), "NaN amax keeps the scale");
+  float h3[1] = {NAN}, s3[1] = {2.0f}, si3[1];
+  st = tf_fp8_delayed_scaling_update(h3, 1, 1, s3, si3, 448.0f, 0, TF_AMAX_MOST_RECENT);
+  CHECK(st == TF_OK && s3[0] == 2.0f && h3[0] == 0.0f, "NaN amax keeps the scale");
 
   /* An amax so small that fp8_max / amax overflows: FLT_MAX, then divided by 2^margin. */
-  float h4[1] = {0.0f}, a4[1] = {0x1p-149f}, s4[1] = {1.0f}, si4[1];
-  st = tf_fp8_delayed_scaling_update(h4, 1, 1, a4, s4, si4, 448.0f, 2, TF_AMAX_MAX);
+  float h4[1] = {0x1p-149f}, s4[1] = {1.0f}, si4[1];
+  st = tf_fp8_delayed_scaling_update(h4, 1, 1, s4, si4, 448.0f, 2, TF_AMAX_MAX);
   CHECK(st == TF_OK && s4[0] == FLT_MAX / 4.0f, "overflowing scale clamps to FLT_MAX");
   CHECK(tf_fp8_delayed_scale(4.0f, 1.0f, 448.0f, -3) == 896.0f, "negative margin multiplies");
 
   /* Argument checks. */
   float one = 1.0f;
-  CHECK(tf_fp8_delayed_scaling_update(&one, 0, 1, &one, &one, &one, 448.0f, 0, TF_AMAX_MAX) ==
-            TF_ERR_BAD_SIZE, "history_len 0");
-  CHECK(tf_fp8_delayed_scaling_update(&one, 1, -1, &one, &one, &one, 448.0f, 0, TF_AMAX_MAX) ==
-            TF_ERR_BAD_SIZE, "negative num_scales");
-  CHECK(tf_fp8_delayed_scaling_update(&one, INT64_MAX, 2, &one, &one, &one, 448.0f, 0,
-                                      TF_AMAX_MAX) == TF_ERR_OVERFLOW, "history size overflows");
-  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, &one, 448.0f, 127, TF_AMAX_MAX) ==
+  CHECK(tf_fp8_delayed_scaling_update(&one, 0, 1, &one, &one, 448.0f, 0, TF_AMAX_MAX) == TF_ERR_BAD_SIZE,
+        "history_len 0");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, -1, &one, &one, 448.0f, 0, TF_AMAX_MAX) == TF_ERR_BAD_SIZE,
+        "negative num_scales");
+  CHECK(tf_fp8_delayed_scaling_update(&one, INT64_MAX, 2, &one, &one, 448.0f, 0, TF_AMAX_MAX) ==
+            TF_ERR_OVERFLOW, "history size overflows");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, 448.0f, 127, TF_AMAX_MAX) ==
             TF_ERR_BAD_ARGUMENT, "margin 127");
-  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, &one, NAN, 0, TF_AMAX_MAX) ==
-            TF_ERR_BAD_ARGUMENT, "NaN fp8_max");
-  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, &one, 0.0f, 0, TF_AMAX_MAX) ==
-            TF_ERR_BAD_ARGUMENT, "zero fp8_max");
-  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, &one, 448.0f, 0, (tf_amax_algo)2) ==
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, NAN, 0, TF_AMAX_MAX) == TF_ERR_BAD_ARGUMENT,
+        "NaN fp8_max");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, 0.0f, 0, TF_AMAX_MAX) == TF_ERR_BAD_ARGUMENT,
+        "zero fp8_max");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, &one, 448.0f, 0, (tf_amax_algo)2) ==
             TF_ERR_BAD_ARGUMENT, "unknown algo");
-  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, &one, NULL, &one, 448.0f, 0, TF_AMAX_MAX) ==
-            TF_ERR_NULL_POINTER, "NULL scale");
-  CHECK(tf_fp8_delayed_scaling_update(NULL, 1, 0, NULL, NULL, NULL, 448.0f, 0, TF_AMAX_MAX) ==
-            TF_OK, "no tensors");
+  CHECK(tf_fp8_delayed_scaling_update(&one, 1, 1, NULL, &one, 448.0f, 0, TF_AMAX_MAX) == TF_ERR_NULL_POINTER,
+        "NULL scale");
+  CHECK(tf_fp8_delayed_scaling_update(NULL, 1, 0, NULL, NULL, 448.0f, 0, TF_AMAX_MAX) == TF_OK, "no tensors");
 }
 
 static void test_current_scaling(void) {

@@ -58,6 +58,8 @@ def write_fake_te(root) -> None:
 
 
 def drop_transformer_engine_modules() -> None:
-    for name in [n for n in sys.modules if n == "transformer_engine" or n.startswith("transformer_engine.")]:
+    """Forget every imported `transformer_engine...` module and `transformer_engine_torch`."""
+    for name in [n for n in sys.modules
+                 if n in ("transformer_engine", "transformer_engine_torch") or n.startswith("transformer_engine.")]:
         del sys.modules[name]
     importlib.invalidate_caches()

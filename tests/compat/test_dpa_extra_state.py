@@ -123,7 +123,7 @@ def test_te_fuser_round_trip_continues_with_identical_scales(generator):
                             _train(clone, recipe, torch.Generator().manual_seed(seed), 3)):
         assert torch.equal(mine, theirs)
     assert torch.equal(module._fp8_state.scale, clone._fp8_state.scale)
-    assert torch.equal(module._fp8_state.te_amax_history(), clone._fp8_state.te_amax_history())
+    assert torch.equal(module._fp8_state.amax_history, clone._fp8_state.amax_history)
 
 
 def test_te_reads_the_qkv_slot_and_a_te_trained_state_comes_back_through_it(fake_te, generator):
@@ -139,7 +139,7 @@ def test_te_reads_the_qkv_slot_and_a_te_trained_state_comes_back_through_it(fake
         "scale_fwd": (9,), "amax_history_fwd": (3, 9), "scale_bwd": (6,), "amax_history_bwd": (3, 6)}
     # QKV: the scale that overflows none of q, k, v, and their joint amaxes.
     assert te_state["scale_fwd"][QKV_SLOT] == fuser.scale.min()
-    assert torch.equal(te_state["amax_history_fwd"][:, QKV_SLOT], fuser.te_amax_history().amax(dim=1))
+    assert torch.equal(te_state["amax_history_fwd"][:, QKV_SLOT], fuser.amax_history.amax(dim=1))
     # O, S and the unused slots as a fresh TE module holds them; no backward FP8 in te_fuser's attention.
     others = [s for s in range(9) if s != QKV_SLOT and s not in PER_TENSOR_SLOTS]
     assert torch.equal(te_state["scale_fwd"][others], torch.ones(len(others)))
@@ -154,7 +154,7 @@ def test_te_reads_the_qkv_slot_and_a_te_trained_state_comes_back_through_it(fake
     back = _dpa()
     back.set_extra_state(te_payload(fake_te, te_state))
     assert torch.equal(back._fp8_state.scale, scale[QKV_SLOT].repeat(3))
-    assert torch.equal(back._fp8_state.te_amax_history(), history[:, QKV_SLOT:QKV_SLOT + 1].repeat(1, 3))
+    assert torch.equal(back._fp8_state.amax_history, history[:, QKV_SLOT:QKV_SLOT + 1].repeat(1, 3))
 
 
 def test_no_state_stateless_recipes_and_bad_payloads(fake_te, generator, tmp_path):

@@ -106,6 +106,16 @@ def test_recipes_accept_what_te_ignores_and_reject_the_rest():
     assert Float8CurrentScaling().float8_per_tensor_scaling() and not DelayedScaling.mxfp8()
 
 
+def test_format_values_are_tes_maxima():
+    """TE's Format members hold _FormatHelper(max_fwd, max_bwd) (TE's tests read Format.HYBRID.value.max_fwd);
+    the torch dtypes they stand for, from torch's own tables."""
+    for fmt, (fwd, bwd) in {Format.E4M3: (torch.float8_e4m3fn,) * 2, Format.E5M2: (torch.float8_e5m2,) * 2,
+                            Format.HYBRID: (torch.float8_e4m3fn, torch.float8_e5m2)}.items():
+        assert (fmt.fwd_dtype, fmt.bwd_dtype) == (fwd, bwd)
+        assert (fmt.value.max_fwd, fmt.value.max_bwd) == (torch.finfo(fwd).max, torch.finfo(bwd).max)
+        assert fmt.value == (fmt.max_fwd, fmt.max_bwd)
+
+
 @pytest.mark.parametrize("cls,test", [(NVFP4BlockScaling, "nvfp4"), (CustomRecipe, "custom")])
 def test_unimplemented_recipes_raise_naming_themselves(cls, test):
     with pytest.raises(NotImplementedError, match=f"the {cls.__name__} recipe"):
@@ -165,7 +175,7 @@ def test_callable_amax_and_scaling_factor_algorithms(generator):
         fwd = layer._ops[0]._fp8_states[0]
         assert torch.equal(fwd.scale, te_scale), (factor, fwd.scale, te_scale)
         assert torch.equal(fwd.scale_inv, 1.0 / te_scale)
-        assert torch.equal(fwd.te_amax_history(), te_history)
+        assert torch.equal(fwd.amax_history, te_history)
 
 
 def test_quantized_tensor_base():

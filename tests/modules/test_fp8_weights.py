@@ -73,9 +73,9 @@ def test_weights_are_fp8_parameters_quantized_from_the_initial_values(kind, fp8_
         assert type(p) is torch.nn.Parameter and p.dtype == BF16, name  # norms and biases stay 16-bit
     for name, p in weights:
         assert isinstance(p, torch.nn.Parameter) and p.requires_grad and p.dtype == BF16, name
-        assert p._data.dtype == E4M3 and p._data.element_size() == 1 and p._scale_inv.numel() == 1
+        assert p.fp8_data.dtype == E4M3 and p._data.element_size() == 1 and p._scale_inv.numel() == 1
         assert p._transpose is None, "the parameter keeps one layout only"
-        assert p._quantizer is not None and not p._quantizer.columnwise
+        assert p._quantizer is not None and not p._quantizer.columnwise_usage
         init = p.get_high_precision_init_val()
         assert init.device.type == "cpu" and init.dtype == BF16
         assert torch.equal(init, plain_params[name].detach()), name

@@ -99,7 +99,7 @@ def _fsdp2_fp8_weights(rank, name, recipe_name):
     for p in model.parameters():  # each rank keeps its FP8 shard
         local = p._local_tensor
         if isinstance(local, Float8Tensor):
-            assert local._data.dtype == torch.float8_e4m3fn and local.shape[0] * world == p.shape[0]
+            assert local.fp8_data.dtype == torch.float8_e4m3fn and local.shape[0] * world == p.shape[0]
     gen = torch.Generator().manual_seed(100 + rank)  # data parallel: each rank its own batch
     with _GatherLog() as log:
         for step in range(2):  # the 2nd all-gather writes into the 1st one's storage (out=)

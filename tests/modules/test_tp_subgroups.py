@@ -245,7 +245,8 @@ def _fp8_scales_case(rank, arrangement):
     delayed = te_fuser.Linear(HIDDEN, HIDDEN, parallel_mode="row", tp_group=group, device="cpu")
     with te_fuser.fp8_autocast(fp8_recipe=RECIPES["delayed"](), fp8_group=group):
         delayed(_shard(x, 2, g))
-    assert delayed._ops[0]._fp8_states[0].amax_history[0, 0].item() == x.abs().max().item()
+    # the group's amax is in the history (wherever the layout keeps it; the rest is zeros)
+    assert delayed._ops[0]._fp8_states[0].amax_history[:, 0].max().item() == x.abs().max().item()
 
 
 # -- checkpoint(distribute_saved_activations) -----------------------------------------------------

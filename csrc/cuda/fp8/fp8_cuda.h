@@ -50,9 +50,9 @@ tf_status tf_fp8_cast_transpose_cuda(const void *x, tf_dtype dtype, int64_t rows
 
 /* The delayed-scaling update of tf_fp8_delayed_scaling_update, one GPU thread per tensor. */
 tf_status tf_fp8_delayed_scaling_update_cuda(float *amax_history, int64_t history_len,
-                                             int64_t num_scales, float *amax, float *scale,
-                                             float *scale_inv, float fp8_max, int32_t margin,
-                                             tf_amax_algo algo, void *stream);
+                                             int64_t num_scales, float *scale, float *scale_inv,
+                                             float fp8_max, int32_t margin, tf_amax_algo algo,
+                                             void *stream);
 
 /* *scale = tf_fp8_current_scale(*amax, ...), *scale_inv = 1 / *scale, computed on the device. */
 tf_status tf_fp8_current_scale_cuda(const float *amax, float fp8_max, float epsilon,

@@ -10,26 +10,16 @@ namespace tf_cuda {
 namespace {
 
 __global__ void __launch_bounds__(kThreads)
-    delayed_scaling_update_kernel(float *history, int64_t history_len, int64_t n, float *amax,
-                                  float *scale, float *scale_inv, float fp8_max, int32_t margin,
+    delayed_scaling_update_kernel(float *history, int64_t history_len, int64_t n, float *scale,
+                                  float *scale_inv, float fp8_max, int32_t margin,
                                   tf_amax_algo algo) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
        j += stride) {
-    for (int64_t i = history_len - 1; i > 0; --i) history[i * n + j] = history[(i - 1) * n + j];
-    const float newest = amax[j];
-    history[j] = newest;
-    // The comparison that lets NaN through, so a NaN amax keeps the old scale.
-    float reduced = newest;
-    if (algo == TF_AMAX_MAX)
-      for (int64_t i = 1; i < history_len; ++i) {
-        const float h = history[i * n + j];
-        reduced = (h > reduced || h != h) ? h : reduced;
-      }
-    const float s = tf_fp8_delayed_scale(reduced, scale[j], fp8_max, margin);
+    const float s =
+        tf_fp8_delayed_update_column(history + j, history_len, n, scale[j], fp8_max, margin, algo);
     scale[j] = s;
     scale_inv[j] = recip_like_cpu(s);
-    amax[j] = 0.0f;
   }
 }
 
@@ -45,23 +35,22 @@ __global__ void current_scale_kernel(const float *__restrict__ amax, float fp8_m
 }  // namespace tf_cuda
 
 extern "C" tf_status tf_fp8_delayed_scaling_update_cuda(float *amax_history, int64_t history_len,
-                                                        int64_t num_scales, float *amax,
-                                                        float *scale, float *scale_inv,
-                                                        float fp8_max, int32_t margin,
-                                                        tf_amax_algo algo, void *stream) {
+                                                        int64_t num_scales, float *scale,
+                                                        float *scale_inv, float fp8_max,
+                                                        int32_t margin, tf_amax_algo algo,
+                                                        void *stream) {
   if (history_len < 1 || num_scales < 0) return TF_ERR_BAD_SIZE;
   if (!tf_mul_fits(history_len, num_scales)) return TF_ERR_OVERFLOW;
   if (algo != TF_AMAX_MAX && algo != TF_AMAX_MOST_RECENT) return TF_ERR_BAD_ARGUMENT;
   if (margin < -126 || margin > 126 || !(fp8_max > 0.0f)) return TF_ERR_BAD_ARGUMENT;
-  if (num_scales > 0 && (!amax_history || !amax || !scale || !scale_inv))
-    return TF_ERR_NULL_POINTER;
+  if (num_scales > 0 && (!amax_history || !scale || !scale_inv)) return TF_ERR_NULL_POINTER;
   if (num_scales == 0) return TF_OK;
   int blocks = 0;
   const tf_status st = tf_cuda::grid_blocks(tf_cuda::blocks_for_items(num_scales), &blocks);
   if (st != TF_OK) return st;
   tf_cuda::delayed_scaling_update_kernel<<<blocks, tf_cuda::kThreads, 0,
                                            static_cast<cudaStream_t>(stream)>>>(
-      amax_history, history_len, num_scales, amax, scale, scale_inv, fp8_max, margin, algo);
+      amax_history, history_len, num_scales, scale, scale_inv, fp8_max, margin, algo);
   return tf_cuda::launch_status();
 }
 

@@ -21,7 +21,7 @@ from ..op import BasicOperation
 
 def quantize_saved_input(x: torch.Tensor) -> Float8Tensor:
     """The FP8 E4M3 copy of an activation's input that its backward keeps."""
-    return Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=x.device)(x)
+    return Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=x.device, columnwise=False)(x)
 
 
 class _Activation(BasicOperation):

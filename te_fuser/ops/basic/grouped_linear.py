@@ -86,7 +86,7 @@ class GroupedBasicLinear(BasicOperation):
             if fp8:
                 xq = self._forward_quantizers[2 * i](xi)
                 wq = self._quantized_weight(i, w, is_first_microbatch)
-                outs.append(fp8_gemm_nt(xq._data, xq._scale_inv, wq._data, wq._scale_inv, out_dtype, b))
+                outs.append(fp8_gemm_nt(xq.fp8_data, xq._scale_inv, wq.fp8_data, wq._scale_inv, out_dtype, b))
                 saved += [saved_weight(xq, False) if weight_requires_grad else None,
                           saved_weight(wq, isinstance(w, Float8Tensor)) if ctx.input_requires_grad else None]
             else:
@@ -123,11 +123,11 @@ class GroupedBasicLinear(BasicOperation):
             if ctx.fp8:
                 dyq = ctx.grad_output_quantizers[i](dy.contiguous())
                 if ctx.input_requires_grad:
-                    dx = fp8_gemm_nt(dyq._data, dyq._scale_inv, transposed_data(w_saved, ctx.fp8_weights[i]),
+                    dx = fp8_gemm_nt(dyq.fp8_data, dyq._scale_inv, transposed_data(w_saved, ctx.fp8_weights[i]),
                                      w_saved._scale_inv, ctx.dtype)
                 if ctx.weight_requires_grad:
                     with_transpose(dyq)
-                    dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, x_saved._data, x_saved._scale_inv,
+                    dw = fp8_gemm_nt(dyq.fp8_data_transpose, dyq._scale_inv, x_saved.fp8_data, x_saved._scale_inv,
                                      torch.float32)
             else:
                 if ctx.input_requires_grad:

@@ -28,11 +28,11 @@ _GATHER_IN_FP8 = True
 def _saved_transpose(t: Float8Tensor) -> Float8Tensor:
     """What a gradient GEMM keeps of an FP8 operand: the transposed matrix, as its own Float8Tensor.
 
-    Its _data is t's transposed bytes (t viewed as (rows, last dim), transposed), with t's
+    Its data is t's transposed bytes (t viewed as (rows, last dim), transposed), with t's
     scale_inv. A new object, so prepare_for_saving() cannot empty a tensor that lives on (the
     cached FP8 weight), and the row-major data is not kept alive.
     """
-    return Float8Tensor(t._transpose, t._scale_inv, t._fp8_dtype, t.dtype)
+    return Float8Tensor(t.fp8_data_transpose, t._scale_inv, t.fp8_dtype, t.dtype)
 
 
 def saved_weight(w: Float8Tensor, fp8_weight: bool) -> Float8Tensor:
@@ -41,19 +41,19 @@ def saved_weight(w: Float8Tensor, fp8_weight: bool) -> Float8Tensor:
     an update before backward) and a copy of its scale, transposed in backward when needed."""
     if not fp8_weight:
         return _saved_transpose(with_transpose(w))
-    return Float8Tensor(w._data, w._scale_inv.clone(), w._fp8_dtype, w.dtype)
+    return Float8Tensor(w._data, w._scale_inv.clone(), w.fp8_dtype, w.dtype)
 
 
 def transposed_data(saved: Float8Tensor, row_major: bool) -> torch.Tensor:
     """The transposed FP8 data a gradient GEMM reads: saved as such (_saved_transpose), or made now from
     saved row-major bytes (an FP8 parameter's, saved_weight; the caller's FP8 input, _saved_input)."""
-    return fp8_transpose(saved._data) if row_major else saved._data
+    return fp8_transpose(saved.fp8_data) if row_major else saved.fp8_data
 
 
 def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
     """Point an FP8 weight at the running recipe's quantizer for its slot (the recipe state may have
     been made anew since the weight was built), when it casts to the weight's format."""
-    if quantizer.fp8_dtype == weight._fp8_dtype:
+    if quantizer.fp8_dtype == weight.fp8_dtype:
         weight._quantizer = rowwise_copy(quantizer)
 
 
@@ -294,12 +294,12 @@ class BasicLinear(BasicOperation):
             input_quantizer = self._forward_quantizers[0]
             # An FP8 input in the format this GEMM reads (the previous module's fp8_output, or the
             # gathered FP8 input) is used as is.
-            caller_owned = isinstance(x, Float8Tensor) and x._fp8_dtype == input_quantizer.fp8_dtype
+            caller_owned = isinstance(x, Float8Tensor) and x.fp8_dtype == input_quantizer.fp8_dtype
             xq = x if caller_owned else input_quantizer(high_precision(x))
             if dtype is None and xq.dtype != weight.dtype:
                 raise TypeError(f"input dtype {xq.dtype} does not match the weight dtype {weight.dtype}")
             wq = self._quantized_weight(weight, is_first_microbatch)
-            y = fp8_gemm_nt(xq._data.reshape(-1, k), xq._scale_inv, wq._data, wq._scale_inv, out_dtype, bias)
+            y = fp8_gemm_nt(xq.fp8_data.reshape(-1, k), xq._scale_inv, wq.fp8_data, wq._scale_inv, out_dtype, bias)
             ctx.grad_output_quantizer = self._backward_quantizers[0]
             ctx.input_quantizer = input_quantizer if original is not None else None
             ctx.input_rowmajor = False
@@ -357,14 +357,14 @@ class BasicLinear(BasicOperation):
         elif ctx.fp8:
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
             if ctx.input_requires_grad:
-                dx = fp8_gemm_nt(dyq._data.reshape(-1, n), dyq._scale_inv,
+                dx = fp8_gemm_nt(dyq.fp8_data.reshape(-1, n), dyq._scale_inv,
                                  transposed_data(w_saved, ctx.fp8_weight),
                                  w_saved._scale_inv, ctx.dtype)
             if ctx.weight_requires_grad:
                 with_transpose(dyq)
                 if ctx.input_quantizer is not None and not ctx.regather_input:  # the saved original input
                     x_saved = _saved_transpose(with_transpose(ctx.input_quantizer(x_saved)))
-                dw = fp8_gemm_nt(dyq._transpose, dyq._scale_inv, transposed_data(x_saved, ctx.input_rowmajor),
+                dw = fp8_gemm_nt(dyq.fp8_data_transpose, dyq._scale_inv, transposed_data(x_saved, ctx.input_rowmajor),
                                  x_saved._scale_inv, torch.float32)
         else:
             dy2 = high_precision(dy).reshape(-1, n)
