@@ -4,8 +4,9 @@ Inside autocast, te_fuser modules take their quantizers from a recipe state. Del
 record amaxes while tensors are cast; when the outermost context exits, the recorded amaxes are
 all-reduced (MAX) over the amax reduction group, when one is given, and the scales are updated.
 Backward runs after the context has exited, so backward amaxes are folded in at the exit of the next
-context (TransformerEngine 2.6 updates the backward scales at the end of backward instead: the same
-scales one step later here).
+context. TransformerEngine 2.6 updates the backward scales at the end of backward instead: the next
+backward casts with the same scales either way, but the state read between a backward and the next
+forward differs.
 
 FP8GlobalStateManager answers TE's global-state API from this state. What only serves TE's CUDA-graph
 capture (its global amax buffers of `fp8_meta` dicts, the skip-weight-update tensor) has no te_fuser
