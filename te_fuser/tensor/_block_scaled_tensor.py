@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..kernels.validate import FLOAT_DTYPES, check_fp8_dtype
-from .quantized_tensor import QuantizedTensor, Quantizer
+from .quantized_tensor import QuantizedTensor, Quantizer, to_op
 
 aten = torch.ops.aten
 
@@ -252,18 +252,7 @@ def _copy(func, args, kwargs):
 
 
 def _to(func, args, kwargs):
-    """to / _to_copy: another dtype dequantizes; another device (or a copy) keeps the format."""
-    names = [argument.name for argument in func._schema.arguments]
-    bound = {**dict(zip(names, args)), **kwargs}
-    t, other = bound["self"], bound.get("other")
-    dtype = other.dtype if other is not None else bound.get("dtype")
-    device = other.device if other is not None else bound.get("device")
-    device = torch.device(device) if device is not None else t.device
-    if dtype is not None and dtype != t.dtype:
-        return t.dequantize(dtype).to(device)
-    if device == t.device and func != aten._to_copy.default and not bound.get("copy", False):
-        return t
-    return t._with_buffers(lambda b: b.to(device, copy=True))
+    return to_op(func, args, kwargs, lambda t, device: t._with_buffers(lambda b: b.to(device, copy=True)))
 
 
 _OPS = {

@@ -22,7 +22,7 @@ from ..kernels import fp8 as fp8_kernels
 from ..kernels.validate import FLOAT_DTYPES as _HIGH_PRECISION  # what the FP8 kernels read and write
 from ..kernels.validate import check_scalar_f32, check_tensor
 from ..te_dtype import TORCH_DTYPE, DType, fp8_torch_dtype, te_dtype
-from .quantized_tensor import QuantizedTensor, Quantizer
+from .quantized_tensor import QuantizedTensor, Quantizer, to_op
 
 aten = torch.ops.aten
 
@@ -480,20 +480,14 @@ def _bound(func, args, kwargs) -> dict:
     return {**dict(zip(names, args)), **kwargs}
 
 
-def _to(func, args, kwargs):
-    """to / _to_copy: another dtype dequantizes; another device (or a copy) keeps FP8."""
-    bound = _bound(func, args, kwargs)
-    t, other = bound["self"], bound.get("other")
-    dtype = other.dtype if other is not None else bound.get("dtype")
-    device = other.device if other is not None else bound.get("device")
-    device = torch.device(device) if device is not None else t.device
-    if dtype is not None and dtype != t.dtype:
-        return t.dequantize(dtype).to(device)
-    if device == t.device and func != aten._to_copy.default and not bound.get("copy", False):
-        return t
+def _moved(t: Float8Tensor, device: torch.device) -> Float8Tensor:
     move = lambda b: None if b is None else b.to(device, copy=True)  # noqa: E731
     return Float8Tensor(move(t._data), move(t._scale_inv), t.fp8_dtype, t.dtype, move(t._transpose),
                         quantizer=t._quantizer)
+
+
+def _to(func, args, kwargs):
+    return to_op(func, args, kwargs, _moved)
 
 
 def _part(t: Float8Tensor, data: torch.Tensor) -> Float8Tensor:

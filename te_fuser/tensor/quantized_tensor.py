@@ -98,6 +98,22 @@ class QuantizedTensor(torch.Tensor):
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
 
+def to_op(func, args, kwargs, moved):
+    """aten to / _to_copy on a quantized tensor: another dtype dequantizes; another device (or a copy)
+    keeps the format, as moved(tensor, device) builds it; otherwise the tensor itself."""
+    names = [argument.name for argument in func._schema.arguments]
+    bound = {**dict(zip(names, args)), **kwargs}
+    t, other = bound["self"], bound.get("other")
+    dtype = other.dtype if other is not None else bound.get("dtype")
+    device = other.device if other is not None else bound.get("device")
+    device = torch.device(device) if device is not None else t.device
+    if dtype is not None and dtype != t.dtype:
+        return t.dequantize(dtype).to(device)
+    if device == t.device and func != torch.ops.aten._to_copy.default and not bound.get("copy", False):
+        return t
+    return moved(t, device)
+
+
 class Quantizer:
     """Turns a high-precision tensor into a QuantizedTensor; says which layouts that tensor carries.
 
