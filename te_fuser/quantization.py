@@ -16,6 +16,7 @@ or newer.
 """
 
 import contextlib
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -26,6 +27,19 @@ import torch.utils.checkpoint
 from .kernels import fp8 as fp8_kernels
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+
+
+def runs_while_tracing(fn):
+    """Mark a function that makes persistent state on first use: FP8 recipe states and their quantizers, the
+    fuser's plan and groups.
+
+    Under torch.compile dynamo does not trace it: it runs it as plain Python when it meets it, once per
+    compilation (torch.compiler.assume_constant_result), and the graph reads what it made. Made inside the
+    graph, scaling tensors would be graph values, which the backward could not record amaxes into, and
+    Python objects would be new at each call, so each call would compile again. It must return None, and
+    depend only on its arguments and on what it makes (dynamo guards the arguments, not what the function
+    reads). Outside torch.compile it is a plain call."""
+    return torch.compiler.assume_constant_result(fn)
 
 
 @dataclass
@@ -79,6 +93,24 @@ class FP8GlobalState:
             state.update()
 
 
+# A recipe made inside a compiled region exists, while dynamo traces it, only as a record of its fields,
+# which the runs_while_tracing functions (they make the recipe states) cannot read: autocast hands them an
+# equal recipe made outside the graph, one per distinct recipe.
+_RECIPES_MADE_WHILE_TRACING: dict = {}
+
+
+@runs_while_tracing
+def _make_recipe(key: tuple) -> None:
+    cls, fields = key
+    _RECIPES_MADE_WHILE_TRACING.setdefault(key, cls(**dict(fields)))
+
+
+def _made_outside_the_graph(recipe):
+    key = (type(recipe), tuple((field.name, getattr(recipe, field.name)) for field in dataclasses.fields(recipe)))
+    _make_recipe(key)
+    return _RECIPES_MADE_WHILE_TRACING[key]
+
+
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None):
     """Run te_fuser modules in FP8 (TransformerEngine's name and arguments).
@@ -88,6 +120,8 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise TypeError(f"fp8_recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if torch.compiler.is_compiling():
+        recipe = _made_outside_the_graph(recipe)
     if not FP8GlobalState._stack:
         FP8GlobalState.is_first_module = True
     FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))
@@ -228,7 +262,8 @@ class DelayedScalingState:
         self.scale = torch.ones(num_quantizers, device=device)
         self.scale_inv = torch.ones(num_quantizers, device=device)
         self.group = None
-        self._quantizers = None  # quantizers(), made on first use, views of the buffers above
+        # quantizers(): views of the buffers above, made with them (under torch.compile, before tracing)
+        self._quantizers = [self._make_quantizer(i) for i in range(num_quantizers)]
         FP8GlobalState._live_states.add(self)
 
     def quantizers(self, group=None) -> List[Float8Quantizer]:
@@ -237,15 +272,19 @@ class DelayedScalingState:
         The same quantizer objects every call (made once per set of buffers, as TE's modules keep
         theirs): making them cost about 14 us per op and forward. Their scale and amax are views,
         so they see every update; ops set their usages each forward (configure_quantizers)."""
-        self.group = group
+        if self.group is not group:
+            self.group = group
         FP8GlobalState.mark_pending(self)
-        if self._quantizers is None:
-            self._quantizers = [self.quantizer(i) for i in range(self.amax.numel())]
         return list(self._quantizers)
 
     def quantizer(self, i: int) -> Float8Quantizer:
-        """Tensor i's quantizer (views of its scale and amax slots), without marking the state for update."""
-        return Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype)
+        """Tensor i's quantizer, without marking the state for update."""
+        return self._quantizers[i]
+
+    def _make_quantizer(self, i: int) -> Float8Quantizer:
+        """A quantizer of views of tensor i's scale and amax slots."""
+        return Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype,
+                               slot=(self.scale, self.amax, i))
 
     def update(self) -> None:
         """All-reduce amaxes over the group (if any), roll the history and update the scales."""
@@ -293,7 +332,8 @@ class DelayedScalingState:
     def to(self, device) -> "DelayedScalingState":
         for name in ("amax_history", "amax", "scale", "scale_inv"):
             setattr(self, name, getattr(self, name).to(device))
-        self._quantizers = None  # they viewed the old buffers
+        # The old quantizers viewed the old buffers.
+        self._quantizers = [self._make_quantizer(i) for i in range(self.amax.numel())]
         return self
 
     def state_dict(self) -> dict:
@@ -312,7 +352,11 @@ class DelayedScalingState:
 
 
 class CurrentScalingState:
-    """Current scaling needs no history: fresh quantizers per tensor."""
+    """Current scaling needs no history: one quantizer per tensor, each casting with that tensor's own amax.
+
+    The quantizers are made once, with the state (as DelayedScalingState's): under torch.compile they
+    are made before tracing, so the amax and scale each keeps of its last call are tensors the graph
+    writes as inputs, also in the backward."""
 
     def __init__(self, recipe: Float8CurrentScaling, num_quantizers: int, forward: bool = True, device=None):
         self.recipe = recipe
@@ -320,13 +364,18 @@ class CurrentScalingState:
         self.fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
         self.num_quantizers = num_quantizers
         self.device = device
+        self._quantizers = [self._make_quantizer(i) for i in range(num_quantizers)]
 
     def quantizers(self, group=None) -> List[Float8CurrentScalingQuantizer]:
         del group  # each tensor's own amax: nothing to reduce
-        return [self.quantizer(i) for i in range(self.num_quantizers)]
+        return list(self._quantizers)
 
     def quantizer(self, i: int) -> Float8CurrentScalingQuantizer:
-        del i  # every tensor gets a fresh one
+        """Tensor i's quantizer."""
+        return self._quantizers[i]
+
+    def _make_quantizer(self, i: int) -> Float8CurrentScalingQuantizer:
+        del i  # all are alike: each casts with its tensor's own amax
         return Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device,
                                              force_pow_2_scales=self.recipe.force_pow_2_scales,
                                              amax_epsilon=self.recipe.amax_epsilon)

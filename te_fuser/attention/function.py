@@ -127,7 +127,10 @@ class FusedAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         fmt = ctx.qkv_format
         descales = {}
-        if ctx.fp8 and ctx.tensor_objects is None:
+        # Under torch.compile this runs at trace time (dynamo may trace it more than once) on trace-time
+        # objects: the graph's autograd node is AOTAutograd's, so there is nothing to check or clear.
+        compiling = torch.compiler.is_compiling()
+        if ctx.fp8 and ctx.tensor_objects is None and not compiling:
             raise RuntimeError("FP8 attention (fp8_dpa) frees its saved FP8 tensors in its first backward: a "
                                "second backward through the same graph (retain_graph=True) is not supported")
         if ctx.tensor_objects is None:  # saved in the kernel layout
@@ -137,11 +140,12 @@ class FusedAttentionFunction(torch.autograd.Function):
             (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, fmt) for t in (q, k, v))
             descales = dict(q_descale=qs, k_descale=ks, v_descale=vs)
             out8, out = out, to_kernel_layout(out.dequantize(), fmt)  # freed when backward returns
-            for t in (q, k, v, out8):
-                t.clear()
+            if not compiling:
+                for t in (q, k, v, out8):
+                    t.clear()
+                # The shells are no longer needed: nothing may outlive backward on ctx.
+                ctx.tensor_objects = None
             q, k, v = qd, kd, vd
-            # The shells are no longer needed: nothing may outlive backward on ctx.
-            ctx.tensor_objects = None
         # An FP8 dout (the output projection's fp8_grad) is read as its values.
         dout = _last_dim_contiguous(to_kernel_layout(high_precision(dout), fmt)).to(out.dtype)
         dq, dk, dv = attn_kernels.attention_bwd(

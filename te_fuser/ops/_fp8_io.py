@@ -16,14 +16,14 @@ def direct_fp8_args(quantizer) -> Optional[tuple]:
     op writes high precision and the consumer quantizes.
     """
     if isinstance(quantizer, Float8Quantizer):
-        return quantizer.fp8_dtype, quantizer.scale, quantizer.amax
+        return (quantizer.fp8_dtype, *quantizer.scaling())
     return None
 
 
 def wrap_kernel_output(data: torch.Tensor, quantizer: Float8Quantizer, nominal_dtype: torch.dtype) -> Float8Tensor:
     """A Float8Tensor around FP8 codes a kernel wrote with quantizer's scale."""
     transpose = fp8_transpose(data) if quantizer.columnwise else None
-    return Float8Tensor(data, torch.reciprocal(quantizer.scale), quantizer.fp8_dtype, nominal_dtype, transpose)
+    return Float8Tensor(data, torch.reciprocal(quantizer.scaling()[0]), quantizer.fp8_dtype, nominal_dtype, transpose)
 
 
 def with_transpose(t: Float8Tensor) -> Float8Tensor:

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..tensor.float8_tensor import Float8Tensor
-from ..quantization import FP8GlobalState
+from ..quantization import FP8GlobalState, runs_while_tracing
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
@@ -283,10 +283,7 @@ class OperationFuser:
         params_rg = tuple([grad and p.requires_grad for p in params])
         key = (fp8, type(recipe), getattr(recipe, "fp8_format", None), grad, grad and input_.requires_grad,
                params_rg)
-        if key != self._plan_key:
-            self._plan = _Plan(self.basic_ops, key[4], params_rg, [len(ps) for ps in params_per_op])
-            self._plan_key = key
-            self.plans_built += 1
+        self._ensure_plan(key, tuple(len(ps) for ps in params_per_op))
         plan = self._plan
         if fp8 or any(op.fp8_enabled for op in self.basic_ops):
             group = FP8GlobalState.get_group()
@@ -302,6 +299,13 @@ class OperationFuser:
             x, extras, _ = _run_forward(plan, input_, kwargs_list, boundary[0])
             return (x, *extras) if extras else x
         return _FuserFunction.apply(input_, plan, kwargs_list, boundary, *params)
+
+    @runs_while_tracing  # a plan made in the graph would be new at each call: one compilation per call
+    def _ensure_plan(self, key: tuple, param_counts: tuple) -> None:
+        if key != self._plan_key:
+            self._plan = _Plan(self.basic_ops, key[4], key[5], param_counts)
+            self._plan_key = key
+            self.plans_built += 1
 
     def _boundary_quantizer(self, kind: str, wanted: bool, device, reverse: bool = False):
         """The last (reverse) or first linear op's fp8_io_quantizer(kind), when wanted."""

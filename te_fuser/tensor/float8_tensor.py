@@ -450,23 +450,35 @@ class Float8Quantizer(_Float8Quantizer):
     """
 
     def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype,
-                 rowwise: bool = True, columnwise: bool = False):
+                 rowwise: bool = True, columnwise: bool = False, *, slot: Optional[tuple] = None):
         super().__init__(fp8_dtype, rowwise, columnwise)
         check_scalar_f32(scale, "scale", scale, "scale")
         check_scalar_f32(amax, "amax", scale, "scale")
         self.scale = scale
         self.amax = amax
+        self._slot = slot  # (scale buffer, amax buffer, i) when scale and amax are their element i
+
+    def scaling(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale, amax). Under torch.compile a slot of buffers is cut from them inside the graph: AOTAutograd
+        cannot take graph inputs that alias each other and are written next to tensor-subclass inputs
+        (FP8 weights)."""
+        if self._slot is not None and torch.compiler.is_compiling():
+            scale, amax, i = self._slot
+            return scale[i:i + 1], amax[i:i + 1]
+        return self.scale, self.amax
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
-        if x.device != self.scale.device:
-            raise ValueError(f"x is on {x.device} but the quantizer's scale is on {self.scale.device}")
-        return self._cast(x, self.scale, self.amax)
+        scale, amax = self.scaling()
+        if x.device != scale.device:
+            raise ValueError(f"x is on {x.device} but the quantizer's scale is on {scale.device}")
+        return self._cast(x, scale, amax)
 
     def scale_for_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """The scale to cast a tensor of this amax with (e.g. reduced over shards), recording the amax as
         a call would: the scale fixed beforehand; amax = max(amax, the tensor's)."""
-        torch.maximum(self.amax, amax, out=self.amax)
-        return self.scale
+        scale, own_amax = self.scaling()
+        torch.maximum(own_amax, amax, out=own_amax)
+        return scale
 
 
 class Float8CurrentScalingQuantizer(_Float8Quantizer):

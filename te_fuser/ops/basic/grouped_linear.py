@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ...kernels.bias_grad import bias_grad
 from ...tensor.float8_tensor import Float8Tensor
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
@@ -57,7 +58,8 @@ class GroupedBasicLinear(BasicOperation):
         if is_first_microbatch is False and cached is not None:
             return cached
         wq = self._forward_quantizers[2 * i + 1](weight.detach())
-        self._fp8_weight_cache[i] = wq if is_first_microbatch is not None else None
+        if is_first_microbatch is not None or cached is not None:  # (as BasicLinear: no needless write)
+            self._fp8_weight_cache[i] = wq if is_first_microbatch is not None else None
         return wq
 
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
@@ -131,7 +133,7 @@ class GroupedBasicLinear(BasicOperation):
                     dw = mm(dy.t(), x_saved)
             dxs.append(dx)
             dws.append(dw)
-            dbs.append(dy.sum(0) if ctx.bias_requires_grad else None)
+            dbs.append(bias_grad(dy) if ctx.bias_requires_grad else None)
         grad_input = torch.cat(dxs).view(*ctx.lead_shape, k) if ctx.input_requires_grad else None
         weight_grads = [self._finish_wgrad(ctx, i, dw) for i, dw in enumerate(dws)]
         return grad_input, tuple(weight_grads) + (tuple(dbs) if self.use_bias else ())

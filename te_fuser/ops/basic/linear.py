@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from ...tensor.float8_tensor import Float8Tensor, fp8_transpose
-from ...quantization import FP8GlobalState, current_init, make_recipe_state
+from ...quantization import FP8GlobalState, current_init, make_recipe_state, runs_while_tracing
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from ...tensor.float8_tensor import Float8Quantizer
 from .. import _tensor_parallel as tp
@@ -50,8 +50,22 @@ def transposed_data(saved: Float8Tensor, row_major: bool) -> torch.Tensor:
 def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
     """Point an FP8 weight at the running recipe's quantizer for its slot (the recipe state may have
     been made anew since the weight was built), when it casts to the weight's format."""
-    if quantizer.fp8_dtype == weight._fp8_dtype:
+    if quantizer.fp8_dtype != weight._fp8_dtype:
+        return
+    # Written only when it changes: under torch.compile a write is a side effect of the traced forward.
+    if not _same_scaling(weight._quantizer, quantizer):
         weight._quantizer = rowwise_copy(quantizer)
+
+
+def _same_scaling(a, b) -> bool:
+    """Whether quantizers a and b cast with the same scaling tensors (a rowwise copy shares them; a state's
+    slot is compared by its buffers, which the graph reads instead of the slot's views)."""
+    if type(a) is not type(b):
+        return False
+    slot_a, slot_b = getattr(a, "_slot", None), getattr(b, "_slot", None)
+    if slot_a is not None and slot_b is not None:
+        return slot_a[0] is slot_b[0] and slot_a[1] is slot_b[1] and slot_a[2] == slot_b[2]
+    return slot_a is None and slot_b is None and a.scale is b.scale and a.amax is b.amax
 
 
 def _saved_input(x: Float8Tensor, caller_owned: bool) -> tuple:
@@ -191,7 +205,10 @@ class BasicLinear(BasicOperation):
         if is_first_microbatch is False and self._fp8_weight_cache is not None:
             return self._fp8_weight_cache
         wq = self._forward_quantizers[1](weight.detach())
-        self._fp8_weight_cache = wq if is_first_microbatch is not None else None
+        if is_first_microbatch is not None or self._fp8_weight_cache is not None:
+            # Written only when it changes: under torch.compile a write is a side effect inside the traced
+            # autograd Function, after which dynamo cannot hand the saved FP8 buffers to the backward.
+            self._fp8_weight_cache = wq if is_first_microbatch is not None else None
         return wq
 
     def fp8_io_quantizer(self, kind: str, device) -> object:
@@ -206,14 +223,17 @@ class BasicLinear(BasicOperation):
             raise ValueError(f"kind must be 'output' or 'grad_input', got {kind!r}")
         if not self._fp8_enabled:
             raise RuntimeError("fp8_io_quantizer() needs FP8 to be set up (inside fp8_autocast)")
+        self._ensure_fp8_io_state(kind, torch.device(device))
+        return self._fp8_io_states[kind].quantizers(FP8GlobalState.get_group())[0]
+
+    @runs_while_tracing
+    def _ensure_fp8_io_state(self, kind: str, device: torch.device) -> None:
         states = self.__dict__.setdefault("_fp8_io_states", {})
         state = states.get(kind)
-        device = torch.device(device)
         if state is None or state.recipe != self._fp8_recipe:
-            state = states[kind] = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
+            states[kind] = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
         elif hasattr(state, "amax") and state.amax.device != device:
             state.to(device)
-        return state.quantizers(FP8GlobalState.get_group())[0]
 
     def load_fp8_io_state(self, kind: str, state: dict, device) -> None:
         """Restore the fp8_io_quantizer(kind) state from `_extra_state` (after load_fp8_extra_state)."""
