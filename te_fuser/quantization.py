@@ -116,6 +116,12 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     """Run te_fuser modules in FP8 (TransformerEngine's name and arguments).
 
     calibrating=True runs in high precision while still recording amaxes.
+
+    Under torch.compile(fullgraph=True) it may be inside the compiled function (the exit's scale update is
+    then part of the graph) or around the compiled module. Inside, the graph's exit writes the backward
+    scaling state in the forward, and a backward records its amax over what that exit left: when the
+    forwards of several microbatches run before their backwards, only the last backward's amax counts.
+    Keep the context around the compiled module for such schedules.
     """
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
@@ -219,9 +225,8 @@ def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precis
 
     FSDP2 (fully_shard) shards FP8 weights as Float8Tensors and all-gathers their bytes
     (Float8Tensor.fsdp_pre_all_gather / fsdp_post_all_gather); the ranks must agree on each weight's
-    scale, as they do when the weights were quantized before sharding. torch.compile (without
-    fullgraph: the FP8 scaling-state updates break the graph) trains FP8 weights bitwise like eager
-    (tests/test_compile_fp8.py). Not supported: parameters_split with FP8 weights (NotImplementedError).
+    scale, as they do when the weights were quantized before sharding. torch.compile(fullgraph=True) trains
+    FP8 weights bitwise like eager (tests/test_compile_fp8.py). Not supported: parameters_split with FP8 weights (NotImplementedError).
 
     preserve_high_precision_init_val=True keeps each weight's initial high-precision values on the
     CPU: `param.get_high_precision_init_val()` returns them, `param.clear_high_precision_init_val()`
