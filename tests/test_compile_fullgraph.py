@@ -257,3 +257,33 @@ def test_recipe_made_inside_the_compiled_function(generator):
         for name in eager_state:
             assert torch.equal(eager_state[name], compiled_state[name]), f"step {s}: {name} differs"
     assert modules[1]._ops[0]._fp8_states[0].amax_history.shape[0] == 3
+
+
+@compiles_te_fuser_modules
+@pytest.mark.parametrize("name", ["Linear", "GroupedLinear"])
+def test_weight_caching_across_microbatches(name, generator):
+    """is_first_microbatch: True quantizes and caches the FP8 weight, False reuses it (three microbatches a
+    step, two steps, delayed scaling): eager's bits, the weight's amax recorded once a step as eagerly. (The
+    cache is written before the fuser's autograd Function, outside the traced Function.)"""
+    recipe = RECIPES["delayed"]
+    modules = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        modules.append(MODULES[name]())
+    compiled = torch.compile(modules[1], fullgraph=True, backend="aot_eager")
+    for step in range(2):
+        for microbatch, first in enumerate((True, False, False)):
+            xs, kwargs = _inputs(name, generator, microbatch)
+            results = []
+            for forward in (modules[0], compiled):
+                x = xs[0].clone().requires_grad_()
+                with te_fuser.fp8_autocast(fp8_recipe=recipe):
+                    out = forward(x, is_first_microbatch=first, **kwargs)
+                out.backward(torch.ones_like(out))
+                results.append((out, x.grad))
+            assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+        eager_state, compiled_state = scaling_state(modules[0]), scaling_state(modules[1])
+        for key in eager_state:
+            assert torch.equal(eager_state[key], compiled_state[key]), f"step {step}: {key} differs"
+        for p, q in zip(modules[0].parameters(), modules[1].parameters()):
+            assert torch.equal(p.grad, q.grad)

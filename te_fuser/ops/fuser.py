@@ -291,6 +291,9 @@ class OperationFuser:
                 op.setup_fp8(fp8, recipe, group, input_.device)
                 start, end = plan.param_slices[j]
                 op.configure_quantizers(plan.input_requires_grad[j], params_rg[start:end])
+            if torch.compiler.is_compiling():
+                for op, kwargs in zip(self.basic_ops, kwargs_list):
+                    op.before_traced_forward(**kwargs)
         boundary = _NO_BOUNDARY_QUANTIZERS
         if fp8 and (fp8_output or fp8_grad):
             boundary = (self._boundary_quantizer("output", fp8_output, input_.device, reverse=True),

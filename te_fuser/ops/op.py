@@ -114,6 +114,12 @@ class BasicOperation(FusibleOperation):
         """Set the quantizers' usages (e.g. columnwise data only when a gradient GEMM needs it)."""
         del input_requires_grad, params_require_grad
 
+    def before_traced_forward(self, **kwargs) -> None:
+        """Under torch.compile, called by the fuser before its autograd Function with this op's forward
+        keywords: state the forward writes goes here (a write inside the traced Function is a side effect
+        after which dynamo cannot hand saved FP8 buffers to the backward)."""
+        del kwargs
+
     # -- FP8 recipe state ---------------------------------------------------------------
     @property
     def fp8_enabled(self) -> bool:

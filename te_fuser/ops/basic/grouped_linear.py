@@ -57,10 +57,22 @@ class GroupedBasicLinear(BasicOperation):
         cached = self._fp8_weight_cache[i]
         if is_first_microbatch is False and cached is not None:
             return cached
+        if is_first_microbatch and torch.compiler.is_compiling():
+            return cached  # quantized and cached by before_traced_forward
         wq = self._forward_quantizers[2 * i + 1](weight.detach())
         if is_first_microbatch is not None or cached is not None:  # (as BasicLinear: no needless write)
             self._fp8_weight_cache[i] = wq if is_first_microbatch is not None else None
         return wq
+
+    def before_traced_forward(self, weights=(), m_splits: Sequence[int] = (), is_first_microbatch=None,
+                              **kwargs) -> None:
+        """As BasicLinear's: under torch.compile, is_first_microbatch=True quantizes and caches the weights here."""
+        del kwargs
+        if not (is_first_microbatch and self._fp8_enabled):
+            return
+        for i, (m, w) in enumerate(zip(m_splits, weights)):
+            if m and not isinstance(w, Float8Tensor):
+                self._fp8_weight_cache[i] = self._forward_quantizers[2 * i + 1](w.detach())
 
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
                    weights=(), biases=(), m_splits: Sequence[int] = (), is_first_microbatch=None):

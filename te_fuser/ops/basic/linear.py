@@ -204,12 +204,22 @@ class BasicLinear(BasicOperation):
             return weight
         if is_first_microbatch is False and self._fp8_weight_cache is not None:
             return self._fp8_weight_cache
+        if is_first_microbatch and torch.compiler.is_compiling():
+            return self._fp8_weight_cache  # quantized and cached by before_traced_forward
         wq = self._forward_quantizers[1](weight.detach())
         if is_first_microbatch is not None or self._fp8_weight_cache is not None:
             # Written only when it changes: under torch.compile a write is a side effect inside the traced
             # autograd Function, after which dynamo cannot hand the saved FP8 buffers to the backward.
             self._fp8_weight_cache = wq if is_first_microbatch is not None else None
         return wq
+
+    def before_traced_forward(self, weight=None, is_first_microbatch=None, **kwargs) -> None:
+        """is_first_microbatch=True under torch.compile: the weight is quantized and cached here, outside the
+        fuser's autograd Function."""
+        del kwargs
+        weight = self.weight if weight is None else weight
+        if is_first_microbatch and self._fp8_enabled and not isinstance(weight, Float8Tensor):
+            self._fp8_weight_cache = self._forward_quantizers[1](weight.detach())
 
     def fp8_io_quantizer(self, kind: str, device) -> object:
         """The quantizer of this op's FP8 output (kind "output", TE's forward GEMM1_OUTPUT slot) or of the
