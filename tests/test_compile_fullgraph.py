@@ -10,8 +10,7 @@ history and updates the scales inside the graph) and around the compiled module 
 eagerly on the state the graph wrote), as users write it.
 
 aot_eager runs dynamo's graph and AOTAutograd's forward and backward graphs, which are what inductor compiles;
-one case per module family also runs inductor. Parameters are float32: in 16 bits inductor's fused pointwise
-code rounds less often than eager, by design.
+one case per module family also runs inductor. Parameters are float32, and bf16 in test_bf16_parameters.
 """
 
 import contextlib
@@ -131,7 +130,7 @@ def _train_step(step_fn, module, xs, kwargs, recipe, autocast_inside, grad_seed)
     else:
         with te_fuser.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
             out = step_fn(*xs, **kwargs)
-    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)))
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype))
     result = (out.detach(), [x.grad for x in xs], {n: p.grad for n, p in module.named_parameters()},
               scaling_state(module))
     with torch.no_grad():
@@ -164,15 +163,12 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@compiles_te_fuser_modules
-@pytest.mark.parametrize("name, recipe_name, autocast_inside, backend", CASES,
-                         ids=[f"{n}-{r}-{'inside' if i else 'outside'}-{b}" for n, r, i, b in CASES])
-def test_compiled_training_steps_match_eager_bitwise(name, recipe_name, autocast_inside, backend, generator):
+def _check_training_steps(name, recipe_name, autocast_inside, backend, generator, dtype=torch.float32):
     recipe = RECIPES[recipe_name]
     modules = []
     for _ in range(2):
         torch.manual_seed(0)
-        modules.append(MODULES[name]())
+        modules.append(MODULES[name]().to(dtype))
     eager_module, compiled_module = modules
 
     def stepper(module):
@@ -187,6 +183,7 @@ def test_compiled_training_steps_match_eager_bitwise(name, recipe_name, autocast
     compiled = torch.compile(stepper(compiled_module), fullgraph=True, backend=backend)
     for step in range(3):
         xs, kwargs = _inputs(name, generator, step)
+        xs = [x.to(dtype) for x in xs]
         grad_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
         eager_result = _train_step(stepper(eager_module), eager_module, xs, kwargs, recipe, autocast_inside,
                                    grad_seed)
@@ -198,6 +195,23 @@ def test_compiled_training_steps_match_eager_bitwise(name, recipe_name, autocast
         state = scaling_state(compiled_module)
         assert any(k.endswith("amax_history") and bool(v[1].gt(0).any()) for k, v in state.items()), \
             "the amax history did not roll: the steps did not exercise the scale update"
+
+
+@compiles_te_fuser_modules
+@pytest.mark.parametrize("name, recipe_name, autocast_inside, backend", CASES,
+                         ids=[f"{n}-{r}-{'inside' if i else 'outside'}-{b}" for n, r, i, b in CASES])
+def test_compiled_training_steps_match_eager_bitwise(name, recipe_name, autocast_inside, backend, generator):
+    _check_training_steps(name, recipe_name, autocast_inside, backend, generator)
+
+
+@compiles_te_fuser_modules
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_bf16_parameters(backend, generator, monkeypatch):
+    """bf16 parameters and inputs. Inductor computes a chain of fused 16-bit pointwise ops in float32 and rounds
+    once (TransformerLayer's bias + residual adds then differ from step 1 on); with emulate_precision_casts it
+    rounds after each op, as eager does."""
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    _check_training_steps("TransformerLayer", "delayed", True, backend, generator, torch.bfloat16)
 
 
 @compiles_te_fuser_modules
