@@ -95,7 +95,9 @@ class FP8GlobalState:
 
 # A recipe made inside a compiled region exists, while dynamo traces it, only as a record of its fields,
 # which the runs_while_tracing functions (they make the recipe states) cannot read: autocast hands them an
-# equal recipe made outside the graph, one per distinct recipe.
+# equal recipe made outside the graph, one per distinct recipe. Callables (amax_compute_algo,
+# scaling_factor_compute_algo) cannot be handed to such a function: a recipe with them stays as it is, and
+# make_recipe_state refuses it if it was made in the compiled region.
 _RECIPES_MADE_WHILE_TRACING: dict = {}
 
 
@@ -106,7 +108,10 @@ def _make_recipe(key: tuple) -> None:
 
 
 def _made_outside_the_graph(recipe):
-    key = (type(recipe), tuple((field.name, getattr(recipe, field.name)) for field in dataclasses.fields(recipe)))
+    fields = tuple((field.name, getattr(recipe, field.name)) for field in dataclasses.fields(recipe))
+    if any(callable(value) for _, value in fields):
+        return recipe
+    key = (type(recipe), fields)
     _make_recipe(key)
     return _RECIPES_MADE_WHILE_TRACING[key]
 
@@ -394,6 +399,11 @@ class CurrentScalingState:
 
 def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=None):
     """The state type that goes with a recipe."""
+    if isinstance(recipe, Recipe) and dataclasses.is_dataclass(recipe) and any(
+            field.name not in vars(recipe) for field in dataclasses.fields(recipe)):
+        raise TypeError(f"fp8_recipe: this {type(recipe).__name__} was made inside a torch.compile'd function "
+                        "with callable fields (amax_compute_algo / scaling_factor_compute_algo); make it outside "
+                        "the compiled function")
     if isinstance(recipe, DelayedScaling):
         return DelayedScalingState(recipe, num_quantizers, forward, device)
     if isinstance(recipe, Float8CurrentScaling):

@@ -47,6 +47,14 @@ MODULES = {
     "ops.Sequential": _sequential,
 }
 
+def _amax_of_history(history):
+    return history.amax(dim=0)
+
+
+def _scale_from_amax(amax, scale, fp8_max, recipe):
+    return torch.where(amax > 0, fp8_max / amax / 2.0**recipe.margin, scale)
+
+
 RECIPES = {
     "none": None,
     "delayed": DelayedScaling(amax_history_len=4),
@@ -55,6 +63,10 @@ RECIPES = {
     "delayed-dpa": DelayedScaling(amax_history_len=4, fp8_dpa=True),
     "current-dpa": Float8CurrentScaling(fp8_dpa=True),
     "delayed-mha": DelayedScaling(amax_history_len=4, fp8_mha=True),  # FP8 between QKV, attention and proj
+    "delayed-most-recent": DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent", margin=2),
+    # TE's callables: the update is torch code of the recipe's, traced into the graph
+    "delayed-callables": DelayedScaling(amax_history_len=4, margin=1, amax_compute_algo=_amax_of_history,
+                                        scaling_factor_compute_algo=_scale_from_amax),
 }
 
 # (module, recipe, autocast inside the compiled function?, backend)
@@ -69,6 +81,8 @@ CASES += [
     ("Linear", "delayed", False, "aot_eager"),
     ("Linear", "current", True, "aot_eager"),
     ("ops.Sequential", "delayed", False, "aot_eager"),
+    ("Linear", "delayed-most-recent", True, "aot_eager"),
+    ("Linear", "delayed-callables", True, "aot_eager"),
     # one per family under inductor
     ("LayerNormMLP-swiglu", "current", True, "inductor"),
     ("GroupedLinear", "delayed", False, "inductor"),
@@ -301,3 +315,17 @@ def test_weight_caching_across_microbatches(name, generator):
             assert torch.equal(eager_state[key], compiled_state[key]), f"step {step}: {key} differs"
         for p, q in zip(modules[0].parameters(), modules[1].parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+@compiles_te_fuser_modules
+def test_recipe_with_callables_made_inside_the_compiled_function_is_refused():
+    """Its callables cannot reach the Python that makes the recipe states while dynamo traces: a clear error,
+    not states made for the defaults."""
+    module = MODULES["Linear"]()
+
+    def step(x):
+        with te_fuser.fp8_autocast(fp8_recipe=DelayedScaling(amax_compute_algo=_amax_of_history)):
+            return module(x)
+
+    with pytest.raises(Exception, match="made inside a torch.compile'd function with callable fields"):
+        torch.compile(step, fullgraph=True, backend="aot_eager")(torch.randn(SEQ, BATCH, HIDDEN))
