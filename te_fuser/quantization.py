@@ -18,6 +18,7 @@ or newer.
 """
 
 import contextlib
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -31,6 +32,19 @@ from .te_dtype import DType, te_dtype
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .tensor.mxfp8_tensor import MXFP8Quantizer
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+
+
+def runs_while_tracing(fn):
+    """Mark a function that makes persistent state on first use: FP8 recipe states and their quantizers, the
+    fuser's plan and groups.
+
+    Under torch.compile dynamo does not trace it: it runs it as plain Python when it meets it, once per
+    compilation (torch.compiler.assume_constant_result), and the graph reads what it made. Made inside the
+    graph, scaling tensors would be graph values, which the backward could not record amaxes into, and
+    Python objects would be new at each call, so each call would compile again. It must return None, and
+    depend only on its arguments and on what it makes (dynamo guards the arguments, not what the function
+    reads). Outside torch.compile it is a plain call."""
+    return torch.compiler.assume_constant_result(fn)
 
 
 @dataclass
@@ -87,16 +101,47 @@ class FP8GlobalState:
 _AUTOCAST_RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
 
 
+# A recipe made inside a compiled region exists, while dynamo traces it, only as a record of its fields,
+# which the runs_while_tracing functions (they make the recipe states) cannot read: autocast hands them an
+# equal recipe made outside the graph, one per distinct recipe. Callables (amax_compute_algo,
+# scaling_factor_compute_algo) cannot be handed to such a function: a recipe with them stays as it is, and
+# make_recipe_state refuses it if it was made in the compiled region.
+_RECIPES_MADE_WHILE_TRACING: dict = {}
+
+
+@runs_while_tracing
+def _make_recipe(key: tuple) -> None:
+    cls, fields = key
+    _RECIPES_MADE_WHILE_TRACING.setdefault(key, cls(**dict(fields)))
+
+
+def _made_outside_the_graph(recipe):
+    fields = tuple((field.name, getattr(recipe, field.name)) for field in dataclasses.fields(recipe))
+    if any(callable(value) for _, value in fields):
+        return recipe
+    key = (type(recipe), fields)
+    _make_recipe(key)
+    return _RECIPES_MADE_WHILE_TRACING[key]
+
+
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=None, fp8_group=None):
     """Run te_fuser modules in FP8 (TransformerEngine's name and arguments).
 
     calibrating=True runs in high precision while still recording amaxes.
+
+    Under torch.compile(fullgraph=True) it may be inside the compiled function (the exit's scale update is
+    then part of the graph) or around the compiled module. Inside, the graph's exit writes the backward
+    scaling state in the forward, and a backward records its amax over what that exit left: when the
+    forwards of several microbatches run before their backwards, only the last backward's amax counts.
+    Keep the context around the compiled module for such schedules.
     """
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     if not isinstance(recipe, _AUTOCAST_RECIPES):
         raise TypeError(f"fp8_recipe must be DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or "
                         f"Float8BlockScaling, got {type(recipe).__name__}")
+    if torch.compiler.is_compiling():
+        recipe = _made_outside_the_graph(recipe)
     if not FP8GlobalState._stack:
         FP8GlobalState.is_first_module = True
     FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))
@@ -194,9 +239,8 @@ def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precis
 
     FSDP2 (fully_shard) shards FP8 weights as Float8Tensors and all-gathers their bytes
     (Float8Tensor.fsdp_pre_all_gather / fsdp_post_all_gather); the ranks must agree on each weight's
-    scale, as they do when the weights were quantized before sharding. torch.compile (without
-    fullgraph: the FP8 scaling-state updates break the graph) trains FP8 weights bitwise like eager
-    (tests/test_compile_fp8.py). Not supported: parameters_split with FP8 weights (NotImplementedError).
+    scale, as they do when the weights were quantized before sharding. torch.compile(fullgraph=True) trains
+    FP8 weights bitwise like eager (tests/test_compile_fp8.py). Not supported: parameters_split with FP8 weights (NotImplementedError).
 
     preserve_high_precision_init_val=True keeps each weight's initial high-precision values on the
     CPU: `param.get_high_precision_init_val()` returns them (reset_parameters() replaces them with its
@@ -296,7 +340,8 @@ class DelayedScalingState(_TERecipeStateNames):
         self.scale = torch.ones(num_quantizers, **f32)
         self.scale_inv = torch.ones(num_quantizers, **f32)
         self.group = None
-        self._quantizers = None  # quantizers(), made on first use, views of the buffers above
+        # quantizers(): views of the buffers above, made with them (under torch.compile, before tracing)
+        self._quantizers = [self._make_quantizer(i) for i in range(num_quantizers)]
         FP8GlobalState._live_states.add(self)
 
     @property
@@ -310,15 +355,20 @@ class DelayedScalingState(_TERecipeStateNames):
         The same quantizer objects every call (made once per set of buffers, as TE's modules keep
         theirs): making them cost about 14 us per op and forward. Their scale and amax are views,
         so they see every update; ops set their usages each forward (configure_quantizers)."""
-        self.group = group
+        if self.group is not group:
+            self.group = group
         FP8GlobalState.mark_pending(self)
-        if self._quantizers is None:
-            self._quantizers = [self.quantizer(i) for i in range(self.amax_history.shape[1])]
         return list(self._quantizers)
 
     def quantizer(self, i: int) -> Float8Quantizer:
-        """Tensor i's quantizer (views of its scale and amax slots), without marking the state for update."""
-        return Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype, columnwise=False)
+        """Tensor i's quantizer, without marking the state for update."""
+        return self._quantizers[i]
+
+    def _make_quantizer(self, i: int) -> Float8Quantizer:
+        """A rowwise quantizer of views of tensor i's scale and amax slots."""
+        quantizer = Float8Quantizer(self.scale[i:i + 1], self.amax[i:i + 1], self.fp8_dtype, columnwise=False)
+        quantizer._slot = (self.scale, self.amax_history, i)
+        return quantizer
 
     def update(self) -> None:
         """All-reduce the recorded amaxes over the group (if any), update the scales and roll the history."""
@@ -339,7 +389,8 @@ class DelayedScalingState(_TERecipeStateNames):
     def to(self, device) -> "DelayedScalingState":
         for name in _DELAYED_BUFFERS:
             setattr(self, name, getattr(self, name).to(device))
-        self._quantizers = None  # they viewed the old buffers
+        # The old quantizers viewed the old buffers.
+        self._quantizers = [self._make_quantizer(i) for i in range(self.amax.numel())]
         return self
 
     def state_dict(self) -> dict:
@@ -362,7 +413,11 @@ class DelayedScalingState(_TERecipeStateNames):
 
 
 class CurrentScalingState(_TERecipeStateNames):
-    """Current scaling needs no history: fresh quantizers per tensor."""
+    """Current scaling needs no history: one quantizer per tensor, each casting with that tensor's own amax.
+
+    The quantizers are made once, with the state (as DelayedScalingState's): under torch.compile they
+    are made before tracing, so the amax and scale each keeps of its last call are tensors the graph
+    writes as inputs, also in the backward."""
 
     def __init__(self, recipe: Float8CurrentScaling, num_quantizers: int, forward: bool = True, device=None):
         self.recipe = recipe
@@ -370,13 +425,18 @@ class CurrentScalingState(_TERecipeStateNames):
         self.fp8_dtype = recipe.fp8_format.fwd_dtype if forward else recipe.fp8_format.bwd_dtype
         self.num_quantizers = num_quantizers
         self.device = device
+        self._quantizers = [self._make_quantizer(i) for i in range(num_quantizers)]
 
     def quantizers(self, group=None) -> List[Float8CurrentScalingQuantizer]:
         del group  # each tensor's own amax: nothing to reduce
-        return [self.quantizer(i) for i in range(self.num_quantizers)]
+        return list(self._quantizers)
 
     def quantizer(self, i: int) -> Float8CurrentScalingQuantizer:
-        del i  # every tensor gets a fresh one
+        """Tensor i's quantizer."""
+        return self._quantizers[i]
+
+    def _make_quantizer(self, i: int) -> Float8CurrentScalingQuantizer:
+        del i  # all are alike: each casts with its tensor's own amax
         return Float8CurrentScalingQuantizer(self.fp8_dtype, device=self.device, columnwise=False,
                                              force_pow_2_scales=self.recipe.force_pow_2_scales,
                                              amax_epsilon=self.recipe.amax_epsilon)
@@ -426,6 +486,11 @@ class BlockScalingState:
 
 def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=None):
     """The state type that goes with a recipe."""
+    if isinstance(recipe, Recipe) and dataclasses.is_dataclass(recipe) and any(
+            field.name not in vars(recipe) for field in dataclasses.fields(recipe)):
+        raise TypeError(f"fp8_recipe: this {type(recipe).__name__} was made inside a torch.compile'd function "
+                        "with callable fields (amax_compute_algo / scaling_factor_compute_algo); make it outside "
+                        "the compiled function")
     if isinstance(recipe, DelayedScaling):
         return DelayedScalingState(recipe, num_quantizers, forward, device)
     if isinstance(recipe, Float8CurrentScaling):

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import amp
-from ..quantization import DelayedScalingState, FP8GlobalState, make_recipe_state
+from ..quantization import DelayedScalingState, FP8GlobalState, make_recipe_state, runs_while_tracing
 from ..kernels.validate import FLOAT_DTYPES
 from ..ops._fp8_io import dequantized_with_grad
 from .backends import Lengths
@@ -177,6 +177,11 @@ class DotProductAttention(torch.nn.Module):
         if recipe.fp8_format.fwd_dtype != torch.float8_e4m3fn:
             raise NotImplementedError(f"fp8_dpa with fp8_format={recipe.fp8_format.name}: the attention kernels "
                                       "take E4M3 inputs (use Format.E4M3 or Format.HYBRID)")
+        self._ensure_fp8_state(recipe, device)
+        return self._fp8_state.quantizers(FP8GlobalState.get_group())
+
+    @runs_while_tracing
+    def _ensure_fp8_state(self, recipe, device) -> None:
         if (self._fp8_device != device and self._fp8_recipe == recipe
                 and isinstance(self._fp8_state, DelayedScalingState)):
             # A loaded state (kept on the CPU: this module has no parameters), or inputs on a new device.
@@ -185,16 +190,19 @@ class DotProductAttention(torch.nn.Module):
         if self._fp8_state is None or self._fp8_recipe != recipe or self._fp8_device != device:
             self._fp8_state = make_recipe_state(recipe, 3, forward=True, device=device)
             self._fp8_recipe, self._fp8_device = recipe, device
-        return self._fp8_state.quantizers(FP8GlobalState.get_group())
 
     def _fp8_output_quantizer(self, device):
         """The O quantizer of fp8_output (one forward slot, kept apart from the q, k, v state)."""
+        self._ensure_fp8_output_state(device)
+        return self._fp8_output_state.quantizers(FP8GlobalState.get_group())[0]
+
+    @runs_while_tracing
+    def _ensure_fp8_output_state(self, device) -> None:
         state, recipe = self._fp8_output_state, self._fp8_recipe
         if state is None or state.recipe != recipe:
-            state = self._fp8_output_state = make_recipe_state(recipe, 1, forward=True, device=device)
+            self._fp8_output_state = make_recipe_state(recipe, 1, forward=True, device=device)
         elif isinstance(state, DelayedScalingState) and state.amax.device != device:
             state.to(device)
-        return state.quantizers(FP8GlobalState.get_group())[0]
 
     def get_extra_state(self) -> torch.Tensor:
         """TE's `_extra_state`: the q, k, v delayed-scaling state (see te_fuser/attention/extra_state.py)."""

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..ops._fp8_io import high_precision
-from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Tensor
+from ..tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Tensor, fp8_data
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from .backends import BACKENDS, Call, Lengths, choose, describe
 
@@ -62,7 +62,7 @@ def fp8_input(t: torch.Tensor, quantizer) -> Float8Tensor:
 
 
 def _fp8_parts(t: Float8Tensor, qkv_format: str):
-    return to_kernel_layout(t.fp8_data, qkv_format), t._scale_inv
+    return to_kernel_layout(fp8_data(t), qkv_format), t._scale_inv
 
 
 def quantize_saved_output(out: torch.Tensor) -> Float8Tensor:
@@ -142,7 +142,10 @@ class FusedAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         fmt = ctx.qkv_format
         descales = (None, None, None)
-        if ctx.fp8 and ctx.tensor_objects is None:
+        # Under torch.compile this runs at trace time (dynamo may trace it more than once) on trace-time
+        # objects: the graph's autograd node is AOTAutograd's, so there is nothing to check or clear.
+        compiling = torch.compiler.is_compiling()
+        if ctx.fp8 and ctx.tensor_objects is None and not compiling:
             raise RuntimeError("FP8 attention (fp8_dpa) frees its saved FP8 tensors in its first backward: a "
                                "second backward through the same graph (retain_graph=True) is not supported")
         if ctx.tensor_objects is None:  # saved in the kernel layout
@@ -152,11 +155,12 @@ class FusedAttentionFunction(torch.autograd.Function):
             (qd, qs), (kd, ks), (vd, vs) = (_fp8_parts(t, fmt) for t in (q, k, v))
             descales = (qs, ks, vs)
             out8, out = out, to_kernel_layout(out.dequantize(), fmt)  # freed when backward returns
-            for t in (q, k, v, out8):
-                t.clear()
+            if not compiling:
+                for t in (q, k, v, out8):
+                    t.clear()
+                # The shells are no longer needed: nothing may outlive backward on ctx.
+                ctx.tensor_objects = None
             q, k, v = qd, kd, vd
-            # The shells are no longer needed: nothing may outlive backward on ctx.
-            ctx.tensor_objects = None
         lengths, state = Lengths(*rest[:4]), tuple(rest[4:])
         # An FP8 dout (the output projection's fp8_grad) is read as its values.
         dout = _last_dim_contiguous(to_kernel_layout(high_precision(dout), fmt)).to(out.dtype)

@@ -36,7 +36,9 @@ def noop_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """torch.cat(tensors, dim=0), as a view when the tensors are adjacent in one storage."""
     if len(tensors) == 1:
         return tensors[0]
-    if not _adjacent(tensors):
+    # Under torch.compile the storage checks and set_() do not trace: the compiler gets the concatenation
+    # (inductor folds it into its consumers; the values and gradients are the same).
+    if torch.compiler.is_compiling() or not _adjacent(tensors):
         return torch.cat(list(tensors), dim=0)
     full_shape = (sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:])
     return _NoopCat.apply(full_shape, *tensors)

@@ -7,6 +7,7 @@ import torch
 
 from .. import amp
 from ..attention.masks import check_mask_type
+from ..kernels.bias_grad import add_bias
 from ..ops import _tensor_parallel as tp
 from .layernorm import LayerNorm
 from .layernorm_mlp import LayerNormMLP
@@ -160,7 +161,7 @@ class TransformerLayer(torch.nn.Module):
     def _bias_dropout_add(self, hidden_state, bias, residual, drop_path=None):
         """residual + drop_path(dropout(hidden_state + bias))."""
         if bias is not None and bias.numel() != 0:
-            hidden_state = hidden_state + bias
+            hidden_state = add_bias(hidden_state, bias)
         out = torch.nn.functional.dropout(hidden_state, p=self.hidden_dropout, training=self.training)
         if drop_path is not None:
             out = drop_path(out)

@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from ..tensor.float8_tensor import Float8Quantizer, Float8Tensor, columnwise_bytes, fp8_transpose
+from ..tensor.float8_tensor import Float8Quantizer, Float8Tensor, columnwise_bytes, fp8_data
 from ..tensor.quantized_tensor import QuantizedTensor
 
 
@@ -16,20 +16,20 @@ def direct_fp8_args(quantizer) -> Optional[tuple]:
     op writes high precision and the consumer quantizes.
     """
     if isinstance(quantizer, Float8Quantizer):
-        return quantizer.fp8_dtype, quantizer.scale, quantizer.amax
+        return (quantizer.fp8_dtype, *quantizer.scaling())
     return None
 
 
 def wrap_kernel_output(data: torch.Tensor, quantizer: Float8Quantizer, nominal_dtype: torch.dtype) -> Float8Tensor:
     """A Float8Tensor around FP8 codes a kernel wrote with quantizer's scale."""
     transpose = columnwise_bytes(data) if quantizer.columnwise_usage else None
-    return Float8Tensor(data, torch.reciprocal(quantizer.scale), quantizer.fp8_dtype, nominal_dtype, transpose)
+    return Float8Tensor(data, torch.reciprocal(quantizer.scaling()[0]), quantizer.fp8_dtype, nominal_dtype, transpose)
 
 
 def with_transpose(t: Float8Tensor) -> Float8Tensor:
     """t, given its transposed data when it came without (byte transpose, no requantization)."""
     if t._transpose is None:
-        t._transpose = columnwise_bytes(t.fp8_data)
+        t._transpose = columnwise_bytes(fp8_data(t))
     return t
 
 

@@ -37,7 +37,7 @@ import torch
 
 from .. import amp
 from ..tensor.float8_tensor import Float8Tensor
-from ..quantization import FP8GlobalState
+from ..quantization import FP8GlobalState, runs_while_tracing
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
@@ -292,10 +292,7 @@ class OperationFuser:
         params_rg = tuple([grad and p.requires_grad for p in params])
         key = (fp8, type(recipe), getattr(recipe, "fp8_format", None), grad, grad and input_.requires_grad,
                params_rg)
-        if key != self._plan_key:
-            self._plan = _Plan(self.basic_ops, key[4], params_rg, [len(ps) for ps in params_per_op])
-            self._plan_key = key
-            self.plans_built += 1
+        self._ensure_plan(key, tuple(len(ps) for ps in params_per_op))
         plan = self._plan
         if fp8 or any(op.fp8_enabled for op in self.basic_ops):
             group = FP8GlobalState.get_group()
@@ -303,6 +300,9 @@ class OperationFuser:
                 op.setup_fp8(fp8, recipe, group, input_.device)
                 start, end = plan.param_slices[j]
                 op.configure_quantizers(plan.input_requires_grad[j], params_rg[start:end])
+            if torch.compiler.is_compiling():
+                for op, kwargs in zip(self.basic_ops, kwargs_list):
+                    op.before_traced_forward(**kwargs)
         boundary = _NO_BOUNDARY_QUANTIZERS
         if fp8 and (fp8_output or fp8_grad):
             boundary = (self._boundary_quantizer("output", fp8_output, input_.device, reverse=True),
@@ -312,6 +312,13 @@ class OperationFuser:
                 x, extras, _ = _run_forward(plan, input_, kwargs_list, boundary[0], dtype)
                 return (x, *extras) if extras else x
             return _FuserFunction.apply(input_, plan, kwargs_list, boundary, dtype, *params)
+
+    @runs_while_tracing  # a plan made in the graph would be new at each call: one compilation per call
+    def _ensure_plan(self, key: tuple, param_counts: tuple) -> None:
+        if key != self._plan_key:
+            self._plan = _Plan(self.basic_ops, key[4], key[5], param_counts)
+            self._plan_key = key
+            self.plans_built += 1
 
     def _boundary_quantizer(self, kind: str, wanted: bool, device, reverse: bool = False):
         """The last (reverse) or first linear op's fp8_io_quantizer(kind), when wanted."""

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..quantization import is_block_scaled, make_recipe_state
+from ..quantization import is_block_scaled, make_recipe_state, runs_while_tracing
 
 
 class OperationContext:
@@ -69,12 +69,15 @@ class BasicOperation(FusibleOperation):
 
     def forward(self, input_: torch.Tensor, **kwargs) -> torch.Tensor:
         """Called on its own (outside a Sequential), a basic op runs through a fuser of one op."""
-        fuser = self.__dict__.get("_own_fuser")
-        if fuser is None:
+        self._ensure_own_fuser()
+        return self.__dict__["_own_fuser"](input_, [kwargs])
+
+    @runs_while_tracing  # a fuser made in the graph would be new at each call: one compilation per call
+    def _ensure_own_fuser(self) -> None:
+        if "_own_fuser" not in self.__dict__:
             from .fuser import OperationFuser  # the fuser module imports this one
 
-            fuser = self.__dict__["_own_fuser"] = OperationFuser([self])
-        return fuser(input_, [kwargs])
+            self.__dict__["_own_fuser"] = OperationFuser([self])
 
     # -- the fuser's view: a basic op is a fusion of one ---------------------------------
     @property
@@ -117,6 +120,12 @@ class BasicOperation(FusibleOperation):
         """Set the quantizers' usages (e.g. columnwise data only when a gradient GEMM needs it)."""
         del input_requires_grad, params_require_grad
 
+    def before_traced_forward(self, **kwargs) -> None:
+        """Under torch.compile, called by the fuser before its autograd Function with this op's forward
+        keywords: state the forward writes goes here (a write inside the traced Function is a side effect
+        after which dynamo cannot hand saved FP8 buffers to the backward)."""
+        del kwargs
+
     # -- FP8 recipe state ---------------------------------------------------------------
     @property
     def fp8_enabled(self) -> bool:
@@ -138,6 +147,7 @@ class BasicOperation(FusibleOperation):
         attrs["_forward_quantizers"] = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
         attrs["_backward_quantizers"] = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []
 
+    @runs_while_tracing
     def _ensure_fp8_states(self, recipe, device) -> None:
         if self._fp8_states is None or (self._fp8_recipe is not recipe and self._fp8_recipe != recipe):
             self._fp8_recipe = recipe
@@ -148,8 +158,9 @@ class BasicOperation(FusibleOperation):
                 state.to(device)  # the module moved: its scaling state follows
 
     def forward_quantizer_for_init(self, recipe, device, index: int):
-        """Forward quantizer `index` of `recipe`'s state (made if needed), rowwise only, without marking
-        the state for an update: what fp8_model_init quantizes a weight with."""
+        """Forward quantizer `index` of `recipe`'s state (made if needed), without marking the state for
+        an update: what fp8_model_init quantizes a weight with (a rowwise copy of it, which shares its
+        scaling tensors, so the forward finds the weight's quantizer in sync)."""
         self._ensure_fp8_states(recipe, device)
         return self._fp8_states[0].quantizer(index)
 

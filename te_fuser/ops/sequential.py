@@ -4,6 +4,7 @@ from typing import List
 
 import torch
 
+from ..quantization import runs_while_tracing
 from .fuser import OperationFuser
 from .op import BasicOperation
 
@@ -43,10 +44,14 @@ class Sequential(torch.nn.Module):
             groups.append(OperationFuser(run))
         return groups
 
-    def forward(self, x: torch.Tensor):
-        """The output, or (output, *extra outputs) when ops such as MakeExtraOutput made some."""
+    @runs_while_tracing  # groups made in the graph would be new at each call: one compilation per call
+    def _ensure_groups(self) -> None:
         if self._groups is None:
             self._groups = self._make_groups()
+
+    def forward(self, x: torch.Tensor):
+        """The output, or (output, *extra outputs) when ops such as MakeExtraOutput made some."""
+        self._ensure_groups()
         extras = []
         for group in self._groups:
             x = group(x)

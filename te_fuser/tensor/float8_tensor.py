@@ -53,6 +53,22 @@ def _transpose_shapes(shape) -> tuple:
     return ((shape[-1], *shape[:-1]), (shape[-1], rows))
 
 
+def fp8_data(t: "Float8Tensor") -> Optional[torch.Tensor]:
+    """t's bytes viewed as its float8 dtype (None when it holds none).
+
+    The ops call this rather than the property: torch.compile reads a property of a tensor subclass made
+    in the graph as constant metadata, which a tensor is not; a function is traced."""
+    return None if t._data is None else t._data.view(TORCH_DTYPE[t._fp8_dtype])
+
+
+def fp8_data_transpose(t: "Float8Tensor") -> Optional[torch.Tensor]:
+    """t's transposed bytes as the 2-D (last dim, numel / last dim) matrix in its float8 dtype, or None."""
+    data_t = t._transpose
+    if data_t is None:
+        return None
+    return data_t.view(TORCH_DTYPE[t._fp8_dtype]).reshape(data_t.shape[0] if data_t.dim() else 1, -1)
+
+
 class Float8Tensor(QuantizedTensor):
     """A tensor quantized to FP8 with one per-tensor scale.
 
@@ -132,15 +148,12 @@ class Float8Tensor(QuantizedTensor):
     @property
     def fp8_data(self) -> Optional[torch.Tensor]:
         """_data viewed as fp8_dtype (None when the tensor holds no data)."""
-        return None if self._data is None else self._data.view(self.fp8_dtype)
+        return fp8_data(self)
 
     @property
     def fp8_data_transpose(self) -> Optional[torch.Tensor]:
         """_transpose viewed as the 2-D (last dim, numel / last dim) matrix in fp8_dtype, or None."""
-        t = self._transpose
-        if t is None:
-            return None
-        return t.view(self.fp8_dtype).reshape(t.shape[0] if t.dim() else 1, -1)
+        return fp8_data_transpose(self)
 
     @property
     def _transpose_invalid(self) -> bool:
@@ -634,6 +647,10 @@ class Float8Quantizer(_Float8Quantizer):
     usually views into a recipe state's buffers, so every update lands there.
     """
 
+    # (scale buffer, amax_history, i) when scale and amax are element i of a delayed-scaling state's buffers
+    # (set by the state).
+    _slot: Optional[tuple] = None
+
     def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype, *, rowwise: bool = True,
                  columnwise: bool = True):
         super().__init__(fp8_dtype, rowwise=rowwise, columnwise=columnwise)
@@ -642,10 +659,20 @@ class Float8Quantizer(_Float8Quantizer):
         self.scale = scale
         self.amax = amax
 
+    def scaling(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(scale, amax). Under torch.compile a slot of buffers is cut from them inside the graph: AOTAutograd
+        cannot take graph inputs that alias each other and are written next to tensor-subclass inputs
+        (FP8 weights)."""
+        if self._slot is not None and torch.compiler.is_compiling():
+            scale, amax_history, i = self._slot
+            return scale[i:i + 1], amax_history[0, i:i + 1]
+        return self.scale, self.amax
+
     def _cast(self, x: torch.Tensor, columnwise: Optional[bool] = None) -> Float8Tensor:
-        if x.device != self.scale.device:
-            raise ValueError(f"x is on {x.device} but the quantizer's scale is on {self.scale.device}")
-        return self._cast_with(x, self.scale, self.amax, columnwise)
+        scale, amax = self.scaling()
+        if x.device != scale.device:
+            raise ValueError(f"x is on {x.device} but the quantizer's scale is on {scale.device}")
+        return self._cast_with(x, scale, amax, columnwise)
 
     def calibrate(self, tensor: torch.Tensor) -> None:
         """Set amax to max|tensor| without casting (TE's calibration step)."""
@@ -655,8 +682,9 @@ class Float8Quantizer(_Float8Quantizer):
     def scale_for_amax(self, amax: torch.Tensor) -> torch.Tensor:
         """The scale to cast a tensor of this amax with (e.g. reduced over shards), recording the amax as
         a call would: the scale fixed beforehand; amax = max(amax, the tensor's)."""
-        torch.maximum(self.amax, amax.reshape(self.amax.shape), out=self.amax)
-        return self.scale
+        scale, own_amax = self.scaling()
+        torch.maximum(own_amax, amax.reshape(own_amax.shape), out=own_amax)
+        return scale
 
 
 class Float8CurrentScalingQuantizer(_Float8Quantizer):

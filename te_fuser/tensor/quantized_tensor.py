@@ -193,7 +193,9 @@ def prepare_for_saving(*objs) -> Tuple[List[Optional[torch.Tensor]], list]:
     objects: list = []
     for obj in objs:
         if isinstance(obj, QuantizedTensor):
-            parts, shell = obj.prepare_for_saving()
+            # Called through the class: dynamo would put a method called on a traced tensor subclass
+            # into the graph as an op, and an op cannot return the shell.
+            parts, shell = type(obj).prepare_for_saving(obj)
             tensors.extend(parts)
             objects.append(shell)
         elif obj is None or isinstance(obj, torch.Tensor):

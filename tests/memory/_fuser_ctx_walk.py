@@ -45,6 +45,9 @@ def allowed_storages(*modules) -> set:
                 for state in getattr(op, "_fp8_states", None) or ():
                     for v in vars(state).values():
                         add(v)
+                    for quantizer in getattr(state, "_quantizers", None) or ():  # current scaling: their own
+                        add(quantizer.amax)
+                        add(quantizer.scale)
                 add(getattr(op, "_fp8_weight_cache", None))
     return keys
 

@@ -4,6 +4,7 @@ import torch
 
 from ... import amp
 from ...kernels import fused
+from ...kernels.bias_grad import bias_grad
 from .. import _tensor_parallel as tp
 from .._fp8_io import direct_fp8_args, high_precision, wrap_kernel_output
 from ..op import BasicOperation
@@ -57,5 +58,5 @@ class Bias(BasicOperation):
 
     def op_backward(self, ctx, grad_output):
         dy = high_precision(grad_output)
-        db = dy.reshape(-1, self.size).sum(0) if ctx.bias_requires_grad else None
+        db = bias_grad(dy.reshape(-1, self.size)) if ctx.bias_requires_grad else None
         return dy, (db,)

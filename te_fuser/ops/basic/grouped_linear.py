@@ -13,7 +13,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from ... import amp
-from ...tensor.float8_tensor import Float8Tensor
+from ...kernels.bias_grad import bias_grad
+from ...tensor.float8_tensor import Float8Tensor, fp8_data, fp8_data_transpose
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation
@@ -57,9 +58,22 @@ class GroupedBasicLinear(BasicOperation):
         cached = self._fp8_weight_cache[i]
         if is_first_microbatch is False and cached is not None:
             return cached
+        if is_first_microbatch and torch.compiler.is_compiling():
+            return cached  # quantized and cached by before_traced_forward
         wq = self._forward_quantizers[2 * i + 1](weight.detach())
-        self._fp8_weight_cache[i] = wq if is_first_microbatch is not None else None
+        if is_first_microbatch is not None or cached is not None:  # (as BasicLinear: no needless write)
+            self._fp8_weight_cache[i] = wq if is_first_microbatch is not None else None
         return wq
+
+    def before_traced_forward(self, weights=(), m_splits: Sequence[int] = (), is_first_microbatch=None,
+                              **kwargs) -> None:
+        """As BasicLinear's: under torch.compile, is_first_microbatch=True quantizes and caches the weights here."""
+        del kwargs
+        if not (is_first_microbatch and self._fp8_enabled):
+            return
+        for i, (m, w) in enumerate(zip(m_splits, weights)):
+            if m and not isinstance(w, Float8Tensor):
+                self._fp8_weight_cache[i] = self._forward_quantizers[2 * i + 1](w.detach())
 
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
                    weights=(), biases=(), m_splits: Sequence[int] = (), is_first_microbatch=None):
@@ -86,7 +100,7 @@ class GroupedBasicLinear(BasicOperation):
             if fp8:
                 xq = self._forward_quantizers[2 * i](xi)
                 wq = self._quantized_weight(i, w, is_first_microbatch)
-                outs.append(fp8_gemm_nt(xq.fp8_data, xq._scale_inv, wq.fp8_data, wq._scale_inv, out_dtype, b))
+                outs.append(fp8_gemm_nt(fp8_data(xq), xq._scale_inv, fp8_data(wq), wq._scale_inv, out_dtype, b))
                 saved += [saved_weight(xq, False) if weight_requires_grad else None,
                           saved_weight(wq, isinstance(w, Float8Tensor)) if ctx.input_requires_grad else None]
             else:
@@ -123,11 +137,11 @@ class GroupedBasicLinear(BasicOperation):
             if ctx.fp8:
                 dyq = ctx.grad_output_quantizers[i](dy.contiguous())
                 if ctx.input_requires_grad:
-                    dx = fp8_gemm_nt(dyq.fp8_data, dyq._scale_inv, transposed_data(w_saved, ctx.fp8_weights[i]),
+                    dx = fp8_gemm_nt(fp8_data(dyq), dyq._scale_inv, transposed_data(w_saved, ctx.fp8_weights[i]),
                                      w_saved._scale_inv, ctx.dtype)
                 if ctx.weight_requires_grad:
                     with_transpose(dyq)
-                    dw = fp8_gemm_nt(dyq.fp8_data_transpose, dyq._scale_inv, x_saved.fp8_data, x_saved._scale_inv,
+                    dw = fp8_gemm_nt(fp8_data_transpose(dyq), dyq._scale_inv, fp8_data(x_saved), x_saved._scale_inv,
                                      torch.float32)
             else:
                 if ctx.input_requires_grad:
@@ -136,7 +150,7 @@ class GroupedBasicLinear(BasicOperation):
                     dw = mm(dy.t(), x_saved)
             dxs.append(dx)
             dws.append(dw)
-            dbs.append(dy.sum(0) if ctx.bias_requires_grad else None)
+            dbs.append(bias_grad(dy) if ctx.bias_requires_grad else None)
         grad_input = torch.cat(dxs).view(*ctx.lead_shape, k) if ctx.input_requires_grad else None
         weight_grads = [self._finish_wgrad(ctx, i, dw) for i, dw in enumerate(dws)]
         return grad_input, tuple(weight_grads) + (tuple(dbs) if self.use_bias else ())

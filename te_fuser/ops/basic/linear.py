@@ -6,9 +6,9 @@ from typing import Optional
 import torch
 
 from ... import amp
-from ...tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_transpose
+from ...tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_data, fp8_data_transpose, fp8_transpose
 from ...tensor.quantized_tensor import QuantizedTensor
-from ...quantization import FP8GlobalState, current_init, is_block_scaled, make_recipe_state
+from ...quantization import FP8GlobalState, current_init, is_block_scaled, make_recipe_state, runs_while_tracing
 from ...recipe import MXFP8BlockScaling
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from .. import _tensor_parallel as tp
@@ -32,7 +32,7 @@ def _saved_transpose(t: Float8Tensor) -> Float8Tensor:
     scale_inv. A new object, so prepare_for_saving() cannot empty a tensor that lives on (the
     cached FP8 weight), and the row-major data is not kept alive.
     """
-    return Float8Tensor(t.fp8_data_transpose, t._scale_inv, t.fp8_dtype, t.dtype)
+    return Float8Tensor(fp8_data_transpose(t), t._scale_inv, t.fp8_dtype, t.dtype)
 
 
 def saved_weight(w: Float8Tensor, fp8_weight: bool) -> Float8Tensor:
@@ -47,14 +47,28 @@ def saved_weight(w: Float8Tensor, fp8_weight: bool) -> Float8Tensor:
 def transposed_data(saved: Float8Tensor, row_major: bool) -> torch.Tensor:
     """The transposed FP8 data a gradient GEMM reads: saved as such (_saved_transpose), or made now from
     saved row-major bytes (an FP8 parameter's, saved_weight; the caller's FP8 input, _saved_input)."""
-    return fp8_transpose(saved.fp8_data) if row_major else saved.fp8_data
+    return fp8_transpose(fp8_data(saved)) if row_major else fp8_data(saved)
 
 
 def sync_weight_quantizer(weight: Float8Tensor, quantizer) -> None:
     """Point an FP8 weight at the running recipe's quantizer for its slot (the recipe state may have
     been made anew since the weight was built), when it casts to the weight's format."""
-    if quantizer.fp8_dtype == weight.fp8_dtype:
+    if quantizer.fp8_dtype != weight.fp8_dtype:
+        return
+    # Written only when it changes: under torch.compile a write is a side effect of the traced forward.
+    if not _same_scaling(weight._quantizer, quantizer):
         weight._quantizer = rowwise_copy(quantizer)
+
+
+def _same_scaling(a, b) -> bool:
+    """Whether quantizers a and b cast with the same scaling tensors (a rowwise copy shares them; a state's
+    slot is compared by its buffers, which the graph reads instead of the slot's views)."""
+    if type(a) is not type(b):
+        return False
+    slot_a, slot_b = getattr(a, "_slot", None), getattr(b, "_slot", None)
+    if slot_a is not None and slot_b is not None:
+        return slot_a[0] is slot_b[0] and slot_a[1] is slot_b[1] and slot_a[2] == slot_b[2]
+    return slot_a is None and slot_b is None and a.scale is b.scale and a.amax is b.amax
 
 
 def _columnwise_only(t):
@@ -201,9 +215,22 @@ class BasicLinear(BasicOperation):
             return weight
         if is_first_microbatch is False and self._fp8_weight_cache is not None:
             return self._fp8_weight_cache
+        if is_first_microbatch and torch.compiler.is_compiling():
+            return self._fp8_weight_cache  # quantized and cached by before_traced_forward
         wq = self._forward_quantizers[1](weight.detach())
-        self._fp8_weight_cache = wq if is_first_microbatch is not None else None
+        if is_first_microbatch is not None or self._fp8_weight_cache is not None:
+            # Written only when it changes: under torch.compile a write is a side effect inside the traced
+            # autograd Function, after which dynamo cannot hand the saved FP8 buffers to the backward.
+            self._fp8_weight_cache = wq if is_first_microbatch is not None else None
         return wq
+
+    def before_traced_forward(self, weight=None, is_first_microbatch=None, **kwargs) -> None:
+        """is_first_microbatch=True under torch.compile: the weight is quantized and cached here, outside the
+        fuser's autograd Function."""
+        del kwargs
+        weight = self.weight if weight is None else weight
+        if is_first_microbatch and self._fp8_enabled and not isinstance(weight, Float8Tensor):
+            self._fp8_weight_cache = self._forward_quantizers[1](weight.detach())
 
     def fp8_io_quantizer(self, kind: str, device) -> object:
         """The quantizer of this op's FP8 output (kind "output", TE's forward GEMM1_OUTPUT slot) or of the
@@ -220,14 +247,17 @@ class BasicLinear(BasicOperation):
         if is_block_scaled(self._fp8_recipe):
             raise NotImplementedError(f"te_fuser does not implement fp8_output / fp8_grad under "
                                       f"{type(self._fp8_recipe).__name__}")
+        self._ensure_fp8_io_state(kind, torch.device(device))
+        return self._fp8_io_states[kind].quantizers(FP8GlobalState.get_group())[0]
+
+    @runs_while_tracing
+    def _ensure_fp8_io_state(self, kind: str, device: torch.device) -> None:
         states = self.__dict__.setdefault("_fp8_io_states", {})
         state = states.get(kind)
-        device = torch.device(device)
         if state is None or state.recipe != self._fp8_recipe:
-            state = states[kind] = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
+            states[kind] = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
         elif hasattr(state, "amax") and state.amax.device != device:
             state.to(device)
-        return state.quantizers(FP8GlobalState.get_group())[0]
 
     def load_fp8_io_state(self, kind: str, state: dict, device) -> None:
         """Restore the fp8_io_quantizer(kind) state from `_extra_state` (after load_fp8_extra_state)."""
@@ -299,7 +329,7 @@ class BasicLinear(BasicOperation):
             if dtype is None and xq.dtype != weight.dtype:
                 raise TypeError(f"input dtype {xq.dtype} does not match the weight dtype {weight.dtype}")
             wq = self._quantized_weight(weight, is_first_microbatch)
-            y = fp8_gemm_nt(xq.fp8_data.reshape(-1, k), xq._scale_inv, wq.fp8_data, wq._scale_inv, out_dtype, bias)
+            y = fp8_gemm_nt(fp8_data(xq).reshape(-1, k), xq._scale_inv, fp8_data(wq), wq._scale_inv, out_dtype, bias)
             ctx.grad_output_quantizer = self._backward_quantizers[0]
             ctx.input_quantizer = input_quantizer if original is not None else None
             ctx.input_rowmajor = False
@@ -357,14 +387,14 @@ class BasicLinear(BasicOperation):
         elif ctx.fp8:
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
             if ctx.input_requires_grad:
-                dx = fp8_gemm_nt(dyq.fp8_data.reshape(-1, n), dyq._scale_inv,
+                dx = fp8_gemm_nt(fp8_data(dyq).reshape(-1, n), dyq._scale_inv,
                                  transposed_data(w_saved, ctx.fp8_weight),
                                  w_saved._scale_inv, ctx.dtype)
             if ctx.weight_requires_grad:
                 with_transpose(dyq)
                 if ctx.input_quantizer is not None and not ctx.regather_input:  # the saved original input
                     x_saved = _saved_transpose(with_transpose(ctx.input_quantizer(x_saved)))
-                dw = fp8_gemm_nt(dyq.fp8_data_transpose, dyq._scale_inv, transposed_data(x_saved, ctx.input_rowmajor),
+                dw = fp8_gemm_nt(fp8_data_transpose(dyq), dyq._scale_inv, transposed_data(x_saved, ctx.input_rowmajor),
                                  x_saved._scale_inv, torch.float32)
         else:
             dy2 = high_precision(dy).reshape(-1, n)
