@@ -239,8 +239,9 @@ def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precis
 
     FSDP2 (fully_shard) shards FP8 weights as Float8Tensors and all-gathers their bytes
     (Float8Tensor.fsdp_pre_all_gather / fsdp_post_all_gather); the ranks must agree on each weight's
-    scale, as they do when the weights were quantized before sharding. torch.compile(fullgraph=True) trains
-    FP8 weights bitwise like eager (tests/test_compile_fp8.py). Not supported: parameters_split with FP8 weights (NotImplementedError).
+    scale, as they do when the weights were quantized before sharding. torch.compile(fullgraph=True)
+    trains FP8 weights bitwise like eager (tests/test_compile_fp8.py). Not supported: parameters_split
+    with FP8 weights (NotImplementedError).
 
     preserve_high_precision_init_val=True keeps each weight's initial high-precision values on the
     CPU: `param.get_high_precision_init_val()` returns them (reset_parameters() replaces them with its

@@ -15,9 +15,13 @@ per-tensor scale_inv, which is the layout cuBLASLt's FP8 GEMM wants (TN):
     dgrad    dx = dy @ W        a = dy data,    b = W transposed data
     wgrad    dW = dy.T @ x      a = dy transposed data, b = x transposed data
 The transposed data come from cast-transpose, so no GEMM needs a transpose pass.
-On CUDA it runs torch._scaled_mm; on the CPU te_fuser's own FP8 GEMM
-(te_fuser.kernels.gemm: exact bf16 decode, AMX/AVX512-BF16/AVX2/C with float32
-accumulation, scale and bias in a float32 epilogue), with the same semantics.
+On CUDA it runs torch._scaled_mm (cuBLASLt): bias and output dtype in its epilogue, and TE's
+accumulation modes: fast accumulation (use_fast_accum=True, Hopper's tensor cores keep fewer
+accumulator bits between K chunks) in the forward GEMM, a full float32 accumulator for dgrad and
+wgrad, whose sums run over the whole batch (TE's use_split_accumulator). On the CPU te_fuser's own
+FP8 GEMM (te_fuser.kernels.gemm: exact bf16 decode, AMX/AVX512-BF16/AVX2/C with float32
+accumulation, scale and bias in a float32 epilogue), with the same semantics; fast_accum changes
+nothing there.
 
 FP8 GEMMs need every dimension divisible by 16 (the tensor cores' FP8 tile):
 check_fp8_gemm_dims raises a ValueError naming the offending dimension.
@@ -45,14 +49,22 @@ def check_fp8_gemm_dims(**dims: int) -> None:
             )
 
 
+def runs_on_cublaslt(a: torch.Tensor) -> bool:
+    """Whether fp8_gemm_nt hands operands like a to torch._scaled_mm."""
+    return a.is_cuda
+
+
 def fp8_gemm_nt(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
-                out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(a * a_scale_inv) @ (b * b_scale_inv).T for row-major FP8 matrices a (M, K) and b (N, K)."""
+                out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None, *,
+                fast_accum: bool = False) -> torch.Tensor:
+    """(a * a_scale_inv) @ (b * b_scale_inv).T for row-major FP8 matrices a (M, K) and b (N, K).
+
+    fast_accum: cuBLASLt's fast FP8 accumulation (the forward GEMM's mode; see the module docstring)."""
     both_e5m2 = a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2
-    if a.is_cuda and not both_e5m2:  # cuBLASLt has no E5M2 x E5M2 GEMM
+    if runs_on_cublaslt(a) and not both_e5m2:  # cuBLASLt has no E5M2 x E5M2 GEMM
         fused_bias = bias if out_dtype != torch.float32 else None
         out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv, bias=fused_bias,
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, use_fast_accum=fast_accum)
         return out if bias is None or fused_bias is not None else out + bias
     if a.is_cuda:  # E5M2 x E5M2 on CUDA: dequantize, then a float32 GEMM
         out = torch.mm(fp8_kernels.dequantize(a, a_scale_inv), fp8_kernels.dequantize(b, b_scale_inv).t())

@@ -100,7 +100,8 @@ class GroupedBasicLinear(BasicOperation):
             if fp8:
                 xq = self._forward_quantizers[2 * i](xi)
                 wq = self._quantized_weight(i, w, is_first_microbatch)
-                outs.append(fp8_gemm_nt(fp8_data(xq), xq._scale_inv, fp8_data(wq), wq._scale_inv, out_dtype, b))
+                outs.append(fp8_gemm_nt(fp8_data(xq), xq._scale_inv, fp8_data(wq), wq._scale_inv, out_dtype, b,
+                                        fast_accum=True))
                 saved += [saved_weight(xq, False) if weight_requires_grad else None,
                           saved_weight(wq, isinstance(w, Float8Tensor)) if ctx.input_requires_grad else None]
             else:

@@ -329,7 +329,8 @@ class BasicLinear(BasicOperation):
             if dtype is None and xq.dtype != weight.dtype:
                 raise TypeError(f"input dtype {xq.dtype} does not match the weight dtype {weight.dtype}")
             wq = self._quantized_weight(weight, is_first_microbatch)
-            y = fp8_gemm_nt(fp8_data(xq).reshape(-1, k), xq._scale_inv, fp8_data(wq), wq._scale_inv, out_dtype, bias)
+            y = fp8_gemm_nt(fp8_data(xq).reshape(-1, k), xq._scale_inv, fp8_data(wq), wq._scale_inv, out_dtype,
+                            bias, fast_accum=True)
             ctx.grad_output_quantizer = self._backward_quantizers[0]
             ctx.input_quantizer = input_quantizer if original is not None else None
             ctx.input_rowmajor = False
