@@ -8,6 +8,7 @@ what the autograd graph still holds after backward. Everything runs in spawned w
 """
 
 import contextlib
+import copy
 import os
 import queue
 import socket
@@ -223,7 +224,9 @@ def run_case(case: dict) -> dict:
     initialized under the RNG tracker), hidden_dropout (Megatron's bias-dropout-add; attention
     dropout stays 0: TE's and Megatron's attention draw their masks differently),
     reference ("local": also train the local spec; "none"), bug_on (a te_fuser switch that
-    releases saved state after backward, turned off: "fuser" or "checkpoint").
+    releases saved state after backward, turned off: "fuser" or "checkpoint"), te_cross_entropy (the
+    TE-spec model computes its loss with TE's parallel_cross_entropy: Megatron's
+    cross_entropy_loss_fusion with cross_entropy_fusion_impl="te"; the reference keeps Megatron's own).
     """
     result = {}
     data = batches()
@@ -232,21 +235,40 @@ def run_case(case: dict) -> dict:
                          case.get("normalization", "LayerNorm"), case.get("distribute_saved_activations", False))
     _reseed()
     local = build_local_gpt(config)
-    te_model = build_te_gpt(config)
+    te_config = config
+    if case.get("te_cross_entropy"):
+        te_config = copy.copy(config)
+        te_config.cross_entropy_loss_fusion, te_config.cross_entropy_fusion_impl = True, "te"
+    te_model = build_te_gpt(te_config)
     copy_weights(local, te_model)
     if case.get("reference", "local") == "local":
         _reseed()
         result["local"] = train(local, data)
     found, walk = graph_leftovers(te_model)
     _reseed()
-    with _release_switch_off(case.get("bug_on")):
+    with _release_switch_off(case.get("bug_on")), _counting_cross_entropy_calls() as calls:
         result["te"] = train(te_model, data, on_last_backward=walk)
+    result["te_cross_entropy_calls"] = len(calls)
     result["leftovers"] = found
     result["te_fuser_classes"] = sorted(_te_fuser_classes(te_model))
     # Megatron (TE >= 2.6, non-delayed FP8) asks linear_proj to save its unquantized input.
     result["proj_save_original_input"] = [getattr(m, "save_original_input", None)
                                           for n, m in te_model.named_modules() if n.endswith("linear_proj")]
     return result
+
+
+@contextlib.contextmanager
+def _counting_cross_entropy_calls():
+    """The calls of te_fuser's cross-entropy Function (Megatron's te_parallel_cross_entropy) in the block."""
+    from te_fuser.cross_entropy import CrossEntropyFunction
+
+    calls = []
+    apply = CrossEntropyFunction.apply
+    CrossEntropyFunction.apply = staticmethod(lambda *args: calls.append(1) or apply(*args))
+    try:
+        yield calls
+    finally:
+        del CrossEntropyFunction.apply  # torch.autograd.Function's own again
 
 
 def _reseed() -> None:

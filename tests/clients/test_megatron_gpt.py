@@ -45,6 +45,7 @@ ONE_RANK = {
     "recompute_fp8_delayed_dropout": dict(dtype="fp32", fp8="delayed", hidden_dropout=0.2, recompute=True,
                                           reference="none"),
     # te_fuser's release switches off: the graph walk must see what is then left behind.
+    "te_cross_entropy": dict(dtype="fp32", te_cross_entropy=True),
     "bug_on_fuser": dict(dtype="fp32", bug_on="fuser", reference="none"),
     "bug_on_checkpoint": dict(dtype="fp32", fp8="delayed", recompute=True, bug_on="checkpoint", reference="none"),
 }
@@ -53,6 +54,8 @@ TWO_RANKS = {
     "fp8_delayed": dict(dtype="fp32", fp8="delayed"),
     "fp8_tensorwise": dict(dtype="bf16", fp8="tensorwise"),
     "recompute_fp8_delayed": dict(dtype="fp32", fp8="delayed", recompute=True),
+    # The vocabulary split over the two ranks: TE's parallel_cross_entropy on sharded logits.
+    "te_cross_entropy": dict(dtype="fp32", te_cross_entropy=True),
     # Each rank keeps only its chunk of the layer's input until backward (te_fuser's checkpoint).
     "recompute_fp8_delayed_distributed": dict(dtype="fp32", fp8="delayed", recompute=True,
                                               distribute_saved_activations=True),
@@ -107,6 +110,17 @@ def test_losses_match_local_spec(one_rank, name):
     assert _rel(result["te"], result["local"]) < tol, (result["te"], result["local"])
     assert result["te"][-1] < result["te"][0]  # it trains
     _assert_graph_clean(result, name)
+
+
+def test_te_cross_entropy_matches_megatrons_loss(one_rank, two_ranks):
+    """Megatron's cross_entropy_fusion_impl="te" runs te_fuser's parallel_cross_entropy (whole vocabulary on
+    one rank, half of it on each of two) and trains as Megatron's own vocab-parallel cross-entropy does."""
+    for results in (one_rank["te_cross_entropy"], two_ranks["te_cross_entropy"]):
+        for result in map(_ok, results):
+            assert result["te_cross_entropy_calls"] == len(result["te"]) * harness.MICROBATCHES
+            assert _rel(result["te"], result["local"]) < TOL["fp32"], (result["te"], result["local"])
+            _assert_graph_clean(result, "te_cross_entropy")
+    assert _ok(one_rank["fp32"][0])["te_cross_entropy_calls"] == 0  # Megatron's default: its own loss
 
 
 @pytest.mark.parametrize("plain", ["fp32", "dropout", "fp8_delayed_dropout"])
