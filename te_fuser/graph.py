@@ -203,7 +203,7 @@ class _Pass:
 def _as_tuple(value, name: str) -> tuple:
     if isinstance(value, (tuple, list)):
         return tuple(value)
-    raise TypeError(f"{name} must be a tuple (one entry per forward pass), got {type(value).__name__}")
+    raise TypeError(f"{name} must be a tuple, got {type(value).__name__}")
 
 
 def _chunk_layout(order, num_layers_per_chunk, num_callables: int, num_samples: int):
