@@ -137,6 +137,20 @@ def _rng_restored(device: torch.device):
         current.update(tracker_states)
 
 
+@contextlib.contextmanager
+def _side_stream(device: torch.device):
+    """On CUDA, a stream of its own (as torch's and TE's warmups): lazy initializations happen off the
+    stream the captures will order themselves after."""
+    if device.type != "cuda":
+        yield
+        return
+    stream, current = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield
+    current.wait_stream(stream)
+
+
 # -- the plan: which module runs on which sample arguments, in what order -------------------------
 @dataclass(eq=False)
 class _Pass:
@@ -499,7 +513,8 @@ def make_graphed_callables(
     set_capture_start()
     try:
         with _rng_restored(device):
-            _warmup(passes, events, num_warmup_iters, autocast_args, training, allow_unused_input)
+            with _side_stream(device):
+                _warmup(passes, events, num_warmup_iters, autocast_args, training, allow_unused_input)
             if device.type == "cuda":
                 captured, keep_alive = _capture(passes, events, autocast_args, training, allow_unused_input,
                                                 retain_graph_in_backward, pool)
