@@ -655,6 +655,7 @@ class FP8GlobalStateManager:
                              f"{fp8_state!r}")
         enabled, calibrating, recipe, group, first, capturing = fp8_state
         FP8GlobalState.is_first_module, FP8GlobalState.graph_capturing = bool(first), bool(capturing)
+        recipe = recipe if recipe is not None else get_default_fp8_recipe()
         stack = FP8GlobalState._stack
         opened = bool(stack) and stack[-1] is cls._opened_by_set
         if opened and not (enabled or calibrating):
@@ -665,8 +666,7 @@ class FP8GlobalStateManager:
             if opened:
                 cls._opened_by_set = stack[-1]
         elif enabled or calibrating:
-            stack.append(_Context(bool(enabled), bool(calibrating),
-                                  recipe if recipe is not None else get_default_fp8_recipe(), group))
+            stack.append(_Context(bool(enabled), bool(calibrating), recipe, group))
             cls._opened_by_set = stack[-1]
 
 
