@@ -125,8 +125,10 @@ def restore_fp8_tensors(modules, fp8_tensors) -> None:
 def _rng_restored(device: torch.device):
     """The device generator and the RNG tracker's states are put back on exit (the warmup's dropout
     draws must not shift the steps that follow)."""
-    generator = (torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-                 if device.type == "cuda" else torch.default_generator)
+    if device.type == "cuda":
+        generator = torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+    else:
+        generator = torch.default_generator
     state, tracker_states = generator.get_state(), dict(get_all_rng_states())
     try:
         yield
@@ -273,7 +275,8 @@ def _plan(modules, sample_args, sample_kwargs, order, num_layers_per_chunk, weig
         for mb in range(microbatches):
             for layer in range(count):
                 idx = firsts[chunk] * microbatches + mb * count + layer
-                passes[idx] = _Pass(modules[firsts[chunk] + layer], _as_tuple(sample_args[idx], "each entry of sample_args"),
+                passes[idx] = _Pass(modules[firsts[chunk] + layer],
+                                    _as_tuple(sample_args[idx], "each entry of sample_args"),
                                     dict(sample_kwargs[idx]), (mb == 0) if weight_caching else None)
     events, fwd, bwd = [], [0] * len(layers), [0] * len(layers)
     for c in order:
@@ -506,7 +509,8 @@ def make_graphed_callables(
                                      fp8_weight_caching)
     devices = {t.device for p in passes for t in p.inputs + p.params}
     if len(devices) != 1:
-        raise ValueError(f"sample_args and the modules' parameters must be on one device, got {sorted(map(str, devices))}")
+        raise ValueError("sample_args and the modules' parameters must be on one device, got "
+                         f"{sorted(map(str, devices))}")
     device = devices.pop()
 
     saved_state = save_fp8_tensors(modules, recipe)

@@ -179,7 +179,8 @@ def test_graph_module_under_the_alias(alias):
                                                   set_capture_end, set_capture_start)
 
     assert te.make_graphed_callables is make_graphed_callables is te_fuser.make_graphed_callables
-    assert save_fp8_tensors is te_fuser.graph.save_fp8_tensors and restore_fp8_tensors is te_fuser.graph.restore_fp8_tensors
+    assert save_fp8_tensors is te_fuser.graph.save_fp8_tensors
+    assert restore_fp8_tensors is te_fuser.graph.restore_fp8_tensors
     set_capture_start()
     assert te.graph.is_graph_capturing() and FP8GlobalStateManager.fp8_graph_capturing()
     set_capture_end()
