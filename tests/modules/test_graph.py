@@ -318,3 +318,25 @@ def test_refused_inside_fp8_autocast_and_with_hooks(generator):
     module.register_forward_hook(lambda *args: None)
     with pytest.raises(ValueError, match="no hooks"):
         te_fuser.make_graphed_callables(module, (x,))
+
+
+class _WithUnusedParameter(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = _linear()
+        self.unused = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_allow_unused_input(generator):
+    """A parameter the forward does not use: the warmup's autograd.grad refuses it unless
+    allow_unused_input=True (as the captured backward would); then it gets no gradient."""
+    x = _input(generator)
+    with pytest.raises(RuntimeError, match="not have been used"):
+        te_fuser.make_graphed_callables(_WithUnusedParameter(), (x,))
+    module = te_fuser.make_graphed_callables(_WithUnusedParameter(), (x,), allow_unused_input=True,
+                                             retain_graph_in_backward=True)
+    module(x).sum().backward()
+    assert module.unused.grad is None and module.linear.weight.grad is not None
