@@ -340,3 +340,21 @@ def test_allow_unused_input(generator):
                                              retain_graph_in_backward=True)
     module(x).sum().backward()
     assert module.unused.grad is None and module.linear.weight.grad is not None
+
+
+def test_an_enclosing_autocast_changes_nothing(generator):
+    """TE scripts call graphed layers inside their own fp8_autocast: each call still updates the scales
+    at its end with the graphed recipe (as a replayed forward graph does), here twice in one context."""
+    graph_recipe = recipe.DelayedScaling(amax_history_len=4, margin=1)
+    torch.manual_seed(0)
+    module = _linear()
+    eager = copy.deepcopy(module)
+    graphed = te_fuser.make_graphed_callables(module, (_input(generator),), fp8_enabled=True, fp8_recipe=graph_recipe)
+    xs = [_input(generator, 3.0 ** i) for i in range(2)]
+    with te_fuser.fp8_autocast(enabled=False, fp8_recipe=recipe.Float8CurrentScaling()):
+        ys = [graphed(x) for x in xs]
+        assert not te_fuser.FP8GlobalStateManager.is_fp8_enabled()  # the enclosing context is intact
+    for x, y in zip(xs, ys):
+        with te_fuser.fp8_autocast(fp8_recipe=graph_recipe):
+            assert torch.equal(y, eager(x))
+    _assert_same_fp8_state(module, eager)
