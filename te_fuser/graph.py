@@ -510,9 +510,6 @@ def make_graphed_callables(
     training = all(m.training for m in modules)
     if not training and any(m.training for m in modules):
         raise ValueError("modules must be all in training mode or all in eval mode")
-    if FP8GlobalState._stack:
-        raise RuntimeError("call make_graphed_callables outside fp8_autocast: each graphed call runs under an "
-                           "fp8_autocast of its own (fp8_enabled, fp8_recipe, ...)")
     if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
         raise RuntimeError("make_graphed_callables does not work with torch.autocast's weight cache: "
                            "pass cache_enabled=False")

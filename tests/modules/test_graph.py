@@ -310,11 +310,22 @@ def test_bad_calls_of_a_graphed_callable_name_the_argument(generator):
         graphed(x, x)
 
 
-def test_refused_inside_fp8_autocast_and_with_hooks(generator):
+def test_made_inside_fp8_autocast_and_refused_with_hooks(generator):
+    """Made inside an fp8_autocast, the callables run under their own (the warmup too): the enclosing
+    context keeps its state. A module with hooks is refused, as in TE."""
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
     module = _linear()
+    eager = copy.deepcopy(module)
     x = _input(generator)
-    with te_fuser.fp8_autocast(), pytest.raises(RuntimeError, match="outside fp8_autocast"):
-        te_fuser.make_graphed_callables(module, (x,))
+    with te_fuser.fp8_autocast(enabled=False, calibrating=True):
+        graphed = te_fuser.make_graphed_callables(module, (x,), fp8_enabled=True, fp8_recipe=fp8_recipe)
+        assert te_fuser.FP8GlobalStateManager.get_fp8_autocast_state()[:2] == (False, True)
+    y = graphed(x)
+    with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+        assert torch.equal(y, eager(x))
+    _assert_same_fp8_state(module, eager)
+    module = _linear()
     module.register_forward_hook(lambda *args: None)
     with pytest.raises(ValueError, match="no hooks"):
         te_fuser.make_graphed_callables(module, (x,))
