@@ -135,3 +135,21 @@ def test_pipeline_order_replays():
         with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
             ref_y = eager[1](hidden)
         _close(ys[mb], ref_y)
+
+
+def test_enclosing_autocast_changes_nothing():
+    """Two replays inside one fp8_autocast: each updates the scales at its end (the update is in the forward
+    graph), as two eager calls under their own autocasts do, and as the CPU path does."""
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    module = MODULES["Linear"]()
+    eager = copy.deepcopy(module)
+    graphed = te_fuser.make_graphed_callables(module, (_input(),), fp8_enabled=True, fp8_recipe=fp8_recipe)
+    xs = [_input(3.0 ** i) for i in range(2)]
+    with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+        ys = [graphed(x).clone() for x in xs]
+    for x, y in zip(xs, ys):
+        with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+            _close(y, eager(x))
+    for state, ref_state in zip(_delayed_states([module]), _delayed_states([eager])):
+        torch.testing.assert_close(state.scale, ref_state.scale, rtol=1e-5, atol=0)
