@@ -210,6 +210,9 @@ class _Pass:
                             else type(got).__name__)
                     raise ValueError(f"argument {i} of the graphed callable must be a tensor of shape "
                                      f"{tuple(sample.shape)} and dtype {sample.dtype} (its sample's), got {what}")
+                if got.requires_grad and not sample.requires_grad and torch.is_grad_enabled():
+                    raise ValueError(f"argument {i} of the graphed callable requires grad but its sample did not: "
+                                     "no backward was graphed for it (pass a sample that requires grad)")
             elif got != sample:
                 raise ValueError(f"argument {i} of the graphed callable is not a tensor: it is fixed at its sample "
                                  f"value {sample!r}, got {got!r}")

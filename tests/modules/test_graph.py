@@ -308,6 +308,9 @@ def test_bad_calls_of_a_graphed_callable_name_the_argument(generator):
         graphed(x.double())
     with pytest.raises(TypeError, match="takes 1 argument leaves"):
         graphed(x, x)
+    graphed = te_fuser.make_graphed_callables(_linear(), (x.detach(),))
+    with pytest.raises(ValueError, match="argument 0 .* requires grad but its sample did not"):
+        graphed(x)
 
 
 def test_made_inside_fp8_autocast_and_refused_with_hooks(generator):
