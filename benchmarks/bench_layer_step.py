@@ -1,7 +1,7 @@
 """A Llama-3-8B transformer layer's training step: te_fuser against plain PyTorch (and torchao), one run.
 
     python benchmarks/bench_layer_step.py [--device cuda] [--batch 1] [--seq 4096] [--iters 10]
-        [--recipes none,delayed,current] [--compile] [--torchao] [--smoke]
+        [--recipes none,delayed,current] [--compile] [--torchao] [--graphed] [--smoke]
 
 The layer (Llama-3-8B's shapes by default): hidden 4096, 32 heads in 8 KV groups (head dim 128), SwiGLU
 FFN of 14336, RMSNorm before each block, RoPE on q and k, causal attention, no biases, no dropout, bf16
@@ -15,6 +15,9 @@ Rows, all from the same weights:
   torchao float8      plain PyTorch through torchao.float8.convert_to_float8_training (tensorwise) and
                       torch.compile, when torchao imports (it is not a te_fuser dependency)
   ... compiled        with --compile, the te_fuser rows under torch.compile too
+  ... graphed         with --graphed, the te_fuser rows on a copy of the layer made by
+                      te_fuser.make_graphed_callables (CUDA graphs of forward and backward; on the CPU the
+                      callable runs eagerly). Their peak leaves out the graphs' pool, allocated at capture.
 
 Before timing, the te_fuser layer's loss and input gradient are compared with the plain layer's (the same
 model: both must agree to bf16 rounding), and after a step te_fuser's audit checks that no autograd ctx
@@ -25,6 +28,7 @@ GPU its peak memory over the step and that peak's ratio to plain PyTorch's.
 
 import argparse
 import contextlib
+import copy
 import sys
 import os
 
@@ -154,6 +158,15 @@ def torchao_forward(plain_layer, angles):
     return (lambda x: compiled(x, angles)), "torchao float8 tensorwise, torch.compile"
 
 
+def graphed_forward(recipe_name, te_layer, x, angles):
+    """The step's forward on a copy of te_layer graphed for recipe_name (make_graphed_callables replaces the
+    copy's forward; x and angles are its sample arguments, so a call copies nothing in)."""
+    fp8 = recipe_name != "none"
+    layer = te_fuser.make_graphed_callables(copy.deepcopy(te_layer), (x,), sample_kwargs={"rotary_pos_emb": angles},
+                                            fp8_enabled=fp8, fp8_recipe=RECIPES[recipe_name]() if fp8 else None)
+    return lambda inp: layer(inp, rotary_pos_emb=angles)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -169,6 +182,8 @@ def main():
                         help="te_fuser rows: none (bf16) and FP8 recipes, comma-separated")
     parser.add_argument("--compile", action="store_true", help="also the te_fuser rows under torch.compile")
     parser.add_argument("--torchao", action="store_true", help="also torchao's float8 training (if importable)")
+    parser.add_argument("--graphed", action="store_true",
+                        help="also the te_fuser rows graphed with te_fuser.make_graphed_callables")
     parser.add_argument("--smoke", action="store_true", help="a tiny layer on the CPU: checks the script only")
     args = parser.parse_args()
     if args.smoke:
@@ -211,6 +226,11 @@ def main():
         if args.compile:
             compiled = torch.compile(te_layer)
             forwards["te_fuser" + ("" if name == "none" else f" FP8 {name}") + " compiled"] = te_forward(name, compiled)
+        if args.graphed:
+            forwards["te_fuser" + ("" if name == "none" else f" FP8 {name}") + " graphed"] = graphed_forward(
+                name, te_layer, x, angles)
+    if args.graphed and "none" in recipes:
+        print("graphed: " + check_same_model(forwards["te_fuser graphed"], plain_forward, x, grad))
     if args.torchao:
         forward, why = torchao_forward(plain, angles)
         if forward is None:

@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh facts cpu_tests c_core bench_cpu  # the CPU tiers the host has
 #   bash benchmarks/gpu_session.sh tests demo                        # the whole suite; the demo on the GPU
 #   bash benchmarks/gpu_session.sh facts bench_layer                  # a Llama-3-8B layer's training step
+#   bash benchmarks/gpu_session.sh facts cuda_graphs                  # make_graphed_callables: tests, graphed step
 # Other stages: c_attention, bench_fp8_linear. bench_attention is te_fuser.DotProductAttention on each
 # attention backend against SDPA's flash and cuDNN (benchmarks/bench_attention_cuda.py). The test stages
 # need pytest-xdist and pytest-timeout.
@@ -66,6 +67,12 @@ bench_layer() {
   $PY benchmarks/bench_layer_step.py --batch 2 --iters 10
 }
 bench_attention() { $PY benchmarks/bench_attention_cuda.py --iters 20; }
+# issue 29's CUDA graphs: capture/replay against eager, then the layer step graphed at b=1, s=2048 beside eager.
+cuda_graphs() {
+  $PY -m pytest -q -p te_fuser.testing.pytest_plugin -p no:cacheprovider --timeout=300 tests/test_graph_cuda.py \
+    tests/modules/test_graph.py tests/compat/test_graph_state_manager.py
+  $PY benchmarks/bench_layer_step.py --batch 1 --seq 2048 --iters 10 --graphed
+}
 bench_gpu() {
   $PY benchmarks/bench_quantize.py --device cuda
   $PY benchmarks/bench_linear.py --device cuda
@@ -83,7 +90,7 @@ bench_cpu() {
 }
 
 export PY
-export -f bench_fp8_linear bench_layer facts cuda_tests cpu_tests tests demo c_core c_attention bench_attention bench_gpu bench_cpu
+export -f bench_fp8_linear bench_layer cuda_graphs facts cuda_tests cpu_tests tests demo c_core c_attention bench_attention bench_gpu bench_cpu
 prepare
 for stage in "$@"; do
   case $stage in
@@ -98,6 +105,7 @@ for stage in "$@"; do
     bench_gpu) run_stage bench_gpu 120 bench_gpu ;;
     bench_fp8_linear) run_stage bench_fp8_linear 120 bench_fp8_linear ;;
     bench_layer) run_stage bench_layer 240 bench_layer ;;
+    cuda_graphs) TAIL=40 run_stage cuda_graphs 240 cuda_graphs ;;
     bench_cpu) run_stage bench_cpu 450 bench_cpu ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

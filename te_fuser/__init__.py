@@ -1,8 +1,9 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import distributed, fp8, memory, ops, quantization, recipe, tensor, utils
+from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
 from .attention import DotProductAttention
+from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
 from .tensor.utils import cast_master_weights_to_fp8
@@ -25,6 +26,7 @@ __all__ = [
     "LayerNormLinear",
     "LayerNormMLP",
     "Linear",
+    "make_graphed_callables",
     "MultiheadAttention",
     "QuantizedTensor",
     "autocast",
@@ -34,6 +36,7 @@ __all__ = [
     "fp8",
     "fp8_autocast",
     "fp8_model_init",
+    "graph",
     "memory",
     "ops",
     "prepare_for_saving",

@@ -8,9 +8,11 @@ context. TransformerEngine 2.6 updates the backward scales at the end of backwar
 backward casts with the same scales either way, but the state read between a backward and the next
 forward differs.
 
-FP8GlobalStateManager answers TE's global-state API from this state. What only serves TE's CUDA-graph
-capture (its global amax buffers of `fp8_meta` dicts, the skip-weight-update tensor) has no te_fuser
-counterpart and raises NotImplementedError naming itself.
+FP8GlobalStateManager answers TE's global-state API from this state, CUDA-graph methods included:
+add_fp8_tensors_to_global_buffer marks a module's delayed-scaling states for the next update (what a
+graph replay, which runs no module code, needs), and the skip-weight-update flag is kept in a
+one-element tensor, as TE keeps it (te_fuser's kernels do not read it: te_fuser.make_graphed_callables
+captures a first-microbatch and a cached-weight forward instead).
 
 FP8 availability: te_fuser runs FP8 on the CPU always (quantization kernels in C, GEMMs emulated
 exactly by dequantizing); on CUDA its GEMMs use torch._scaled_mm, which needs compute capability 8.9
@@ -64,6 +66,7 @@ class FP8GlobalState:
     # Set when the outermost context is entered; TE's is_first_fp8_module() reads and clears it.
     is_first_module: bool = False
     _live_states: "weakref.WeakSet[DelayedScalingState]" = weakref.WeakSet()
+    graph_capturing: bool = False  # inside te_fuser.make_graphed_callables (graph.set_capture_start)
 
     @classmethod
     def is_enabled(cls) -> bool:
@@ -543,11 +546,6 @@ def get_fp8_max(fp8_recipe, fprop_tensor: bool = True) -> float:
     return fp8_recipe.fp8_format.max_fwd if fprop_tensor else fp8_recipe.fp8_format.max_bwd
 
 
-def _cuda_graph_path(name: str):
-    raise NotImplementedError(f"FP8GlobalStateManager.{name} serves TE's CUDA-graph capture of FP8 modules, "
-                              "which te_fuser does not support")
-
-
 class QuantizationState:
     """A live view of te_fuser's FP8 state with the field names of TE's `quantization_state`."""
 
@@ -587,14 +585,18 @@ class QuantizationState:
     def high_precision_init_val(self) -> bool:
         return current_init().preserve_high_precision_init_val
 
-    fp8_graph_capturing = False
-    skip_fp8_weight_update_tensor = None
+    @property
+    def fp8_graph_capturing(self) -> bool:
+        return FP8GlobalStateManager.fp8_graph_capturing()
+
+    skip_fp8_weight_update_tensor = None  # set_skip_fp8_weight_update_tensor's tensor
 
 
 class FP8GlobalStateManager:
     """TE's FP8 global state API, answered from te_fuser's fp8_autocast state."""
 
     quantization_state = QuantizationState()
+    _opened_by_set = None  # the context set_fp8_autocast_state opened outside any fp8_autocast
 
     @classmethod
     def reset(cls) -> None:
@@ -602,6 +604,9 @@ class FP8GlobalStateManager:
         FP8GlobalState._stack.clear()
         FP8GlobalState._pending.clear()
         FP8GlobalState.is_first_module = False
+        FP8GlobalState.graph_capturing = False
+        QuantizationState.skip_fp8_weight_update_tensor = None
+        cls._opened_by_set = None
 
     @classmethod
     def is_fp8_available(cls) -> Tuple[bool, str]:
@@ -634,7 +639,9 @@ class FP8GlobalStateManager:
 
     @classmethod
     def fp8_graph_capturing(cls) -> bool:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        """Inside te_fuser.make_graphed_callables, or while the current CUDA stream is capturing."""
+        return FP8GlobalState.graph_capturing or (torch.cuda.is_available()
+                                                  and torch.cuda.is_current_stream_capturing())
 
     @classmethod
     def is_first_fp8_module(cls) -> bool:
@@ -668,17 +675,65 @@ class FP8GlobalStateManager:
 
     @classmethod
     def add_fp8_tensors_to_global_buffer(cls, fp8_meta) -> None:
-        del fp8_meta
-        _cuda_graph_path("add_fp8_tensors_to_global_buffer")
+        """Mark the delayed-scaling states of a module's fp8_meta ("scaling_fwd", "scaling_bwd") for the
+        next update (outermost fp8_autocast exit or reduce_and_update_fp8_tensors), with the amax
+        reduction group fp8_meta["fp8_group"] when the dict has one. What a graph replay calls, since it
+        runs no module code; a module's own forward marks its states itself. Other recipes: nothing."""
+        if not isinstance(fp8_meta, dict):
+            raise TypeError(f"fp8_meta must be a module's fp8_meta dict, got {type(fp8_meta).__name__}")
+        for key in (cls.get_meta_tensor_key(True), cls.get_meta_tensor_key(False)):
+            state = fp8_meta.get(key)
+            if isinstance(state, DelayedScalingState):
+                if "fp8_group" in fp8_meta:
+                    state.group = fp8_meta["fp8_group"]
+                FP8GlobalState.mark_pending(state)
 
     @classmethod
     def set_skip_fp8_weight_update_tensor(cls, skip: bool) -> None:
-        del skip
-        _cuda_graph_path("set_skip_fp8_weight_update_tensor")
+        """Write `skip` into the one-element float32 flag tensor (made on the current device on first use,
+        then updated in place, so a captured graph sees one address). te_fuser's kernels do not read it."""
+        flag = QuantizationState.skip_fp8_weight_update_tensor
+        if flag is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            flag = QuantizationState.skip_fp8_weight_update_tensor = torch.empty(1, dtype=torch.float32,
+                                                                                 device=device)
+        flag.fill_(bool(skip))
 
     @classmethod
     def get_skip_fp8_weight_update_tensor(cls):
-        return None  # never set: te_fuser updates weight scales on every step
+        """The flag tensor set_skip_fp8_weight_update_tensor writes, or None before its first call."""
+        return QuantizationState.skip_fp8_weight_update_tensor
+
+    @classmethod
+    def get_fp8_autocast_state(cls) -> tuple:
+        """TE's tuple: (enabled, calibrating, recipe, group, is_first_fp8_module, fp8_graph_capturing) of
+        the innermost fp8_autocast; (False, False, None, None, ...) outside any."""
+        return (FP8GlobalState.is_enabled(), FP8GlobalState.is_calibrating(), FP8GlobalState.get_recipe(),
+                FP8GlobalState.get_group(), FP8GlobalState.is_first_module, FP8GlobalState.graph_capturing)
+
+    @classmethod
+    def set_fp8_autocast_state(cls, fp8_state: tuple) -> None:
+        """Set what get_fp8_autocast_state returned: the innermost fp8_autocast takes its settings.
+        Outside any, an enabled or calibrating state opens a context (TE's state is global), which
+        setting a disabled state closes again; its pending updates wait for the next outermost exit."""
+        if not isinstance(fp8_state, tuple) or len(fp8_state) != 6:
+            raise ValueError("fp8_state must be the 6-tuple get_fp8_autocast_state returns, got "
+                             f"{fp8_state!r}")
+        enabled, calibrating, recipe, group, first, capturing = fp8_state
+        FP8GlobalState.is_first_module, FP8GlobalState.graph_capturing = bool(first), bool(capturing)
+        recipe = recipe if recipe is not None else get_default_fp8_recipe()
+        stack = FP8GlobalState._stack
+        opened = bool(stack) and stack[-1] is cls._opened_by_set
+        if opened and not (enabled or calibrating):
+            stack.pop()
+            cls._opened_by_set = None
+        elif stack:
+            stack[-1] = _Context(bool(enabled), bool(calibrating), recipe, group, stack[-1].replay)
+            if opened:
+                cls._opened_by_set = stack[-1]
+        elif enabled or calibrating:
+            stack.append(_Context(bool(enabled), bool(calibrating), recipe, group))
+            cls._opened_by_set = stack[-1]
 
 
 __all__ = ["FP8GlobalState", "FP8GlobalStateManager", "QuantizationState", "autocast", "check_fp8_block_scaling_support",

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import te_fuser
+
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer_step.py"
 _spec = importlib.util.spec_from_file_location("bench_layer_step", _BENCH)
 bench = importlib.util.module_from_spec(_spec)
@@ -80,3 +82,30 @@ def _attention_without_causal_mask():
 def test_a_different_baseline_fails_the_comparison(patch):
     with pytest.raises(AssertionError):
         compare(patch)
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed"])
+def test_graphed_row_steps_like_the_eager_row(recipe_name):
+    """--graphed times a graphed copy of the layer: two steps give the eager layer's output and input
+    gradient (on the CPU the graphed callable runs eagerly), and the layer the other rows time keeps its
+    own forward."""
+    args = argparse.Namespace(hidden=96, heads=6, groups=2, ffn=80, seq=24, batch=2)  # FP8: 48 tokens
+    generator = torch.Generator().manual_seed(3)
+    te_layer = bench.make_te_layer(args, torch.device("cpu"), torch.float32)
+    far_from_init(te_layer, generator)
+    angles = bench.rope_angles(args.seq, args.hidden // args.heads, "cpu")
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=generator, requires_grad=True)
+    graphed = bench.graphed_forward(recipe_name, te_layer, x, angles)
+    assert "forward" not in te_layer.__dict__
+    fp8 = recipe_name != "none"
+    fp8_recipe = bench.RECIPES[recipe_name]() if fp8 else None
+
+    def eager(t):
+        with te_fuser.autocast(enabled=fp8, recipe=fp8_recipe):
+            return te_layer(t, rotary_pos_emb=angles)
+
+    for _ in range(2):
+        grad = torch.randn(x.shape, generator=generator)
+        graphed_out, graphed_dx = outputs(graphed, x, grad)
+        eager_out, eager_dx = outputs(eager, x, grad)
+        assert torch.equal(graphed_out, eager_out) and torch.equal(graphed_dx, eager_dx)

@@ -64,14 +64,6 @@ def test_reduce_and_update_updates_only_the_asked_direction():
         assert not torch.equal(bwd.scale, before_bwd)
 
 
-def test_cuda_graph_paths_raise_naming_themselves():
-    with pytest.raises(NotImplementedError, match="add_fp8_tensors_to_global_buffer.*CUDA-graph"):
-        FP8GlobalStateManager.add_fp8_tensors_to_global_buffer({})
-    with pytest.raises(NotImplementedError, match="set_skip_fp8_weight_update_tensor"):
-        FP8GlobalStateManager.set_skip_fp8_weight_update_tensor(True)
-    assert FP8GlobalStateManager.get_skip_fp8_weight_update_tensor() is None
-
-
 @pytest.mark.parametrize("init", [fp8_model_init, quantized_model_init])
 def test_model_init_contexts(init):
     # Megatron probes the optional arguments with inspect.signature.
