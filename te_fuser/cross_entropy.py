@@ -84,7 +84,8 @@ def parallel_cross_entropy(inp, target, label_smoothing=0.0, reduce_loss=False, 
 
     The loss per token, in float32 and target's shape, or with reduce_loss its mean over the tokens whose
     target is not ignore_idx (F.cross_entropy's 'mean'). label_smoothing as F.cross_entropy's. Targets
-    equal to ignore_idx give 0 and no gradient; any other target outside [0, V) is a ValueError.
+    equal to ignore_idx give 0 and no gradient; any other target outside [0, V) is a ValueError on the CPU,
+    and on CUDA (where raising would wait for the device) a NaN loss and gradient for that token.
     The gradient has inp's dtype."""
     return CrossEntropyFunction.apply(inp, target, label_smoothing, reduce_loss, dist_process_group, ignore_idx,
                                       is_cg_capturable)

@@ -187,3 +187,18 @@ def test_bad_arguments_name_the_argument():
         parallel_cross_entropy(x, t, 1.5)
     with pytest.raises(TypeError, match="target must be an integer tensor"):
         parallel_cross_entropy(x, t.float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernels_match_float64(dtype):
+    g = torch.Generator().manual_seed(13)
+    x = logits_with_edges((4, 6, 1031), dtype, g)
+    t = targets((4, 6), 1031, g)
+    want, x64 = reference(x, t, 0.1, False)
+    logits = x.cuda().requires_grad_()
+    loss = parallel_cross_entropy(logits, t.cuda(), 0.1, False)
+    torch.testing.assert_close(loss.double().cpu(), want.detach(), **TOLERANCE[dtype])
+    loss.backward(torch.ones_like(loss))
+    (want_grad,) = torch.autograd.grad(want, x64, torch.ones_like(want))
+    torch.testing.assert_close(logits.grad.double().cpu(), want_grad, **GRAD_TOLERANCE[dtype])

@@ -1,6 +1,7 @@
 """Cross-entropy kernels over a vocabulary shard: validated entry points and fake kernels.
 
-torch.ops.te_fuser.cross_entropy_stats / cross_entropy_backward (C on the CPU, csrc/ops/cross_entropy.h).
+torch.ops.te_fuser.cross_entropy_stats / cross_entropy_backward (C on the CPU, csrc/ops/cross_entropy.h; CUDA C
+on the GPU, csrc/cuda/ops/cross_entropy.cu).
 logits are (..., vocab shard), contiguous, float32 / bfloat16 / float16; target (...) int64.
 """
 

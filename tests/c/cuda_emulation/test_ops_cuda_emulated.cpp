@@ -12,8 +12,10 @@
 
 extern "C" {
 #include "ops/activation.h"
+#include "ops/cross_entropy.h"
 #include "ops/norm.h"
 }
+#include "cuda/ops/cross_entropy_cuda.h"
 #include "cuda/ops/fused_ops_cuda.h"
 
 #include "../check.h"
@@ -209,10 +211,61 @@ static void test_checks() {
         TF_ERR_OVERFLOW, "2 * cols overflows");
 }
 
+// A vocabulary shard [vocab_start, vocab_start + cols) of rows x cols logits with ignored, local, remote and
+// invalid targets.
+static void test_cross_entropy(int64_t rows, int64_t cols) {
+  const int64_t vocab_start = cols, vocab_size = 3 * cols, ignore = -100;
+  const size_t n = static_cast<size_t>(rows * cols);
+  std::vector<float> x = random_vector(n, 20.0f);
+  x[3] = -INFINITY;
+  std::vector<int64_t> target(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) target[r] = (r * 7919) % vocab_size;  // local and remote classes
+  target[0] = ignore;
+  target[1] = vocab_start + cols - 1;
+  std::vector<float> cpu(4 * static_cast<size_t>(rows)), gpu(cpu.size());
+  CHECK(tf_cross_entropy_stats(x.data(), TF_FLOAT32, rows, cols, target.data(), vocab_start, vocab_size, ignore, 0,
+                               rows, cpu.data()) == TF_OK, "cross-entropy stats (C core)");
+  CHECK(tf_cross_entropy_stats_cuda(x.data(), TF_FLOAT32, rows, cols, target.data(), vocab_start, vocab_size, ignore,
+                                    gpu.data(), nullptr) == TF_OK, "cross-entropy stats launch");
+  bool close = true;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const bool exact = i % 4 == 0 || i % 4 == 2;  // the max and the target logit are read, not summed
+    close &= exact ? same_bits(&cpu[i], &gpu[i], sizeof(float))
+                   : cpu[i] == gpu[i] || std::fabs(cpu[i] - gpu[i]) <= 1e-5f * (std::fabs(cpu[i]) + 1.0f) * static_cast<float>(cols);
+  }
+  CHECK(close, "cross-entropy stats of %lld x %lld", static_cast<long long>(rows), static_cast<long long>(cols));
+
+  std::vector<float> lse(static_cast<size_t>(rows)), scale(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) lse[r] = cpu[4 * r] + std::log(cpu[4 * r + 1]), scale[r] = rand_f(2.0f);
+  std::vector<float> dx_cpu(n), dx_gpu(n);
+  CHECK(tf_cross_entropy_backward(x.data(), TF_FLOAT32, rows, cols, target.data(), vocab_start, vocab_size, ignore,
+                                  lse.data(), scale.data(), 0.01f, 0.9f, 0, rows, dx_cpu.data(), TF_FLOAT32) == TF_OK,
+        "cross-entropy backward (C core)");
+  CHECK(tf_cross_entropy_backward_cuda(x.data(), TF_FLOAT32, rows, cols, target.data(), vocab_start, vocab_size,
+                                       ignore, lse.data(), scale.data(), 0.01f, 0.9f, dx_gpu.data(), nullptr) == TF_OK,
+        "cross-entropy backward launch");
+  CHECK(same_floats(dx_cpu, dx_gpu), "cross-entropy gradient bits");
+
+  // An invalid target: the C core refuses the call, the CUDA kernels mark the row with NaN.
+  target[2] = vocab_size;
+  CHECK(tf_cross_entropy_stats_cuda(x.data(), TF_FLOAT32, rows, cols, target.data(), vocab_start, vocab_size, ignore,
+                                    gpu.data(), nullptr) == TF_OK && std::isnan(gpu[4 * 2 + 2]),
+        "an invalid target gives a NaN target logit");
+  CHECK(tf_cross_entropy_backward_cuda(x.data(), TF_FLOAT32, rows, cols, target.data(), vocab_start, vocab_size,
+                                       ignore, lse.data(), scale.data(), 0.0f, 1.0f, dx_gpu.data(), nullptr) == TF_OK &&
+            std::isnan(dx_gpu[2 * cols]),
+        "and a NaN gradient");
+  CHECK(tf_cross_entropy_stats_cuda(x.data(), TF_FLOAT32, rows, cols, target.data(), vocab_size - cols + 1, vocab_size,
+                                    ignore, gpu.data(), nullptr) == TF_ERR_BAD_SIZE,
+        "a shard past the vocabulary's end");
+}
+
 int main() {
   test_activations(70, 300);  // two row bands, two column blocks, ragged tails
   test_activations(1, 5);
   test_norms(9, 600);         // rows longer than a block
+  test_cross_entropy(11, 700);  // rows longer than a block, ragged
+  test_cross_entropy(3, 5);
   test_norms(130, 33);        // three bands of rows
   test_checks();
   return check_report();
