@@ -172,7 +172,7 @@ def test_fp8_mha_recipe_and_unsupported_options_raise():
         module(x, inference_params=object())
     with pytest.raises(ValueError, match="encoder_output"):
         _mha(attention_type="cross")(x)
-    with pytest.raises(ValueError, match="rotary_pos_emb covers 4 positions"):
+    with pytest.raises(ValueError, match="freqs covers 4 positions"):
         module(x, rotary_pos_emb=_rotary(4, 16))
 
 
