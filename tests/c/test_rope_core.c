@@ -122,6 +122,11 @@ static double ulp_scale(tf_dtype dtype) {
   return dtype == TF_FLOAT32 ? 0x1p-24 : dtype == TF_BFLOAT16 ? 0x1p-8 : 0x1p-11;
 }
 
+/* Half the step of the dtype's subnormals: the rounding error of a result below its smallest normal. */
+static double subnormal_half_step(tf_dtype dtype) {
+  return dtype == TF_FLOAT32 ? 0x1p-150 : dtype == TF_BFLOAT16 ? 0x1p-134 : 0x1p-25;
+}
+
 static void run_case(const rope_case *c, const char *label) {
   tf_rope_problem p = {c->format, c->seq, c->batch, c->heads, c->dim, c->rot_dim, c->interleaved, NULL,
                        c->freq_rows, c->freq_batch, c->cu, NULL, c->cp, c->rank};
@@ -167,7 +172,7 @@ static void run_case(const rope_case *c, const char *label) {
   CHECK(tf_rope_backward(&p, c->dtype, g, ys, dx, xs, 0, tokens) == TF_OK, "%s: backward", label);
 
   const int64_t pairs = c->rot_dim / 2;
-  const double eps = ulp_scale(c->dtype);
+  const double eps = ulp_scale(c->dtype), sub_floor = subnormal_half_step(c->dtype);
   int bad_fwd = 0, bad_bwd = 0, bad_copy = 0;
   double dot_y_g = 0.0, dot_x_dx = 0.0, dot_scale = 0.0;
   for (int64_t k = 0; k < tokens; ++k) {
@@ -190,8 +195,8 @@ static void run_case(const rope_case *c, const char *label) {
         const double mag = fabs(xa) + fabs(xb), dmag = fabs(ga) + fabs(gb);
         for (int j = 0; j < 2; ++j) {
           /* float32 math (a few ulps of the inputs' size), then one rounding to the dtype */
-          if (!(fabs(got[j] - ref[j]) <= 8 * 0x1p-24 * mag + eps * fabs(ref[j]) + 1e-40)) ++bad_fwd;
-          if (!(fabs(dgot[j] - dref[j]) <= 8 * 0x1p-24 * dmag + eps * fabs(dref[j]) + 1e-40)) ++bad_bwd;
+          if (!(fabs(got[j] - ref[j]) <= 8 * 0x1p-24 * mag + eps * fabs(ref[j]) + sub_floor)) ++bad_fwd;
+          if (!(fabs(dgot[j] - dref[j]) <= 8 * 0x1p-24 * dmag + eps * fabs(dref[j]) + sub_floor)) ++bad_bwd;
         }
         if (mag < 1e6) { /* <R x, g> = <x, R^T g> on the values the kernels wrote (huge ones checked above) */
           dot_y_g += got[0] * ga + got[1] * gb;
@@ -311,6 +316,21 @@ static void test_checks(void) {
          TF_ERR_BAD_ARGUMENT, "thd cp: a boundary not a multiple of 2 cp");
   EXPECT((p.format = TF_ROPE_THD, p.seq = 4, p.cu_seqlens = cu_ok, p.cp_size = 2, p.freq_rows = 3),
          TF_ERR_BAD_SIZE, "thd cp: freqs shorter than a whole sequence");
+  EXPECT((p.format = TF_ROPE_THD, p.seq = 4, p.batch = 0, p.cu_seqlens = cu_ok), TF_ERR_BAD_ARGUMENT,
+         "thd: tokens and no sequence");
+  /* the shape checks alone (the CUDA launchers') do not read cu_seqlens or start_positions */
+  p = ok;
+  p.format = TF_ROPE_THD, p.seq = 8, p.cu_seqlens = cu_end;
+  CHECK(tf_rope_check_shape(&p) == TF_OK && tf_rope_check(&p) == TF_ERR_BAD_ARGUMENT, "shape checks skip cu_seqlens");
+  p = ok;
+  p.freq_rows = 5, p.start_positions = start_far;
+  CHECK(tf_rope_check_shape(&p) == TF_OK && tf_rope_check(&p) == TF_ERR_BAD_SIZE, "shape checks skip start_positions");
+  p = ok;
+  p.freq_rows = 3;
+  CHECK(tf_rope_check_shape(&p) == TF_ERR_BAD_SIZE, "shape checks: freqs shorter than the sequence");
+  CHECK(tf_rope_check_view(&ok, TF_FLOAT16, st) == TF_OK && tf_rope_check_view(&ok, (tf_dtype)5, st) == TF_ERR_BAD_DTYPE &&
+            tf_rope_check_view(&ok, TF_FLOAT32, NULL) == TF_ERR_NULL_POINTER,
+        "view checks");
   /* sizes whose products overflow int64, refused before any pointer is read */
   EXPECT((p.seq = INT64_MAX / 2, p.freq_rows = INT64_MAX), TF_ERR_OVERFLOW, "seq * batch");
   EXPECT((p.heads = INT64_MAX / 4, p.freq_rows = 4), TF_ERR_OVERFLOW, "tokens * heads * dim");
