@@ -35,9 +35,8 @@ static tf_status check_sequence(const tf_rope_problem *p, int64_t i, int64_t len
   return check_span(p->start_positions ? p->start_positions[i] : 0, len, p->freq_rows);
 }
 
+/* thd's boundaries, once tf_rope_check_shape has passed. */
 static tf_status check_cu_seqlens(const tf_rope_problem *p) {
-  if (!p->cu_seqlens) return TF_ERR_NULL_POINTER;
-  if (!tf_mul_fits(p->seq, p->cp_size)) return TF_ERR_OVERFLOW;
   const int32_t *cu = p->cu_seqlens;
   if (cu[0] != 0 || (int64_t)cu[p->batch] != p->seq * p->cp_size) return TF_ERR_BAD_ARGUMENT;
   for (int64_t i = 0; i < p->batch; ++i) {
@@ -51,7 +50,7 @@ static tf_status check_cu_seqlens(const tf_rope_problem *p) {
   return TF_OK;
 }
 
-tf_status tf_rope_check(const tf_rope_problem *p) {
+tf_status tf_rope_check_shape(const tf_rope_problem *p) {
   if (!p) return TF_ERR_NULL_POINTER;
   if (p->format != TF_ROPE_SBHD && p->format != TF_ROPE_BSHD && p->format != TF_ROPE_THD)
     return TF_ERR_BAD_ARGUMENT;
@@ -64,16 +63,27 @@ tf_status tf_rope_check(const tf_rope_problem *p) {
   if (p->freq_batch != 1 && p->freq_batch != p->batch) return TF_ERR_BAD_SIZE;
   if (p->format != TF_ROPE_THD && !tf_mul_fits(p->seq, p->batch)) return TF_ERR_OVERFLOW;
   const int64_t tokens = tf_rope_tokens(p);
-  if (!tf_mul_fits(p->heads, p->dim) || !tf_mul_fits(tokens, p->heads) || !tf_mul_fits(tokens * p->heads, p->dim)) return TF_ERR_OVERFLOW;
+  if (!tf_mul_fits(p->heads, p->dim) || !tf_mul_fits(tokens, p->heads) || !tf_mul_fits(tokens * p->heads, p->dim))
+    return TF_ERR_OVERFLOW;
   if (!tf_mul_fits(p->freq_rows, p->freq_batch) || !tf_mul_fits(p->freq_rows * p->freq_batch, p->rot_dim))
     return TF_ERR_OVERFLOW;
   if (p->freq_rows * p->freq_batch * p->rot_dim > 0 && !p->freqs) return TF_ERR_NULL_POINTER;
-  if (p->format == TF_ROPE_THD) return check_cu_seqlens(p);
-  if (p->cp_size == 1 && !p->start_positions) return check_span(0, p->seq, p->freq_rows);
+  if (p->format == TF_ROPE_THD) {
+    if (!p->cu_seqlens) return TF_ERR_NULL_POINTER;
+    if (p->batch == 0 && p->seq > 0) return TF_ERR_BAD_ARGUMENT; /* tokens, and no sequence to hold them */
+    return tf_mul_fits(p->seq, p->cp_size) ? TF_OK : TF_ERR_OVERFLOW;
+  }
   if (p->cp_size > 1) return check_sequence(p, 0, p->seq);
-  for (int64_t i = 0; i < p->batch; ++i) {
-    const tf_status s = check_sequence(p, i, p->seq);
-    if (s != TF_OK) return s;
+  return p->start_positions ? TF_OK : check_span(0, p->seq, p->freq_rows);
+}
+
+tf_status tf_rope_check(const tf_rope_problem *p) {
+  const tf_status s = tf_rope_check_shape(p);
+  if (s != TF_OK) return s;
+  if (p->format == TF_ROPE_THD) return check_cu_seqlens(p);
+  for (int64_t i = 0; p->start_positions && i < p->batch; ++i) {
+    const tf_status si = check_sequence(p, i, p->seq);
+    if (si != TF_OK) return si;
   }
   return TF_OK;
 }
@@ -93,6 +103,13 @@ static tf_status check_view(const int64_t sizes[4], const int64_t strides[4], in
     extent += span;
   }
   return tf_mul_fits(extent + 1, elem_size) ? TF_OK : TF_ERR_OVERFLOW;
+}
+
+tf_status tf_rope_check_view(const tf_rope_problem *p, tf_dtype dtype, const int64_t strides[4]) {
+  if (!p || !strides) return TF_ERR_NULL_POINTER;
+  if (!dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
+  const int64_t sizes[4] = {p->seq, p->format == TF_ROPE_THD ? 1 : p->batch, p->heads, p->dim};
+  return check_view(sizes, strides, tf_dtype_size(dtype));
 }
 
 /* v[i] = float(x[off + i * stride]) for i in [0, n). */
@@ -229,15 +246,11 @@ static tf_status rope_run(const tf_rope_problem *p, int backward, tf_dtype dtype
                           int64_t token_end) {
   const tf_status st = tf_rope_check(p);
   if (st != TF_OK) return st;
-  if (!dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
-  if (!xs || !ys) return TF_ERR_NULL_POINTER;
   if (!tf_range_ok(token_begin, token_end, tf_rope_tokens(p))) return TF_ERR_BAD_SIZE;
-  const int thd = p->format == TF_ROPE_THD;
-  const int64_t sizes[4] = {p->seq, thd ? 1 : p->batch, p->heads, p->dim};
-  const int64_t elem = tf_dtype_size(dtype);
-  tf_status v = check_view(sizes, xs, elem);
-  if (v == TF_OK) v = check_view(sizes, ys, elem);
+  tf_status v = tf_rope_check_view(p, dtype, xs);
+  if (v == TF_OK) v = tf_rope_check_view(p, dtype, ys);
   if (v != TF_OK) return v;
+  const int thd = p->format == TF_ROPE_THD;
   if (token_end > token_begin && p->heads * p->dim > 0 && (!x || !y)) return TF_ERR_NULL_POINTER;
   if (token_end == token_begin || p->heads * p->dim == 0) return TF_OK;
 

@@ -77,6 +77,14 @@ int64_t tf_rope_tokens(const tf_rope_problem *p);
  */
 tf_status tf_rope_check(const tf_rope_problem *p);
 
+/* tf_rope_check without reading cu_seqlens or start_positions (device arrays, for the CUDA kernels,
+   which write NaN on the tokens those arrays misplace): for sbhd/bshd without start_positions, all of it. */
+tf_status tf_rope_check_shape(const tf_rope_problem *p);
+
+/* A view of x (or y) with these strides: dtype float32, bfloat16 or float16, every stride non-negative,
+   its extent in bytes within int64. */
+tf_status tf_rope_check_view(const tf_rope_problem *p, tf_dtype dtype, const int64_t strides[4]);
+
 /* y = RoPE(x) over tokens [token_begin, token_end); x and y have dtype and the given strides. */
 tf_status tf_rope_forward(const tf_rope_problem *p, tf_dtype dtype, const void *x,
                           const int64_t x_strides[4], void *y, const int64_t y_strides[4],

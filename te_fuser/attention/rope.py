@@ -64,6 +64,8 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
     rank holds chunks cp_rank and 2 cp_size - cp_rank - 1 of each sequence (in thd, cu_seqlens are then
     the padded global boundaries). fused: accepted for TransformerEngine's interface; both values run
     te_fuser's C kernel (float32 math, one rounding to t's dtype). Returns a new contiguous tensor.
+    On a GPU, cu_seqlens and start_positions are not read on the host (nothing waits): tokens that they
+    place outside a sequence or outside freqs come out NaN instead of raising.
     """
     del fused  # one implementation
     return rope(t, freqs, tensor_format, start_positions, interleaved, cu_seqlens, cp_size, cp_rank)
