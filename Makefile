@@ -35,7 +35,7 @@ test: install c-check
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 EMULATED_PARTS = c-check/emulated-attention c-check/emulated-fp8 c-check/emulated-ops
 C_CHECK_PARTS = c-check/attention-native c-check/attention-amx-model c-check/emulated-attention \
-	c-check/fp8 c-check/emulated-fp8 c-check/ops c-check/emulated-ops c-check/gemm c-check/fp8-block c-check/cross-entropy  # longest first
+	c-check/fp8 c-check/emulated-fp8 c-check/ops c-check/emulated-ops c-check/gemm c-check/fp8-block c-check/cross-entropy c-check/rope  # longest first
 .PHONY: $(C_CHECK_PARTS)
 
 c-check:
@@ -49,6 +49,8 @@ c-check/cross-entropy:
 	sh tests/c/run_cross_entropy.sh
 c-check/ops:
 	sh tests/c/run_ops.sh
+c-check/rope:
+	sh tests/c/run_rope.sh
 c-check/attention-native:
 	sh tests/c/run_attention.sh native
 c-check/attention-amx-model:

@@ -2,7 +2,7 @@
 
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
-from .attention import DotProductAttention
+from .attention import DotProductAttention, RotaryPositionEmbedding
 from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
@@ -44,6 +44,7 @@ __all__ = [
     "recipe",
     "restore_from_saved",
     "RMSNorm",
+    "RotaryPositionEmbedding",
     "TransformerLayer",
     "tensor",
 ]

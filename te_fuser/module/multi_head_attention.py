@@ -248,8 +248,10 @@ class MultiheadAttention(torch.nn.Module):
 
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            query = apply_rotary_pos_emb(query, q_emb, self.qkv_format, self.rotary_pos_interleaved)
-            key = apply_rotary_pos_emb(key, k_emb, self.qkv_format, self.rotary_pos_interleaved)
+            query = apply_rotary_pos_emb(query, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                                         fused=True, cu_seqlens=cu_seqlens_q)
+            key = apply_rotary_pos_emb(key, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                                       fused=True, cu_seqlens=cu_seqlens_kv)
 
         attention_kwargs = dict(
             attention_mask=attention_mask, qkv_format=self.qkv_format, cu_seqlens_q=cu_seqlens_q,

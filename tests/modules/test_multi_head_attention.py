@@ -172,7 +172,7 @@ def test_fp8_mha_recipe_and_unsupported_options_raise():
         module(x, inference_params=object())
     with pytest.raises(ValueError, match="encoder_output"):
         _mha(attention_type="cross")(x)
-    with pytest.raises(ValueError, match="rotary_pos_emb covers 4 positions"):
+    with pytest.raises(ValueError, match="freqs covers 4 positions"):
         module(x, rotary_pos_emb=_rotary(4, 16))
 
 
@@ -308,3 +308,28 @@ def test_thd_packed_sequences_equal_per_sequence_bshd(generator):
                  max_seqlen_kv=11)
     expect = torch.cat([bshd(s)[0] for s in seqs])
     torch.testing.assert_close(packed, expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_thd_rotary_positions_restart_per_sequence(interleaved, generator):
+    """rotary_pos_emb with qkv_format='thd': RoPE reads cu_seqlens, so each packed sequence's positions
+    start at 0 and the packed forward and input gradient equal each sequence's alone in bshd."""
+    bshd = _mha(fuse_qkv_params=True, num_gqa_groups=2, qkv_format="bshd", rotary_pos_interleaved=interleaved)
+    thd = _mha(fuse_qkv_params=True, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding_causal",
+               rotary_pos_interleaved=interleaved)
+    thd.load_state_dict(bshd.state_dict())
+    freqs = te_fuser.RotaryPositionEmbedding(HIDDEN // HEADS, rotary_percent=0.5, interleaved=interleaved)(12)
+    lengths = [5, 11]
+    seqs = [torch.randn(1, n, HIDDEN, generator=generator, requires_grad=True) for n in lengths]
+    packed_in = torch.cat([s[0] for s in seqs]).detach().requires_grad_()
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    packed = thd(packed_in, rotary_pos_emb=freqs, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=11,
+                 max_seqlen_kv=11)
+    expect = torch.cat([bshd(s, rotary_pos_emb=freqs)[0] for s in seqs])
+    torch.testing.assert_close(packed, expect, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(packed.shape, generator=generator)
+    packed.backward(grad)
+    expect.backward(grad)
+    torch.testing.assert_close(packed_in.grad, torch.cat([s.grad[0] for s in seqs]), rtol=1e-5, atol=1e-5)
+    plain = thd(packed_in.detach(), cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=11, max_seqlen_kv=11)
+    assert not torch.allclose(plain, packed.detach(), atol=1e-3)

@@ -198,3 +198,23 @@ def test_drop_path_drops_whole_dim0_entries():
     assert 0 < (per_entry[:, 0] == 0).sum() < 64
     drop.eval()
     assert torch.equal(drop(torch.ones(3, 2)), torch.ones(3, 2))
+
+
+def test_thd_rotary_positions_restart_per_sequence(generator):
+    """TransformerLayer passes rotary_pos_emb and cu_seqlens down to RoPE: packed thd sequences give what
+    each gives alone in bshd, forward and input gradient."""
+    bshd = _layer(fuse_qkv_params=True, attn_input_format="bshd")
+    thd = _layer(fuse_qkv_params=True, attn_input_format="thd", self_attn_mask_type="padding_causal")
+    thd.load_state_dict(bshd.state_dict())
+    freqs = te_fuser.RotaryPositionEmbedding(HIDDEN // HEADS)(9)
+    lengths = [9, 4]
+    seqs = [torch.randn(1, n, HIDDEN, generator=generator, requires_grad=True) for n in lengths]
+    packed_in = torch.cat([s[0] for s in seqs]).detach().requires_grad_()
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    packed = thd(packed_in, rotary_pos_emb=freqs, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+    expect = torch.cat([bshd(s, rotary_pos_emb=freqs)[0] for s in seqs])
+    torch.testing.assert_close(packed, expect, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(packed.shape, generator=generator)
+    packed.backward(grad)
+    expect.backward(grad)
+    torch.testing.assert_close(packed_in.grad, torch.cat([s.grad[0] for s in seqs]), rtol=1e-5, atol=1e-5)

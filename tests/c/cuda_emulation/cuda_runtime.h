@@ -351,6 +351,7 @@ inline float atomicAdd(float *p, float value) {
 
 // Built with -ffp-contract=off, so these are single IEEE operations as on the GPU.
 inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 
 // ---- dynamic shared memory --------------------------------------------------

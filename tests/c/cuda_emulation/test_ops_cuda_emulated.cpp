@@ -1,9 +1,12 @@
 // The fused-op CUDA kernels (csrc/cuda/ops) run on the host through the CUDA
-// emulation of this directory and checked against the C core (csrc/ops): the
+// emulation of this directory and checked against the C core (csrc/ops): RoPE (every layout,
+// interleaved, partial, start positions, context parallelism, per-sequence angles, strided bf16
+// views) bit for bit, with NaN on the tokens bad cu_seqlens or start_positions misplace; the
 // element-wise kernels (every activation, plain and gated, edge values included) bit for bit (same float32 math, no FMA contraction on
 // either side), FP8 bytes and amax exactly, dbias/dgamma/dbeta exactly against
 // the C core split into the same 64-row bands, and the row statistics of the
-// norms (a tree sum on the GPU, a double sum on the CPU) within float32 rounding.
+// norms (a tree sum on the GPU, a double sum on the CPU) within float32 rounding; cross-entropy's row
+// statistics within float32 rounding (tree against sequential sums), its gradient bit for bit.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -14,9 +17,11 @@ extern "C" {
 #include "ops/activation.h"
 #include "ops/cross_entropy.h"
 #include "ops/norm.h"
+#include "ops/rope.h"
 }
 #include "cuda/ops/cross_entropy_cuda.h"
 #include "cuda/ops/fused_ops_cuda.h"
+#include "cuda/ops/rope_cuda.h"
 
 #include "../check.h"
 
@@ -260,6 +265,98 @@ static void test_cross_entropy(int64_t rows, int64_t cols) {
         "a shard past the vocabulary's end");
 }
 
+// A RoPE problem run by the C core and by the CUDA kernel: the same bits (any NaN matching any NaN).
+static void rope_compare(const tf_rope_problem &p, tf_dtype dtype, bool padded, const char *what) {
+  const int64_t tokens = tf_rope_tokens(&p);
+  const bool thd = p.format == TF_ROPE_THD;
+  const int64_t dpad = padded ? 2 : 1, per_token = p.heads * p.dim * dpad + (padded ? 5 : 0);
+  int64_t xs[4] = {per_token, 0, p.dim * dpad, dpad}, ys[4] = {p.heads * p.dim, 0, p.dim, 1};
+  if (!thd) {
+    const bool sbhd = p.format == TF_ROPE_SBHD;
+    xs[sbhd ? 1 : 0] = per_token;
+    xs[sbhd ? 0 : 1] = per_token * (sbhd ? p.batch : p.seq);
+    ys[sbhd ? 1 : 0] = p.heads * p.dim;
+    ys[sbhd ? 0 : 1] = p.heads * p.dim * (sbhd ? p.batch : p.seq);
+  }
+  const size_t n_in = static_cast<size_t>(tokens * per_token + 8), n_out = static_cast<size_t>(tokens * p.heads * p.dim);
+  std::vector<float> x = random_vector(n_in, 3.0f);
+  std::vector<uint16_t> x16(n_in);
+  for (size_t i = 0; i < n_in; ++i) x16[i] = dtype == TF_BFLOAT16 ? tf_f32_to_bf16(x[i]) : tf_f32_to_f16(x[i]);
+  const void *xp = dtype == TF_FLOAT32 ? static_cast<const void *>(x.data()) : x16.data();
+  const size_t es = dtype == TF_FLOAT32 ? 4 : 2;
+  for (int backward = 0; backward < 2; ++backward) {
+    std::vector<uint8_t> cpu(n_out * es), gpu(n_out * es, 0xAB);
+    const tf_status cs = backward ? tf_rope_backward(&p, dtype, xp, xs, cpu.data(), ys, 0, tokens)
+                                  : tf_rope_forward(&p, dtype, xp, xs, cpu.data(), ys, 0, tokens);
+    const tf_status gs = backward ? tf_rope_backward_cuda(&p, dtype, xp, xs, gpu.data(), ys, nullptr)
+                                  : tf_rope_forward_cuda(&p, dtype, xp, xs, gpu.data(), ys, nullptr);
+    CHECK(cs == TF_OK && gs == TF_OK, "%s: statuses %d %d", what, cs, gs);
+    bool same = true;
+    for (size_t i = 0; i < n_out; ++i) {
+      const float a = dtype == TF_FLOAT32 ? reinterpret_cast<const float *>(cpu.data())[i]
+                                          : (dtype == TF_BFLOAT16 ? tf_bf16_to_f32 : tf_f16_to_f32)(
+                                                reinterpret_cast<const uint16_t *>(cpu.data())[i]);
+      const float b = dtype == TF_FLOAT32 ? reinterpret_cast<const float *>(gpu.data())[i]
+                                          : (dtype == TF_BFLOAT16 ? tf_bf16_to_f32 : tf_f16_to_f32)(
+                                                reinterpret_cast<const uint16_t *>(gpu.data())[i]);
+      if (!(std::isnan(a) && std::isnan(b)) && !same_bits(&a, &b, sizeof a)) same = false;
+    }
+    CHECK(same, "%s: %s differs from the C core", what, backward ? "backward" : "forward");
+  }
+}
+
+static void test_rope() {
+  static const int32_t cu[] = {0, 5, 5, 12, 13}, cu_cp[] = {0, 8, 8, 20, 32}, start[] = {2, 0, 1, 3};
+  std::vector<float> freqs = random_vector(16 * 4 * 16, 40.0f);
+  char what[120];
+  for (int fmt = 0; fmt < 3; ++fmt)
+    for (int inter = 0; inter < 2; ++inter)
+      for (int mode = 0; mode < 4; ++mode) {  // plain, start positions + per-sequence angles, cp rank 0, cp rank 1
+        const bool thd = fmt == TF_ROPE_THD, cp = mode >= 2;
+        tf_rope_problem p = {static_cast<tf_rope_format>(fmt), 6, 4, 3, 20, mode == 1 ? 12 : 20, inter,
+                             freqs.data(), 12, mode == 1 ? 4 : 1, nullptr, mode == 1 ? start : nullptr,
+                             cp ? 2 : 1, mode == 3};
+        if (thd) {
+          p.cu_seqlens = cp ? cu_cp : cu;
+          p.seq = cp ? 16 : 13;
+        }
+        for (int d = 0; d < 2; ++d) {
+          std::snprintf(what, sizeof what, "rope format %d interleaved %d mode %d dtype %d", fmt, inter, mode, d);
+          rope_compare(p, d ? TF_BFLOAT16 : TF_FLOAT32, (mode + d) % 2 == 1, what);
+        }
+      }
+  // misplaced tokens: NaN on the GPU (which does not read the device arrays on the host), refusal on the CPU
+  static const int32_t cu_bad[] = {3, 8, 13}, start_far[] = {0, 9, 0, 0};
+  tf_rope_problem bad = {TF_ROPE_THD, 13, 2, 2, 8, 8, 0, freqs.data(), 12, 1, cu_bad, nullptr, 1, 0};
+  CHECK(tf_rope_check(&bad) == TF_ERR_BAD_ARGUMENT && tf_rope_check_shape(&bad) == TF_OK, "bad cu_seqlens");
+  tf_rope_problem far = {TF_ROPE_SBHD, 6, 4, 2, 8, 8, 0, freqs.data(), 12, 1, nullptr, start_far, 1, 0};
+  CHECK(tf_rope_check(&far) == TF_ERR_BAD_SIZE && tf_rope_check_shape(&far) == TF_OK, "start past freqs");
+  const int64_t st_thd[4] = {16, 0, 8, 1}, st_sbhd[4] = {64, 16, 8, 1};
+  std::vector<float> x = random_vector(13 * 16, 1.0f), y(13 * 16);
+  CHECK(tf_rope_forward_cuda(&bad, TF_FLOAT32, x.data(), st_thd, y.data(), st_thd, nullptr) == TF_OK, "bad cu launch");
+  bool nan_ok = true;  // tokens 0-2 lie before the first sequence (cu_seqlens[0] = 3)
+  for (int t = 0; t < 13; ++t)
+    for (int c = 0; c < 16; ++c) nan_ok = nan_ok && (std::isnan(y[t * 16 + c]) == (t < 3));
+  CHECK(nan_ok, "tokens outside every sequence give NaN, and only they");
+  std::vector<float> xs(6 * 4 * 16, 1.0f), ysb(6 * 4 * 16);
+  CHECK(tf_rope_forward_cuda(&far, TF_FLOAT32, xs.data(), st_sbhd, ysb.data(), st_sbhd, nullptr) == TF_OK,
+        "far start launch");
+  bool far_ok = true;
+  for (int s = 0; s < 6; ++s)
+    for (int b = 0; b < 4; ++b)
+      for (int c = 0; c < 16; ++c) far_ok = far_ok && (std::isnan(ysb[s * 64 + b * 16 + c]) == (b == 1 && s >= 3));
+  CHECK(far_ok, "positions past freqs give NaN, and only there");
+  // host-side refusals, before any device pointer is read
+  tf_rope_problem empty_thd = {TF_ROPE_THD, 4, 0, 2, 8, 8, 0, freqs.data(), 12, 1, cu, nullptr, 1, 0};
+  CHECK(tf_rope_forward_cuda(&empty_thd, TF_FLOAT32, x.data(), st_thd, y.data(), st_thd, nullptr) ==
+        TF_ERR_BAD_ARGUMENT, "thd tokens without sequences");
+  const int64_t huge[4] = {INT64_MAX / 2, 16, 8, 1};
+  CHECK(tf_rope_forward_cuda(&far, TF_FLOAT32, xs.data(), huge, ysb.data(), st_sbhd, nullptr) == TF_ERR_OVERFLOW,
+        "strides overflow");
+  CHECK(tf_rope_backward_cuda(&far, TF_FLOAT32, nullptr, st_sbhd, ysb.data(), st_sbhd, nullptr) == TF_ERR_NULL_POINTER,
+        "NULL dy");
+}
+
 int main() {
   test_activations(70, 300);  // two row bands, two column blocks, ragged tails
   test_activations(1, 5);
@@ -268,5 +365,6 @@ int main() {
   test_cross_entropy(3, 5);
   test_norms(130, 33);        // three bands of rows
   test_checks();
+  test_rope();
   return check_report();
 }
