@@ -20,6 +20,8 @@
 #include "../common/tf_dtype.h"
 #include "../common/tf_status.h"
 
+#define TF_NVFP4_BLOCK 16
+
 /*
  * *amax = max |v| over the band (NaN-propagating: Inf or NaN in the input shows in the result),
  * where v is x itself (rht 0), or the columnwise values after the random Hadamard transform of each

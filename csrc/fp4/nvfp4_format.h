@@ -14,7 +14,6 @@
 
 #include "../fp8/fp8_format.h"
 
-#define TF_NVFP4_BLOCK 16
 #define TF_E2M1_MAX 6.0f
 
 /* The magnitude of an E2M1 code's bits 0-2: m * 0.5 below 1, else (2 + m) * 2^(e - 2). */
