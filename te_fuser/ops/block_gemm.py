@@ -1,7 +1,8 @@
-"""The GEMMs of the block-scaled recipes on the CPU (MXFP8BlockScaling, Float8BlockScaling).
+"""The GEMMs of the block-scaled recipes on the CPU (MXFP8BlockScaling, Float8BlockScaling,
+NVFP4BlockScaling).
 
 Every GEMM is `a @ b.T` over a reduction dimension K cut into blocks of `block` (32 for MXFP8, 128
-for Float8 block scaling), each operand row-major with one scale per (row, K block):
+for Float8 block scaling, 16 for NVFP4), each operand row-major with one scale per (row, K block):
 
     out[i, j] = sum over K blocks kb, in order kb = 0, 1, ...:
                     P_kb[i, j] * float32(sa[i, kb] * sb[j, kb])
@@ -12,6 +13,11 @@ for Float8 block scaling), each operand row-major with one scale per (row, K blo
 each product and each addition rounded to float32, the bias added in float32 and the result rounded
 once to the output dtype. This is split accumulation, as TE requires for these recipes: each block is
 summed apart and scaled before it joins the total.
+
+NVFP4's E2M1 values are all E4M3 values, so its operands run through the same FP8 GEMM; a block's
+scale is its dequantization factor float32(float32(e4m3 scale * amax) * float32(1 / 2688)).
+Blackwell instead multiplies by the E4M3 scales inside the MMA and by the two amaxes' factor
+(alpha) once at the end: the results differ by the rounding of the folded factors.
 
     forward  y  = x  @ W.T   a = x rowwise,              b = W rowwise
     dgrad    dx = dy @ W     a = dy rowwise,             b = W columnwise (as W.T's rows)
@@ -24,13 +30,35 @@ import torch
 
 from ..kernels import gemm as gemm_kernels
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..recipe import MXFP8BlockScaling, NVFP4BlockScaling
 from ..tensor.mxfp8_tensor import MXFP8Tensor
+from ..tensor.nvfp4_tensor import NVFP4Tensor
 
-MXFP8_BLOCK, FP8_BLOCK = 32, 128
+MXFP8_BLOCK, FP8_BLOCK, NVFP4_BLOCK = 32, 128, 16
+
+# The E4M3 code of each E2M1 code (sign and magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}).
+_E2M1_AS_E4M3 = torch.tensor([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                              0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC], dtype=torch.uint8)
 
 
 def block_of(t) -> int:
-    return MXFP8_BLOCK if isinstance(t, MXFP8Tensor) else FP8_BLOCK
+    return MXFP8_BLOCK if isinstance(t, MXFP8Tensor) else NVFP4_BLOCK if isinstance(t, NVFP4Tensor) else FP8_BLOCK
+
+
+def recipe_block(recipe) -> int:
+    """The K block of a block-scaled recipe's GEMMs."""
+    if isinstance(recipe, MXFP8BlockScaling):
+        return MXFP8_BLOCK
+    return NVFP4_BLOCK if isinstance(recipe, NVFP4BlockScaling) else FP8_BLOCK
+
+
+def _nvfp4_operand(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, rows: int, k: int):
+    """(E4M3 codes (rows, k), float32 decode factors (rows, k / 16)) of packed NVFP4 data."""
+    packed = data.reshape(rows, k // 2).to(torch.int64)
+    nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(rows, k)
+    codes = _E2M1_AS_E4M3[nibbles].view(torch.float8_e4m3fn)
+    block_scales = scale[:rows, : k // NVFP4_BLOCK].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    return codes, block_scales * amax.reshape(()) * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
 
 
 def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
@@ -46,14 +74,18 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     cols = t.shape[-1]
     rows = t.numel() // cols
     block = block_of(t)
+    if isinstance(t, NVFP4Tensor):  # columnwise: the transposed data (Hadamard-transformed under with_rht)
+        if columnwise:
+            return _nvfp4_operand(t._columnwise_data, t._columnwise_scale_inv, t._amax_columnwise, cols, rows)
+        return _nvfp4_operand(t._rowwise_data, t._rowwise_scale_inv, t._amax_rowwise, rows, cols)
     if isinstance(t, MXFP8Tensor):
         if not columnwise:
             return t._rowwise_data.reshape(rows, cols), e8m0_values(t._rowwise_scale_inv[:rows, : cols // block])
         codes = t._columnwise_data.reshape(rows, cols).t().contiguous()
         return codes, e8m0_values(t._columnwise_scale_inv[: rows // block, :cols]).t()
     if not isinstance(t, Float8BlockwiseQTensor):
-        raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor or a Float8BlockwiseQTensor, got "
-                        f"{type(t).__name__}")
+        raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor, an NVFP4Tensor or a "
+                        f"Float8BlockwiseQTensor, got {type(t).__name__}")
     if columnwise:
         codes, scale, n, k = t._columnwise_data.reshape(cols, rows), t._columnwise_scale_inv, cols, rows
     else:
@@ -85,5 +117,5 @@ def check_block_gemm_dims(block: int, **dims: int) -> None:
     for name, value in dims.items():
         if value % block:
             raise ValueError(f"te_fuser block-scaled GEMM: {name} = {value} is not divisible by the block size "
-                             f"{block}; MXFP8 needs multiples of 32 and Float8 block scaling of 128 (pad it, or "
-                             "run this layer under another recipe)")
+                             f"{block}; MXFP8 needs multiples of 32, Float8 block scaling of 128 and NVFP4 of 16 "
+                             "(pad it, or run this layer under another recipe)")
