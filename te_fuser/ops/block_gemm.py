@@ -36,10 +36,6 @@ from ..tensor.nvfp4_tensor import NVFP4Tensor
 
 MXFP8_BLOCK, FP8_BLOCK, NVFP4_BLOCK = 32, 128, 16
 
-# The E4M3 code of each E2M1 code (sign and magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}).
-_E2M1_AS_E4M3 = torch.tensor([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
-                              0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC], dtype=torch.uint8)
-
 
 def block_of(t) -> int:
     return MXFP8_BLOCK if isinstance(t, MXFP8Tensor) else NVFP4_BLOCK if isinstance(t, NVFP4Tensor) else FP8_BLOCK
@@ -52,21 +48,6 @@ def recipe_block(recipe) -> int:
     return NVFP4_BLOCK if isinstance(recipe, NVFP4BlockScaling) else FP8_BLOCK
 
 
-def _nvfp4_operand(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, rows: int, k: int):
-    """(E4M3 codes (rows, k), float32 decode factors (rows, k / 16)) of packed NVFP4 data."""
-    packed = data.reshape(rows, k // 2).to(torch.int64)
-    nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(rows, k)
-    codes = _E2M1_AS_E4M3[nibbles].view(torch.float8_e4m3fn)
-    block_scales = scale[:rows, : k // NVFP4_BLOCK].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-    return codes, block_scales * amax.reshape(()) * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
-
-
-def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
-    """2^(code - 127) as float32 (2^-127 is a float32 subnormal); NaN for 255."""
-    values = torch.ldexp(torch.ones(codes.shape, dtype=torch.float32), codes.to(torch.int32) - 127)
-    return torch.where(codes == 255, torch.nan, values)
-
-
 def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a block-scaled tensor as a GEMM operand: codes (rows, K) row-major FP8 with K
     the reduction dimension, scales (rows, K / block) float32. Rowwise: the tensor as a matrix (the
@@ -75,9 +56,7 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     rows = t.numel() // cols
     block = block_of(t)
     if isinstance(t, NVFP4Tensor):  # columnwise: the transposed data (Hadamard-transformed under with_rht)
-        if columnwise:
-            return _nvfp4_operand(t._columnwise_data, t._columnwise_scale_inv, t._amax_columnwise, cols, rows)
-        return _nvfp4_operand(t._rowwise_data, t._rowwise_scale_inv, t._amax_rowwise, rows, cols)
+        return t._codes_and_factors(columnwise)
     if isinstance(t, MXFP8Tensor):
         if not columnwise:
             return t._rowwise_data.reshape(rows, cols), e8m0_values(t._rowwise_scale_inv[:rows, : cols // block])

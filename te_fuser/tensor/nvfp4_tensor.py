@@ -21,6 +21,10 @@ from ._block_scaled_tensor import BUFFERS, BlockScaledQuantizer, BlockScaledTens
 
 NVFP4_BLOCK_SCALING_SIZE = kernels.NVFP4_BLOCK
 
+# The E4M3 code of each E2M1 code (sign and magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}): every E2M1 value is one.
+_E2M1_AS_E4M3 = torch.tensor([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                              0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC], dtype=torch.uint8)
+
 # TE's fixed random signs of the wgrad transform (row j of the Hadamard matrix negated where -1).
 _WGRAD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
@@ -66,6 +70,22 @@ class NVFP4Tensor(BlockScaledTensor):
     def _fp4_dtype(self) -> DType:
         return DType.kFloat4E2M1
 
+    def _codes_and_factors(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A usage's values as (E4M3 codes (n, m) of its E2M1 values, float32 decode factors (n, m / 16),
+        float32(float32(scale * amax) * float32(1 / 2688))), n x m the data's matrix: (rows, cols)
+        rowwise, (cols, rows) columnwise. Each value is exactly code * factor."""
+        cols = self.shape[-1]
+        rows = self.numel() // cols
+        if columnwise:
+            data, scale, amax, n, m = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise, cols, rows
+        else:
+            data, scale, amax, n, m = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise, rows, cols
+        packed = data.reshape(n, m // 2).to(torch.int64)
+        nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n, m)
+        codes = _E2M1_AS_E4M3.to(data.device)[nibbles].view(torch.float8_e4m3fn)
+        block_scales = scale[:n, : m // NVFP4_BLOCK_SCALING_SIZE].contiguous().view(torch.float8_e4m3fn).float()
+        return codes, block_scales * amax.reshape(()) * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
+
     def _stored_values(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
         """A usage's values as its data holds them: (rows, cols) rowwise, (cols, rows) columnwise, the
         Hadamard-transformed values when _columnwise_rht."""
@@ -81,10 +101,11 @@ class NVFP4Tensor(BlockScaledTensor):
             return self._stored_values(False, dtype).reshape(self.shape)
         if not self._columnwise_rht:
             return self._stored_values(True, dtype).t().reshape(self.shape)
-        # The inverse transform (M.T) is exact in float64: a block's 16 values share one float32 factor.
-        stored = self._stored_values(True, torch.float32).double()
-        groups = stored.reshape(stored.shape[0], -1, NVFP4_BLOCK_SCALING_SIZE)
-        values = (groups @ get_rht_matrix(stored.device).double().t()).reshape(stored.shape)
+        # The exact values (code * factor), then the inverse transform (M.T), exact in float64 too: a block's
+        # 16 values share one float32 factor. One rounding to float32 at the end.
+        codes, factors = self._codes_and_factors(True)
+        groups = codes.double().reshape(codes.shape[0], -1, NVFP4_BLOCK_SCALING_SIZE) * factors.double()[..., None]
+        values = (groups @ get_rht_matrix(codes.device).double().t()).reshape(codes.shape)
         return values.to(torch.float32).to(dtype).t().reshape(self.shape)
 
     def __repr__(self, *, tensor_contents=None) -> str:
