@@ -48,6 +48,12 @@ def recipe_block(recipe) -> int:
     return NVFP4_BLOCK if isinstance(recipe, NVFP4BlockScaling) else FP8_BLOCK
 
 
+def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
+    """2^(code - 127) as float32 (2^-127 is a float32 subnormal); NaN for 255."""
+    values = torch.ldexp(torch.ones(codes.shape, dtype=torch.float32), codes.to(torch.int32) - 127)
+    return torch.where(codes == 255, torch.nan, values)
+
+
 def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a block-scaled tensor as a GEMM operand: codes (rows, K) row-major FP8 with K
     the reduction dimension, scales (rows, K / block) float32. Rowwise: the tensor as a matrix (the
