@@ -3,6 +3,11 @@ nvfp4_reference.py, the reference against the format's facts, stochastic roundin
 Hadamard transform, 2D blocks, the fake kernels and the refusals.
 
 Every kernel test runs once per instruction-set path of the CPU kernels this machine has.
+
+Planted in csrc/fp4/nvfp4_format.h and seen failing (then reverted): the tie 0.25 rounded up
+(`a > 0.25f` -> `a >= 0.25f` in tf_e2m1_encode_rn): test_ties_round_to_the_even_code fails on every
+path and dtype (random inputs never hit the tie); stochastic rounding biased down (the threshold
+`d * 2^24` scaled by 0.9): test_stochastic_rounding_is_unbiased_and_picks_a_neighbour fails.
 """
 
 import math
@@ -72,6 +77,26 @@ def check_against_reference(x, block_2d, rht, stochastic, seed=12345):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bit_exact(isa_path, generator, shape, dtype, mode):
     check_against_reference(edge_input(shape, dtype, generator), *MODES[mode])
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_ties_round_to_the_even_code(isa_path, dtype):
+    """Elements that scale exactly onto the midpoints of the E2M1 grid: the tensor's amax 2688 makes
+    S_enc = 1, and a block whose amax is 6 * 2^n gets the scale 2^n, so its elements are scaled by
+    2^-n exactly. Ties go to the even code, as TE's cvt.rn does."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], dtype=torch.float64)
+    x = torch.zeros(16, 64, dtype=torch.float64)
+    x[0, 0] = 2688.0
+    for r in range(16):
+        for b in range(1, 4):
+            n = r % 8 - 3 + b
+            x[r, 16 * b: 16 * b + 8] = ties * 2.0**n
+            x[r, 16 * b + 8: 16 * b + 16] = -ties * 2.0**n
+    x = x.to(dtype)
+    data, *_ = check_against_reference(x, False, False, False)
+    codes = ref.unpack(data)[:, 16:64].reshape(16, 3, 16)
+    expected = torch.tensor([0, 2, 2, 4, 4, 6, 6, 7], dtype=torch.uint8)
+    assert torch.equal(codes, torch.cat([expected, expected | 8]).expand(16, 3, 16))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
