@@ -62,7 +62,8 @@ def check_against_reference(x, block_2d, rht, stochastic, seed=12345):
     assert data.shape == (*x.shape[:-1], cols // 2) and col_data.shape == (cols, rows // 2)
     assert tuple(scale.shape) == k.nvfp4_scale_shape(x.shape, False) and scale.dtype == torch.uint8
     assert tuple(col_scale.shape) == k.nvfp4_scale_shape(x.shape, True)
-    for got_data, got_scale, got_amax, columnwise in ((data, scale, amax, False), (col_data, col_scale, col_amax, True)):
+    usages = ((data, scale, amax, False), (col_data, col_scale, col_amax, True))
+    for got_data, got_scale, got_amax, columnwise in usages:
         codes, scale_codes, want_amax = ref.quantize(x2, columnwise, block_2d, rht and columnwise,
                                                      seed if stochastic else None)
         n, m = scale_codes.shape

@@ -77,9 +77,11 @@ class NVFP4Tensor(BlockScaledTensor):
         cols = self.shape[-1]
         rows = self.numel() // cols
         if columnwise:
-            data, scale, amax, n, m = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise, cols, rows
+            data, scale, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
+            n, m = cols, rows
         else:
-            data, scale, amax, n, m = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise, rows, cols
+            data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
+            n, m = rows, cols
         packed = data.reshape(n, m // 2).to(torch.int64)
         nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n, m)
         codes = _E2M1_AS_E4M3.to(data.device)[nibbles].view(torch.float8_e4m3fn)
