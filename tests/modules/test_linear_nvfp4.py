@@ -120,6 +120,25 @@ def test_ops_sequential_matches_the_module(generator):
         assert torch.equal(a, b)
 
 
+def test_save_original_input_gives_the_same_bits(generator):
+    """save_original_input=True keeps x in high precision and quantizes its columnwise data (transformed)
+    in backward: the same operands, so the same output and grads."""
+    plain = te_fuser.Linear(IN, OUT)
+    original = te_fuser.Linear(IN, OUT, save_original_input=True)
+    original.load_state_dict(plain.state_dict())
+    x = torch.randn(SHAPE, generator=generator)
+    results = []
+    for model in (plain, original):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(11)
+        with te_fuser.fp8_autocast(fp8_recipe=NVFP4BlockScaling()):
+            y = model(xi)
+        y.backward(torch.ones_like(y))
+        results.append((y, xi.grad, model.weight.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_refusals_name_what_they_refuse():
     with pytest.raises(ValueError, match="in_features"):
         with te_fuser.fp8_autocast(fp8_recipe=NVFP4BlockScaling()):
