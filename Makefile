@@ -35,7 +35,8 @@ test: install c-check
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 EMULATED_PARTS = c-check/emulated-attention c-check/emulated-fp8 c-check/emulated-ops
 C_CHECK_PARTS = c-check/attention-native c-check/attention-amx-model c-check/emulated-attention \
-	c-check/fp8 c-check/emulated-fp8 c-check/ops c-check/emulated-ops c-check/gemm c-check/fp8-block c-check/cross-entropy c-check/rope  # longest first
+	c-check/fp8 c-check/emulated-fp8 c-check/ops c-check/emulated-ops c-check/gemm c-check/fp8-block \
+	c-check/nvfp4 c-check/cross-entropy c-check/rope  # longest first
 .PHONY: $(C_CHECK_PARTS)
 
 c-check:
@@ -47,6 +48,8 @@ c-check/fp8-block:
 	sh tests/c/run_fp8_block.sh
 c-check/cross-entropy:
 	sh tests/c/run_cross_entropy.sh
+c-check/nvfp4:
+	sh tests/c/run_nvfp4.sh
 c-check/ops:
 	sh tests/c/run_ops.sh
 c-check/rope:

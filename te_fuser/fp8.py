@@ -3,6 +3,7 @@ keeps for them; they live in te_fuser.quantization, as TE's do in its `quantizat
 
 from .quantization import (FP8GlobalStateManager, QuantizationState, _amax_and_scale_update, _default_sf_compute,
                            autocast, check_fp8_block_scaling_support, check_fp8_support, check_mxfp8_support,
+                           check_nvfp4_support,
                            fp8_autocast, fp8_model_init, get_default_fp8_recipe, get_fp8_max, get_fp8_torch_dtype,
                            quantized_model_init)
 

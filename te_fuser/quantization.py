@@ -33,7 +33,9 @@ from .tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from .te_dtype import DType, te_dtype
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .tensor.mxfp8_tensor import MXFP8Quantizer
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from .tensor.nvfp4_tensor import NVFP4Quantizer
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
+                     Recipe)
 
 
 def runs_while_tracing(fn):
@@ -101,7 +103,8 @@ class FP8GlobalState:
             state.update()
 
 
-_AUTOCAST_RECIPES = (DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling)
+_BLOCK_SCALED_RECIPES = (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
+_AUTOCAST_RECIPES = (DelayedScaling, Float8CurrentScaling) + _BLOCK_SCALED_RECIPES
 
 
 # A recipe made inside a compiled region exists, while dynamo traces it, only as a record of its fields,
@@ -141,8 +144,8 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     """
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     if not isinstance(recipe, _AUTOCAST_RECIPES):
-        raise TypeError(f"fp8_recipe must be DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or "
-                        f"Float8BlockScaling, got {type(recipe).__name__}")
+        raise TypeError(f"fp8_recipe must be DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
+                        f"Float8BlockScaling or NVFP4BlockScaling, got {type(recipe).__name__}")
     if torch.compiler.is_compiling():
         recipe = _made_outside_the_graph(recipe)
     if not FP8GlobalState._stack:
@@ -453,11 +456,11 @@ class CurrentScalingState(_TERecipeStateNames):
 
 
 class BlockScalingState:
-    """MXFP8BlockScaling and Float8BlockScaling keep no state: fresh quantizers per tensor, by role.
+    """The block-scaled recipes keep no state: fresh quantizers per tensor, by role.
 
     Forward slots alternate input, weight (a linear op's layout); backward slots are gradients. Under
     Float8BlockScaling each role takes its QParams and block dimension from the recipe (TE's
-    Float8BlockScalingRecipeState)."""
+    Float8BlockScalingRecipeState), under NVFP4BlockScaling its fp4 QParams (TE's NVFP4BlockScalingRecipeState)."""
 
     def __init__(self, recipe, num_quantizers: int, forward: bool = True, device=None):
         self.recipe = recipe
@@ -475,6 +478,12 @@ class BlockScalingState:
             return MXFP8Quantizer(self.fp8_dtype)
         recipe = self.recipe
         role = ("weight" if i % 2 else "input") if self.forward else "grad"
+        if isinstance(recipe, NVFP4BlockScaling):
+            qparams = {"input": recipe.fp4_quant_fwd_inp, "weight": recipe.fp4_quant_fwd_weight,
+                       "grad": recipe.fp4_quant_bwd_grad}[role]
+            return NVFP4Quantizer(with_rht=qparams.random_hadamard_transform,
+                                  with_2d_quantization=qparams.fp4_2d_quantization,
+                                  stochastic_rounding=qparams.stochastic_rounding)
         qparams, dim = {"input": (recipe.fp8_quant_fwd_inp, recipe.x_block_scaling_dim),
                         "weight": (recipe.fp8_quant_fwd_weight, recipe.w_block_scaling_dim),
                         "grad": (recipe.fp8_quant_bwd_grad, recipe.grad_block_scaling_dim)}[role]
@@ -499,14 +508,14 @@ def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=
         return DelayedScalingState(recipe, num_quantizers, forward, device)
     if isinstance(recipe, Float8CurrentScaling):
         return CurrentScalingState(recipe, num_quantizers, forward, device)
-    if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
+    if isinstance(recipe, _BLOCK_SCALED_RECIPES):
         return BlockScalingState(recipe, num_quantizers, forward, device)
     raise TypeError(f"unknown FP8 recipe {type(recipe).__name__}")
 
 
 def is_block_scaled(recipe) -> bool:
-    """Whether a recipe scales blocks rather than whole tensors (MXFP8BlockScaling, Float8BlockScaling)."""
-    return isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling))
+    """Whether a recipe scales blocks rather than whole tensors (MXFP8, Float8 block scaling, NVFP4)."""
+    return isinstance(recipe, _BLOCK_SCALED_RECIPES)
 
 
 def check_fp8_support() -> Tuple[bool, str]:
@@ -532,6 +541,10 @@ def check_mxfp8_support() -> Tuple[bool, str]:
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:
     return _block_scaling_support("FP8 block scaling (Float8BlockScaling)")
+
+
+def check_nvfp4_support() -> Tuple[bool, str]:
+    return _block_scaling_support("NVFP4 (NVFP4BlockScaling)")
 
 
 def get_default_fp8_recipe() -> DelayedScaling:
@@ -619,6 +632,10 @@ class FP8GlobalStateManager:
     @classmethod
     def is_fp8_block_scaling_available(cls) -> Tuple[bool, str]:
         return check_fp8_block_scaling_support()
+
+    @classmethod
+    def is_nvfp4_available(cls) -> Tuple[bool, str]:
+        return check_nvfp4_support()
 
     @classmethod
     def is_fp8_enabled(cls) -> bool:
@@ -737,5 +754,5 @@ class FP8GlobalStateManager:
 
 
 __all__ = ["FP8GlobalState", "FP8GlobalStateManager", "QuantizationState", "autocast", "check_fp8_block_scaling_support",
-           "check_fp8_support", "check_mxfp8_support", "checkpoint", "fp8_autocast", "fp8_model_init",
-           "get_default_fp8_recipe", "get_fp8_max", "get_fp8_torch_dtype", "quantized_model_init"]
+           "check_fp8_support", "check_mxfp8_support", "check_nvfp4_support", "checkpoint", "fp8_autocast",
+           "fp8_model_init", "get_default_fp8_recipe", "get_fp8_max", "get_fp8_torch_dtype", "quantized_model_init"]

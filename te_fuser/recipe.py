@@ -11,7 +11,7 @@ import enum
 import math
 import os
 import warnings
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -33,19 +33,26 @@ class Format(enum.Enum):
     E4M3 everywhere, E5M2 everywhere, or HYBRID: E4M3 forward (activations,
     weights) and E5M2 backward (gradients, which need the range). Each value is
     TE's (max_fwd, max_bwd) pair; fwd_dtype / bwd_dtype are the torch dtypes.
+    E2M1 is NVFP4's 4-bit format (largest value 6), which no torch dtype holds.
     """
 
     E4M3 = _FormatHelper(max_fwd=448.0, max_bwd=448.0)
     E5M2 = _FormatHelper(max_fwd=57344.0, max_bwd=57344.0)
     HYBRID = _FormatHelper(max_fwd=448.0, max_bwd=57344.0)
+    E2M1 = _FormatHelper(max_fwd=6.0, max_bwd=6.0)
+
+    def _dtype(self, fp_max: float) -> torch.dtype:
+        if fp_max not in _FP8_DTYPE_OF_MAX:
+            raise ValueError(f"{self} has no torch dtype (te_fuser stores E2M1 values two a byte, as uint8)")
+        return _FP8_DTYPE_OF_MAX[fp_max]
 
     @property
     def fwd_dtype(self) -> torch.dtype:
-        return _FP8_DTYPE_OF_MAX[self.value.max_fwd]
+        return self._dtype(self.value.max_fwd)
 
     @property
     def bwd_dtype(self) -> torch.dtype:
-        return _FP8_DTYPE_OF_MAX[self.value.max_bwd]
+        return self._dtype(self.value.max_bwd)
 
     @property
     def max_fwd(self) -> float:
@@ -191,6 +198,8 @@ def _check_backward_override(value) -> None:
 
 def _check_not_e5m2(fmt) -> None:
     _check_format(fmt)
+    if fmt == Format.E2M1:
+        raise ValueError("fp8_format=Format.E2M1 is NVFP4's format: use the NVFP4BlockScaling recipe")
     if fmt == Format.E5M2:
         raise ValueError("fp8_format=Format.E5M2: pure E5M2 training is not supported (as in TE); "
                          "use Format.E4M3 or Format.HYBRID")
@@ -290,12 +299,57 @@ class _UnsupportedRecipe(Recipe):
     def __init__(self, *args, **kwargs):
         del args, kwargs
         raise NotImplementedError(f"te_fuser does not implement the {type(self).__name__} recipe; use "
-                                  "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling")
-
-
-class NVFP4BlockScaling(_UnsupportedRecipe):
-    """TE's NVFP4 recipe: not implemented by te_fuser."""
+                                  "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling or "
+                                  "NVFP4BlockScaling")
 
 
 class CustomRecipe(_UnsupportedRecipe):
     """TE's recipe built from user quantizer factories: not implemented by te_fuser."""
+
+
+# TE reads these when the recipe module is imported.
+_NVFP4_DISABLE_RHT = os.getenv("NVTE_NVFP4_DISABLE_RHT", "0") == "1"
+_NVFP4_DISABLE_SR = os.getenv("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", "0") == "1"
+_NVFP4_DISABLE_2D = os.getenv("NVTE_NVFP4_DISABLE_2D_QUANTIZATION", "0") == "1"
+
+
+@dataclass(frozen=True)
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: E2M1 values in blocks of 16 along a GEMM's reduction dimension, each block with an E4M3
+    scale, under a float32 per-tensor scale from the tensor's amax (docs/block_scaling.md). A tensor and
+    its transpose are both quantized from the high-precision values.
+
+    As in TE, by default weights take 16x16 blocks (disable_2d_quantization turns that off), the
+    weight-gradient GEMM's operands (the input's and the gradient's columnwise data) take the random
+    Hadamard transform (disable_rht), and gradients are stochastically rounded
+    (disable_stochastic_rounding). fp4_quant_fwd_inp / fp4_quant_fwd_weight / fp4_quant_bwd_grad are
+    the QParams derived from those flags, as TE's __post_init__ sets them."""
+
+    disable_rht: bool = _NVFP4_DISABLE_RHT
+    disable_stochastic_rounding: bool = _NVFP4_DISABLE_SR
+    disable_2d_quantization: bool = _NVFP4_DISABLE_2D
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    backward_override: Optional[str] = None
+    fp4_quant_fwd_inp: QParams = field(init=False)
+    fp4_quant_fwd_weight: QParams = field(init=False)
+    fp4_quant_bwd_grad: QParams = field(init=False)
+    params_dtype: InitVar[object] = None
+    device: InitVar[object] = None
+
+    def __post_init__(self, params_dtype, device):
+        del params_dtype, device
+        if self.fp4_format != Format.E2M1:
+            raise ValueError(f"fp4_format must be Format.E2M1 (NVFP4's values), got {self.fp4_format!r}")
+        if self.fp8_format != Format.E4M3:
+            raise ValueError(f"fp8_format must be Format.E4M3 (NVFP4's block scales), got {self.fp8_format!r}")
+        _check_backward_override(self.backward_override)
+        if self.fp8_dpa or self.fp8_mha:
+            raise NotImplementedError("te_fuser's FP8 attention (fp8_dpa / fp8_mha) runs under DelayedScaling "
+                                      "and Float8CurrentScaling only, not NVFP4BlockScaling")
+        rht, sr, two_d = not self.disable_rht, not self.disable_stochastic_rounding, not self.disable_2d_quantization
+        object.__setattr__(self, "fp4_quant_fwd_inp", QParams(random_hadamard_transform=rht))
+        object.__setattr__(self, "fp4_quant_fwd_weight", QParams(fp4_2d_quantization=two_d))
+        object.__setattr__(self, "fp4_quant_bwd_grad", QParams(random_hadamard_transform=rht, stochastic_rounding=sr))

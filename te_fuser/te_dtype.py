@@ -12,7 +12,8 @@ import torch
 
 class DType(enum.Enum):
     """TE's data types, with TE's numbers (transformer_engine.h's NVTEDType); the members TE 2.6
-    exposes to Python. kFloat8E4M3 is OCP E4M3 (torch.float8_e4m3fn), kFloat8E5M2 is E5M2."""
+    exposes to Python. kFloat8E4M3 is OCP E4M3 (torch.float8_e4m3fn), kFloat8E5M2 is E5M2, kFloat4E2M1
+    NVFP4's E2M1."""
 
     kByte = 0
     kInt32 = 2
@@ -21,6 +22,7 @@ class DType(enum.Enum):
     kBFloat16 = 6
     kFloat8E4M3 = 7
     kFloat8E5M2 = 8
+    kFloat4E2M1 = 10  # NVFP4's values, two a byte (no torch dtype: te_fuser stores them as uint8)
 
     def __int__(self) -> int:
         return self.value

@@ -1,7 +1,8 @@
-"""The GEMMs of the block-scaled recipes on the CPU (MXFP8BlockScaling, Float8BlockScaling).
+"""The GEMMs of the block-scaled recipes on the CPU (MXFP8BlockScaling, Float8BlockScaling,
+NVFP4BlockScaling).
 
 Every GEMM is `a @ b.T` over a reduction dimension K cut into blocks of `block` (32 for MXFP8, 128
-for Float8 block scaling), each operand row-major with one scale per (row, K block):
+for Float8 block scaling, 16 for NVFP4), each operand row-major with one scale per (row, K block):
 
     out[i, j] = sum over K blocks kb, in order kb = 0, 1, ...:
                     P_kb[i, j] * float32(sa[i, kb] * sb[j, kb])
@@ -12,6 +13,11 @@ for Float8 block scaling), each operand row-major with one scale per (row, K blo
 each product and each addition rounded to float32, the bias added in float32 and the result rounded
 once to the output dtype. This is split accumulation, as TE requires for these recipes: each block is
 summed apart and scaled before it joins the total.
+
+NVFP4's E2M1 values are all E4M3 values, so its operands run through the same FP8 GEMM; a block's
+scale is its dequantization factor float32(float32(e4m3 scale * amax) * float32(1 / 2688)).
+Blackwell instead multiplies by the E4M3 scales inside the MMA and by the two amaxes' factor
+(alpha) once at the end: the results differ by the rounding of the folded factors.
 
     forward  y  = x  @ W.T   a = x rowwise,              b = W rowwise
     dgrad    dx = dy @ W     a = dy rowwise,             b = W columnwise (as W.T's rows)
@@ -24,13 +30,22 @@ import torch
 
 from ..kernels import gemm as gemm_kernels
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..recipe import MXFP8BlockScaling, NVFP4BlockScaling
 from ..tensor.mxfp8_tensor import MXFP8Tensor
+from ..tensor.nvfp4_tensor import NVFP4Tensor
 
-MXFP8_BLOCK, FP8_BLOCK = 32, 128
+MXFP8_BLOCK, FP8_BLOCK, NVFP4_BLOCK = 32, 128, 16
 
 
 def block_of(t) -> int:
-    return MXFP8_BLOCK if isinstance(t, MXFP8Tensor) else FP8_BLOCK
+    return MXFP8_BLOCK if isinstance(t, MXFP8Tensor) else NVFP4_BLOCK if isinstance(t, NVFP4Tensor) else FP8_BLOCK
+
+
+def recipe_block(recipe) -> int:
+    """The K block of a block-scaled recipe's GEMMs."""
+    if isinstance(recipe, MXFP8BlockScaling):
+        return MXFP8_BLOCK
+    return NVFP4_BLOCK if isinstance(recipe, NVFP4BlockScaling) else FP8_BLOCK
 
 
 def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
@@ -46,14 +61,16 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     cols = t.shape[-1]
     rows = t.numel() // cols
     block = block_of(t)
+    if isinstance(t, NVFP4Tensor):  # columnwise: the transposed data (Hadamard-transformed under with_rht)
+        return t._codes_and_factors(columnwise)
     if isinstance(t, MXFP8Tensor):
         if not columnwise:
             return t._rowwise_data.reshape(rows, cols), e8m0_values(t._rowwise_scale_inv[:rows, : cols // block])
         codes = t._columnwise_data.reshape(rows, cols).t().contiguous()
         return codes, e8m0_values(t._columnwise_scale_inv[: rows // block, :cols]).t()
     if not isinstance(t, Float8BlockwiseQTensor):
-        raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor or a Float8BlockwiseQTensor, got "
-                        f"{type(t).__name__}")
+        raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor, an NVFP4Tensor or a "
+                        f"Float8BlockwiseQTensor, got {type(t).__name__}")
     if columnwise:
         codes, scale, n, k = t._columnwise_data.reshape(cols, rows), t._columnwise_scale_inv, cols, rows
     else:
@@ -85,5 +102,5 @@ def check_block_gemm_dims(block: int, **dims: int) -> None:
     for name, value in dims.items():
         if value % block:
             raise ValueError(f"te_fuser block-scaled GEMM: {name} = {value} is not divisible by the block size "
-                             f"{block}; MXFP8 needs multiples of 32 and Float8 block scaling of 128 (pad it, or "
-                             "run this layer under another recipe)")
+                             f"{block}; MXFP8 needs multiples of 32, Float8 block scaling of 128 and NVFP4 of 16 "
+                             "(pad it, or run this layer under another recipe)")

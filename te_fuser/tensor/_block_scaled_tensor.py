@@ -1,8 +1,10 @@
-"""What MXFP8Tensor and Float8BlockwiseQTensor share: four buffers (rowwise data and scales,
-columnwise data and scales), saving them for backward, moving and copying them, pickling.
+"""What MXFP8Tensor, Float8BlockwiseQTensor and NVFP4Tensor share: their buffers (rowwise data and
+scales, columnwise data and scales, and any a format adds), saving them for backward, moving and
+copying them, pickling.
 
-A subclass says how its buffers are made (its quantizer) and read back (`_dequantize_usage`), and
-which extra metadata it carries (`_meta` / `_from_meta`).
+A subclass says how its buffers are made (its quantizer) and read back (`_dequantize_usage`), which
+buffers it adds (`_BUFFERS`, passed to the constructor by name and taken by `_set_meta`), what its
+data holds (`_check_data`), and which extra metadata it carries (`_meta`).
 """
 
 import copy
@@ -29,22 +31,20 @@ class BlockScaledTensor(QuantizedTensor):
     dtype:       the nominal dtype it stands for
     """
 
+    _BUFFERS = BUFFERS
     SAVED_TENSORS = len(BUFFERS)
 
     @staticmethod
     def __new__(cls, shape, dtype: torch.dtype, *, rowwise_data=None, rowwise_scale_inv=None,
                 columnwise_data=None, columnwise_scale_inv=None, fp8_dtype=torch.float8_e4m3fn, quantizer=None,
                 requires_grad: bool = False, **meta):
-        check_fp8_dtype(fp8_dtype)
+        cls._check_data(fp8_dtype, rowwise_data, columnwise_data)
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype (the nominal dtype) must be one of {FLOAT_DTYPES}, got {dtype}")
         buffers = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
         if (rowwise_data is None) != (rowwise_scale_inv is None) or \
                 (columnwise_data is None) != (columnwise_scale_inv is None):
             raise ValueError("each usage needs both its data and its scale_inv (or neither)")
-        for data in (rowwise_data, columnwise_data):
-            if data is not None and data.dtype != fp8_dtype:
-                raise ValueError(f"data must hold {fp8_dtype}, got {data.dtype}")
         held = next((b for b in buffers if b is not None), None)
         device = held.device if held is not None else torch.device("cpu")
         self = super().__new__(cls, tuple(shape), dtype, device, requires_grad)
@@ -56,6 +56,13 @@ class BlockScaledTensor(QuantizedTensor):
         return self
 
     # -- what a format defines ----------------------------------------------------------------
+    @classmethod
+    def _check_data(cls, fp8_dtype, rowwise_data, columnwise_data) -> None:
+        check_fp8_dtype(fp8_dtype)
+        for data in (rowwise_data, columnwise_data):
+            if data is not None and data.dtype != fp8_dtype:
+                raise ValueError(f"data must hold {fp8_dtype}, got {data.dtype}")
+
     def _set_meta(self, **meta) -> None:
         if meta:
             raise TypeError(f"{type(self).__name__} got unexpected arguments {sorted(meta)}")
@@ -68,7 +75,7 @@ class BlockScaledTensor(QuantizedTensor):
 
     # -- reading ------------------------------------------------------------------------------
     def _buffers(self) -> List[Optional[torch.Tensor]]:
-        return [getattr(self, name) for name in BUFFERS]
+        return [getattr(self, name) for name in self._BUFFERS]
 
     def _live(self) -> "BlockScaledTensor":
         if self._rowwise_data is None and self._columnwise_data is None:
@@ -107,7 +114,7 @@ class BlockScaledTensor(QuantizedTensor):
         if src.dtype not in FLOAT_DTYPES:
             src = src.to(torch.float32)
         fresh = self._quantizer.quantize(src.expand(self.shape).contiguous())
-        for name in BUFFERS:
+        for name in self._BUFFERS:
             mine, new = getattr(self, name), getattr(fresh, name)
             if mine is not None and new is not None:
                 mine.view(torch.uint8).copy_(new.view(torch.uint8))
@@ -133,22 +140,21 @@ class BlockScaledTensor(QuantizedTensor):
 
     def restore_from_saved(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """Take back the buffers given by prepare_for_saving(); returns the tensors left over."""
-        for name, t in zip(BUFFERS, tensors):
+        for name, t in zip(self._BUFFERS, tensors):
             setattr(self, name, t)
-        return list(tensors[len(BUFFERS):])
+        return list(tensors[len(self._BUFFERS):])
 
     def clear(self) -> None:
         """Drop every buffer reference (what backward does once it is done with the tensor)."""
-        for name in BUFFERS:
+        for name in self._BUFFERS:
             setattr(self, name, None)
 
     # -- ops that keep the format (everything else dequantizes: QuantizedTensor) --------------
     def _with_buffers(self, fn, **kwargs) -> "BlockScaledTensor":
         """A tensor of this kind whose buffers are fn(buffer) (None stays None)."""
-        moved = [None if b is None else fn(b) for b in self._buffers()]
-        return type(self)(self.shape, self.dtype, rowwise_data=moved[0], rowwise_scale_inv=moved[1],
-                          columnwise_data=moved[2], columnwise_scale_inv=moved[3], fp8_dtype=self._fp8_dtype,
-                          quantizer=self._quantizer, **self._meta(), **kwargs)
+        moved = {name[1:]: None if b is None else fn(b) for name, b in zip(self._BUFFERS, self._buffers())}
+        return type(self)(self.shape, self.dtype, fp8_dtype=self._fp8_dtype, quantizer=self._quantizer, **moved,
+                          **self._meta(), **kwargs)
 
     @classmethod
     def _handled_op(cls, func, args, kwargs):
@@ -160,14 +166,14 @@ class BlockScaledTensor(QuantizedTensor):
 
     # -- torch.compile, pickling, deepcopy ------------------------------------------------------
     def __tensor_flatten__(self):
-        names = [name for name in BUFFERS if getattr(self, name) is not None]
+        names = [name for name in self._BUFFERS if getattr(self, name) is not None]
         return names, (self._fp8_dtype, self.dtype, self._meta())
 
     @classmethod
     def __tensor_unflatten__(cls, inner, meta, outer_size, outer_stride):
         del outer_stride
         fp8_dtype, dtype, extra = meta
-        return cls(outer_size, dtype, fp8_dtype=fp8_dtype, **{name[1:]: inner.get(name) for name in BUFFERS},
+        return cls(outer_size, dtype, fp8_dtype=fp8_dtype, **{name[1:]: inner.get(name) for name in cls._BUFFERS},
                    **extra)
 
     def __reduce_ex__(self, protocol):
@@ -192,20 +198,19 @@ class BlockScaledTensor(QuantizedTensor):
 class BlockScaledRecord:
     """What prepare_for_saving keeps of a block-scaled tensor under torch.compile: its metadata only."""
 
-    SAVED_TENSORS = BlockScaledTensor.SAVED_TENSORS
-
     def __init__(self, cls, shape, dtype, fp8_dtype, quantizer, meta):
+        self.SAVED_TENSORS = cls.SAVED_TENSORS
         self.cls, self.shape, self.dtype, self.fp8_dtype, self.quantizer, self.meta = (
             cls, shape, dtype, fp8_dtype, quantizer, meta)
 
     def rebuild(self, tensors):
         return self.cls(self.shape, self.dtype, fp8_dtype=self.fp8_dtype, quantizer=self.quantizer,
-                        **{name[1:]: t for name, t in zip(BUFFERS, tensors)}, **self.meta)
+                        **{name[1:]: t for name, t in zip(self.cls._BUFFERS, tensors)}, **self.meta)
 
 
 def _rebuild_block_scaled(cls, shape, dtype, fp8_dtype, buffers, meta, requires_grad):
     return cls(shape, dtype, fp8_dtype=fp8_dtype, requires_grad=requires_grad,
-               **{name[1:]: b for name, b in zip(BUFFERS, buffers)}, **meta)
+               **{name[1:]: b for name, b in zip(cls._BUFFERS, buffers)}, **meta)
 
 
 class BlockScaledQuantizer(Quantizer):

@@ -83,7 +83,7 @@ def test_missing_names_fail_loudly(alias):
     with pytest.raises(ModuleNotFoundError, match="'transformer_engine.pytorch.router': te_fuser does not provide"):
         import transformer_engine.pytorch.router  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="te_fuser does not provide"):
-        from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Tensor  # noqa: F401
+        import transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="transformer_engine.jax"):
         import transformer_engine.jax  # noqa: F401
     with pytest.raises(AttributeError, match="transformer_engine.pytorch.ops.FusedAdamW: te_fuser does not provide"):

@@ -108,11 +108,41 @@ def test_format_values_are_tes_maxima():
         assert fmt.value == (fmt.max_fwd, fmt.max_bwd)
 
 
-@pytest.mark.parametrize("cls,test", [(NVFP4BlockScaling, "nvfp4"), (CustomRecipe, "custom")])
+@pytest.mark.parametrize("cls,test", [(CustomRecipe, "custom")])
 def test_unimplemented_recipes_raise_naming_themselves(cls, test):
     with pytest.raises(NotImplementedError, match=f"the {cls.__name__} recipe"):
         cls(fp8_format=Format.HYBRID)
     assert getattr(cls, test)() and not getattr(DelayedScaling, test)()  # TE's class tests still answer
+
+
+def test_nvfp4_recipe_takes_tes_fields_and_derives_its_qparams():
+    recipe = NVFP4BlockScaling()
+    assert recipe.nvfp4() and not recipe.mxfp8() and not recipe.float8_block_scaling()
+    assert (recipe.fp4_format, recipe.fp8_format) == (Format.E2M1, Format.E4M3)
+    assert (recipe.disable_rht, recipe.disable_stochastic_rounding, recipe.disable_2d_quantization) == (False,) * 3
+    # TE's defaults: the transform on the input's and the gradient's (columnwise) data, stochastic rounding
+    # on gradients, 16x16 blocks on weights.
+    assert recipe.fp4_quant_fwd_inp == QParams(random_hadamard_transform=True)
+    assert recipe.fp4_quant_fwd_weight == QParams(fp4_2d_quantization=True)
+    assert recipe.fp4_quant_bwd_grad == QParams(random_hadamard_transform=True, stochastic_rounding=True)
+    plain = NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True,
+                              params_dtype=torch.bfloat16)
+    assert plain.fp4_quant_fwd_inp == plain.fp4_quant_fwd_weight == plain.fp4_quant_bwd_grad == QParams()
+    assert Format.E2M1.value == (6.0, 6.0)
+    with pytest.raises(ValueError, match="no torch dtype"):
+        Format.E2M1.fwd_dtype
+    with pytest.raises(ValueError, match="fp4_format"):
+        NVFP4BlockScaling(fp4_format=Format.E4M3)
+    with pytest.raises(ValueError, match="fp8_format"):
+        NVFP4BlockScaling(fp8_format=Format.E5M2)
+    with pytest.raises(NotImplementedError, match="fp8_dpa"):
+        NVFP4BlockScaling(fp8_dpa=True)
+    with pytest.raises(NotImplementedError, match="backward_override"):
+        NVFP4BlockScaling(backward_override="dequantized")
+    with pytest.raises(TypeError, match="fp4_quant_fwd_inp"):
+        NVFP4BlockScaling(fp4_quant_fwd_inp=QParams())
+    with pytest.raises(ValueError, match="NVFP4BlockScaling"):
+        MXFP8BlockScaling(fp8_format=Format.E2M1)
 
 
 def test_block_scaled_recipes_take_tes_fields():

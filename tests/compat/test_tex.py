@@ -11,8 +11,10 @@ import te_fuser.tex
 from fake_te import drop_transformer_engine_modules
 from te_fuser.te_dtype import DType, fp8_torch_dtype, te_dtype
 
-# TE 2.6's Python DType members and their numbers (transformer_engine.h's NVTEDType).
-TE_MEMBERS = {"kByte": 0, "kInt32": 2, "kFloat32": 4, "kFloat16": 5, "kBFloat16": 6, "kFloat8E4M3": 7, "kFloat8E5M2": 8}
+# TE 2.6's Python DType members and their numbers (transformer_engine.h's NVTEDType), and the NVFP4
+# member of the TE versions that have NVFP4.
+TE_MEMBERS = {"kByte": 0, "kInt32": 2, "kFloat32": 4, "kFloat16": 5, "kBFloat16": 6, "kFloat8E4M3": 7, "kFloat8E5M2": 8,
+              "kFloat4E2M1": 10}
 
 
 @pytest.fixture

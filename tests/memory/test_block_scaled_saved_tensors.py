@@ -1,4 +1,4 @@
-"""The lifetime discipline for MXFP8Tensor and Float8BlockwiseQTensor, as for Float8Tensor: saved for
+"""The lifetime discipline for MXFP8Tensor, Float8BlockwiseQTensor and NVFP4Tensor, as for Float8Tensor: saved for
 backward through prepare_for_saving (which empties the shell kept on ctx) and nothing left on a ctx
 after backward. Each check also runs on the bug it catches and must see it:
   * a prepare_for_saving that keeps the buffers on the shell: under saved-tensor hooks that move
@@ -12,7 +12,7 @@ import torch
 
 import te_fuser
 from te_fuser.memory import MemoryTracker, audit_autograd
-from te_fuser.tensor import Float8BlockQuantizer, MXFP8Quantizer
+from te_fuser.tensor import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from te_fuser.tensor._block_scaled_tensor import BlockScaledTensor
 
 ROWS, IN, OUT = 256, 256, 128
@@ -20,6 +20,7 @@ QUANTIZERS = {
     "mxfp8": lambda: MXFP8Quantizer(torch.float8_e4m3fn),
     "block1d": lambda: Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1),
     "block2d": lambda: Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=2),
+    "nvfp4": lambda: NVFP4Quantizer(with_rht=True),  # six buffers: each usage's data, scales and amax
 }
 
 

@@ -9,12 +9,11 @@ from ... import amp
 from ...tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_data, fp8_data_transpose, fp8_transpose
 from ...tensor.quantized_tensor import QuantizedTensor
 from ...quantization import FP8GlobalState, current_init, is_block_scaled, make_recipe_state, runs_while_tracing
-from ...recipe import MXFP8BlockScaling
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from .. import _tensor_parallel as tp
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
-from ..block_gemm import MXFP8_BLOCK, FP8_BLOCK, block_scaled_gemm_nt, check_block_gemm_dims, gemm_operand
+from ..block_gemm import block_scaled_gemm_nt, check_block_gemm_dims, gemm_operand, recipe_block
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation, OperationContext
 
@@ -74,8 +73,9 @@ def _same_scaling(a, b) -> bool:
 def _columnwise_only(t):
     """A new block-scaled tensor over t's columnwise buffers only: what a gradient GEMM keeps of an operand
     (prepare_for_saving() then empties this object, not t, which may live on as the cached weight)."""
-    return type(t)(t.shape, t.dtype, columnwise_data=t._columnwise_data, columnwise_scale_inv=t._columnwise_scale_inv,
-                   fp8_dtype=t._fp8_dtype, **t._meta())
+    columnwise = {name[1:]: getattr(t, name) for name in t._BUFFERS if name.startswith("_columnwise")
+                  or name == "_amax_columnwise"}
+    return type(t)(t.shape, t.dtype, fp8_dtype=t._fp8_dtype, **columnwise, **t._meta())
 
 
 def _saved_input(x: Float8Tensor, caller_owned: bool) -> tuple:
@@ -414,7 +414,7 @@ class BasicLinear(BasicOperation):
             dw = self._finish_wgrad(ctx, dw)
         return dx, (dw,)
 
-    # -- block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling) -------------------
+    # -- block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) -
     def _block_scaled_forward(self, ctx, x, weight, bias, is_first_microbatch, original, wgrad_needed):
         """y = x @ W.T on block-scaled operands (ops/block_gemm.py). The backward keeps each operand's
         columnwise usage only (x's for the wgrad, W's for the dgrad), as new tensors; sequence-parallel
@@ -426,7 +426,7 @@ class BasicLinear(BasicOperation):
         if x.dtype != weight.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
         k, n = self.local_in_features, self.local_out_features
-        block = MXFP8_BLOCK if isinstance(recipe, MXFP8BlockScaling) else FP8_BLOCK
+        block = recipe_block(recipe)
         check_block_gemm_dims(block, **{"the number of input rows (tokens)": x.numel() // k,
                                         "in_features (local)": k, "out_features (local)": n})
         input_quantizer = self._forward_quantizers[0]

@@ -1,0 +1,297 @@
+#include "nvfp4.h"
+
+#include <float.h>
+
+#include "../common/tf_checks.h"
+#include "../common/tf_isa_clones.h"
+#include "nvfp4_format.h"
+
+/* A band is worked in tiles of 16 rows by up to TILE_COLS columns, widened to float32 once (32 KiB
+ * on the stack), so rowwise and columnwise blocks come from one read of x. */
+enum { TILE_COLS = 512, DEQUANTIZE_CHUNK = 1024 };
+#define BLOCK TF_NVFP4_BLOCK
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* f[i] = float(x[offset + i]) for i in [0, n). */
+TF_ISA_INLINE void load_f32(const void *x, tf_dtype dtype, int64_t offset, int64_t n, float *restrict f) {
+  if (dtype == TF_FLOAT32) {
+    const float *restrict p = (const float *)x + offset;
+    for (int64_t i = 0; i < n; ++i) f[i] = p[i];
+  } else if (dtype == TF_BFLOAT16) {
+    const uint16_t *restrict p = (const uint16_t *)x + offset;
+    for (int64_t i = 0; i < n; ++i) f[i] = tf_bf16_to_f32(p[i]);
+  } else {
+    const uint16_t *restrict p = (const uint16_t *)x + offset;
+    for (int64_t i = 0; i < n; ++i) f[i] = tf_f16_to_f32(p[i]);
+  }
+}
+
+/* max over |f[i]|'s bits as int32 for i in [0, n), m included: ordered like the values, NaN above Inf. */
+TF_ISA_INLINE int32_t abs_bits_max(const float *restrict f, int64_t n, int32_t m) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t a = (int32_t)(tf_f32_bits(f[i]) & 0x7FFFFFFFu);
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
+TF_ISA_INLINE float amax_of(int32_t bits) { return tf_f32_from_bits((uint32_t)bits); }
+
+/* The transform's matrix (tf_nvfp4_rht_entry). */
+TF_ISA_INLINE void rht_matrix(float m[BLOCK][BLOCK]) {
+  for (int j = 0; j < BLOCK; ++j)
+    for (int i = 0; i < BLOCK; ++i) m[j][i] = tf_nvfp4_rht_entry(j, i);
+}
+
+/* w = v M: w[i] = sum over j of float32(v[j] * M[j][i]), added in j order from +0 in float32. */
+TF_ISA_INLINE void rht16(const float *restrict v, const float m[BLOCK][BLOCK], float *restrict w) {
+  for (int i = 0; i < BLOCK; ++i) w[i] = 0.0f;
+  for (int j = 0; j < BLOCK; ++j)
+    for (int i = 0; i < BLOCK; ++i) w[i] += v[j] * m[j][i];
+}
+
+/* col[k] = tile[k][c] for the 16 rows of a tile, transformed when rht. */
+TF_ISA_INLINE void column16(const float tile[BLOCK][TILE_COLS], int64_t c, int rht, const float m[BLOCK][BLOCK],
+                            float *restrict col) {
+  float v[BLOCK];
+  for (int k = 0; k < BLOCK; ++k) v[k] = tile[k][c];
+  if (rht) {
+    rht16(v, m, col);
+  } else {
+    for (int k = 0; k < BLOCK; ++k) col[k] = v[k];
+  }
+}
+
+/* out[k] = E2M1(v[2k] * multiplier) | E2M1(v[2k + 1] * multiplier) << 4; element i draws counter + i. */
+TF_ISA_INLINE void encode16(const float *restrict v, float multiplier, int stochastic, uint64_t seed,
+                            uint64_t counter, uint8_t *restrict out) {
+  uint8_t codes[BLOCK];
+  if (stochastic) {
+    for (int i = 0; i < BLOCK; ++i)
+      codes[i] = tf_e2m1_encode_sr(v[i] * multiplier, tf_nvfp4_random24(seed, counter + (uint64_t)i));
+  } else {
+    for (int i = 0; i < BLOCK; ++i) codes[i] = tf_e2m1_encode_rn(v[i] * multiplier);
+  }
+  for (int k = 0; k < BLOCK / 2; ++k) out[k] = (uint8_t)(codes[2 * k] | (codes[2 * k + 1] << 4));
+}
+
+/* ---- amax -------------------------------------------------------------------------------------- */
+
+typedef struct amax_args {
+  const void *x;
+  tf_dtype dtype;
+  int64_t cols, ld_x;
+  int rht;
+} amax_args;
+
+TF_ISA_INLINE void amax_band_body(const amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result) {
+  float tile[BLOCK][TILE_COLS];
+  float m[BLOCK][BLOCK], col[BLOCK];
+  int32_t best = 0;
+  rht_matrix(m);
+  for (int64_t g = row_begin; g < row_end; g += BLOCK) {
+    for (int64_t c0 = 0; c0 < a->cols; c0 += TILE_COLS) {
+      const int64_t nc = min64(TILE_COLS, a->cols - c0);
+      for (int r = 0; r < BLOCK; ++r) load_f32(a->x, a->dtype, (g + r) * a->ld_x + c0, nc, tile[r]);
+      if (!a->rht) {
+        for (int r = 0; r < BLOCK; ++r) best = abs_bits_max(tile[r], nc, best);
+        continue;
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        column16((const float(*)[TILE_COLS])tile, c, 1, (const float(*)[BLOCK])m, col);
+        best = abs_bits_max(col, BLOCK, best);
+      }
+    }
+  }
+  *result = best;
+}
+
+TF_ISA_CLONES(amax_band, (const amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result),
+              (a, row_begin, row_end, result))
+
+static int dtype_ok(tf_dtype dtype) {
+  return dtype == TF_FLOAT32 || dtype == TF_BFLOAT16 || dtype == TF_FLOAT16;
+}
+
+/* The checks every entry point shares: the sizes (multiples of 16), the band (on 16-row bounds) and
+ * the index products (x's, and the stochastic-rounding counters up to 2 * rows * cols). */
+static tf_status check_matrix(int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end) {
+  if (rows < 0 || cols < 0 || rows % BLOCK || cols % BLOCK) return TF_ERR_BAD_SIZE;
+  if (!tf_range_ok(row_begin, row_end, rows) || row_begin % BLOCK || row_end % BLOCK) return TF_ERR_BAD_SIZE;
+  if (!tf_mul_fits(rows, cols) || !tf_mul_fits(rows * cols, 4)) return TF_ERR_OVERFLOW;
+  return TF_OK;
+}
+
+static tf_status check_input(const void *x, tf_dtype dtype, int64_t rows, int64_t cols, int64_t ld_x,
+                             int64_t row_begin, int64_t row_end) {
+  if (!dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
+  const tf_status s = check_matrix(rows, cols, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (ld_x < cols) return TF_ERR_BAD_SIZE;
+  if (!tf_mul_fits(rows, ld_x) || !tf_mul_fits(rows * ld_x, tf_dtype_size(dtype))) return TF_ERR_OVERFLOW;
+  if (row_end > row_begin && cols > 0 && !x) return TF_ERR_NULL_POINTER;
+  return TF_OK;
+}
+
+tf_status tf_nvfp4_amax(const void *x, tf_dtype dtype, int64_t rows, int64_t cols, int64_t ld_x,
+                        int64_t row_begin, int64_t row_end, int rht, float *amax) {
+  const tf_status s = check_input(x, dtype, rows, cols, ld_x, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if (rht != 0 && rht != 1) return TF_ERR_BAD_ARGUMENT;
+  if (!amax) return TF_ERR_NULL_POINTER;
+  int32_t bits = 0;
+  if (row_end > row_begin && cols > 0) {
+    const amax_args a = {x, dtype, cols, ld_x, rht};
+    amax_band(&a, row_begin, row_end, &bits);
+  }
+  *amax = amax_of(bits);
+  return TF_OK;
+}
+
+/* ---- quantize ---------------------------------------------------------------------------------- */
+
+typedef struct quantize_args {
+  const void *x;
+  tf_dtype dtype;
+  int64_t rows, cols, ld_x;
+  int block_2d, rht_t, stochastic;
+  uint64_t seed;
+  float s_enc, s_enc_t;
+  uint8_t *y, *scale;
+  int64_t ld_scale;
+  uint8_t *y_t, *scale_t;
+  int64_t ld_scale_t;
+} quantize_args;
+
+TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin, int64_t row_end) {
+  float tile[BLOCK][TILE_COLS];
+  float m[BLOCK][BLOCK], col[BLOCK];
+  uint8_t codes_2d[TILE_COLS / BLOCK];
+  const uint64_t t_base = (uint64_t)a->rows * (uint64_t)a->cols;
+  rht_matrix(m);
+  for (int64_t g = row_begin; g < row_end; g += BLOCK) {
+    for (int64_t c0 = 0; c0 < a->cols; c0 += TILE_COLS) {
+      const int64_t nc = min64(TILE_COLS, a->cols - c0);
+      for (int r = 0; r < BLOCK; ++r) load_f32(a->x, a->dtype, (g + r) * a->ld_x + c0, nc, tile[r]);
+      if (a->block_2d) {
+        for (int64_t b = 0; b < nc; b += BLOCK) {
+          int32_t bits = 0;
+          for (int r = 0; r < BLOCK; ++r) bits = abs_bits_max(tile[r] + b, BLOCK, bits);
+          codes_2d[b / BLOCK] = tf_nvfp4_block_scale(amax_of(bits), a->s_enc);
+        }
+      }
+      if (a->y) {
+        for (int r = 0; r < BLOCK; ++r) {
+          for (int64_t b = 0; b < nc; b += BLOCK) {
+            const float *v = tile[r] + b;
+            const uint8_t code = a->block_2d ? codes_2d[b / BLOCK]
+                                             : tf_nvfp4_block_scale(amax_of(abs_bits_max(v, BLOCK, 0)), a->s_enc);
+            const int64_t c = c0 + b;
+            a->scale[(g + r) * a->ld_scale + c / BLOCK] = code;
+            encode16(v, tf_nvfp4_encode_multiplier(code, a->s_enc), a->stochastic, a->seed,
+                     (uint64_t)((g + r) * a->cols + c), a->y + ((g + r) * a->cols + c) / 2);
+          }
+        }
+      }
+      if (a->y_t) {
+        for (int64_t k = 0; k < nc; ++k) {
+          column16((const float(*)[TILE_COLS])tile, k, a->rht_t, (const float(*)[BLOCK])m, col);
+          const uint8_t code = a->block_2d ? codes_2d[k / BLOCK]
+                                           : tf_nvfp4_block_scale(amax_of(abs_bits_max(col, BLOCK, 0)), a->s_enc_t);
+          const int64_t c = c0 + k;
+          a->scale_t[c * a->ld_scale_t + g / BLOCK] = code;
+          encode16(col, tf_nvfp4_encode_multiplier(code, a->s_enc_t), a->stochastic, a->seed,
+                   t_base + (uint64_t)(c * a->rows + g), a->y_t + (c * a->rows + g) / 2);
+        }
+      }
+    }
+  }
+}
+
+TF_ISA_CLONES(quantize_band, (const quantize_args *a, int64_t row_begin, int64_t row_end), (a, row_begin, row_end))
+
+static int amax_ok(float amax) { return amax >= 0.0f && amax <= FLT_MAX; }
+
+/* A usage's data and scale pointers: both or neither. */
+static int pair_ok(const void *data, const void *scale) { return (data == 0) == (scale == 0); }
+
+tf_status tf_nvfp4_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t cols, int64_t ld_x,
+                            int64_t row_begin, int64_t row_end, int block_2d, int rht_t, int stochastic,
+                            uint64_t seed, float amax, float amax_t, uint8_t *y, uint8_t *scale,
+                            int64_t ld_scale, uint8_t *y_t, uint8_t *scale_t, int64_t ld_scale_t) {
+  const tf_status s = check_input(x, dtype, rows, cols, ld_x, row_begin, row_end);
+  if (s != TF_OK) return s;
+  if ((block_2d != 0 && block_2d != 1) || (rht_t != 0 && rht_t != 1) || (stochastic != 0 && stochastic != 1))
+    return TF_ERR_BAD_ARGUMENT;
+  if (block_2d && (rht_t || amax_t != amax)) return TF_ERR_BAD_ARGUMENT; /* 2D blocks: one scale for both */
+  if (!amax_ok(amax) || !amax_ok(amax_t)) return TF_ERR_BAD_ARGUMENT;
+  if (!pair_ok(y, scale) || !pair_ok(y_t, scale_t)) return TF_ERR_NULL_POINTER;
+  if ((y && ld_scale < cols / BLOCK) || (y_t && ld_scale_t < rows / BLOCK)) return TF_ERR_BAD_SIZE;
+  if ((y && !tf_mul_fits(rows, ld_scale)) || (y_t && !tf_mul_fits(cols, ld_scale_t))) return TF_ERR_OVERFLOW;
+  if (row_end == row_begin || cols == 0 || (!y && !y_t)) return TF_OK;
+  const quantize_args a = {x,     dtype, rows, cols, ld_x, block_2d, rht_t, stochastic, seed,
+                           tf_nvfp4_global_scale(amax), tf_nvfp4_global_scale(amax_t), y, scale, ld_scale,
+                           y_t,   scale_t, ld_scale_t};
+  quantize_band(&a, row_begin, row_end);
+  return TF_OK;
+}
+
+/* ---- dequantize -------------------------------------------------------------------------------- */
+
+typedef struct dequantize_args {
+  const uint8_t *y;
+  int64_t cols;
+  const uint8_t *scale;
+  int64_t ld_scale;
+  float amax;
+  void *x;
+  tf_dtype dtype;
+} dequantize_args;
+
+TF_ISA_INLINE void dequantize_band_body(const dequantize_args *a, int64_t row_begin, int64_t row_end) {
+  float value[DEQUANTIZE_CHUNK];
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t c0 = 0; c0 < a->cols; c0 += DEQUANTIZE_CHUNK) {
+      const int64_t n = min64(DEQUANTIZE_CHUNK, a->cols - c0);
+      const uint8_t *restrict y = a->y + (r * a->cols + c0) / 2;
+      for (int64_t b = 0; b < n; b += BLOCK) {
+        const float factor = tf_nvfp4_decode_factor(a->scale[r * a->ld_scale + (c0 + b) / BLOCK], a->amax);
+        for (int k = 0; k < BLOCK / 2; ++k) {
+          const uint8_t byte = y[(b >> 1) + k];
+          value[b + 2 * k] = tf_e2m1_decode(byte & 15u) * factor;
+          value[b + 2 * k + 1] = tf_e2m1_decode((uint8_t)(byte >> 4)) * factor;
+        }
+      }
+      const int64_t at = r * a->cols + c0;
+      if (a->dtype == TF_FLOAT32) {
+        float *restrict x = (float *)a->x + at;
+        for (int64_t c = 0; c < n; ++c) x[c] = value[c];
+      } else if (a->dtype == TF_BFLOAT16) {
+        uint16_t *restrict x = (uint16_t *)a->x + at;
+        for (int64_t c = 0; c < n; ++c) x[c] = tf_f32_to_bf16(value[c]);
+      } else {
+        uint16_t *restrict x = (uint16_t *)a->x + at;
+        for (int64_t c = 0; c < n; ++c) x[c] = tf_f32_to_f16(value[c]);
+      }
+    }
+  }
+}
+
+TF_ISA_CLONES(dequantize_band, (const dequantize_args *a, int64_t row_begin, int64_t row_end),
+              (a, row_begin, row_end))
+
+tf_status tf_nvfp4_dequantize(const uint8_t *y, int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end,
+                              const uint8_t *scale, int64_t ld_scale, float amax, void *x, tf_dtype dtype) {
+  if (!dtype_ok(dtype)) return TF_ERR_BAD_DTYPE;
+  if (rows < 0 || cols < 0 || cols % BLOCK || !tf_range_ok(row_begin, row_end, rows)) return TF_ERR_BAD_SIZE;
+  if (!tf_mul_fits(rows, cols) || !tf_mul_fits(rows * cols, tf_dtype_size(dtype))) return TF_ERR_OVERFLOW;
+  if (ld_scale < cols / BLOCK) return TF_ERR_BAD_SIZE;
+  if (!tf_mul_fits(rows, ld_scale)) return TF_ERR_OVERFLOW;
+  if (!amax_ok(amax)) return TF_ERR_BAD_ARGUMENT;
+  if (row_end == row_begin || cols == 0) return TF_OK;
+  if (!y || !x || !scale) return TF_ERR_NULL_POINTER;
+  const dequantize_args a = {y, cols, scale, ld_scale, amax, x, dtype};
+  dequantize_band(&a, row_begin, row_end);
+  return TF_OK;
+}

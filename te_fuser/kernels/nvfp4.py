@@ -1,0 +1,123 @@
+"""NVFP4 kernels: validated entry points, TE's data and scale shapes, and fake kernels for torch.compile.
+
+The kernels are torch.ops.te_fuser.{nvfp4_quantize, nvfp4_dequantize} (C on CPU; docs/block_scaling.md,
+"NVFP4", gives their semantics and layouts). A tensor is viewed as a matrix of prod(shape[:-1]) rows by
+shape[-1] columns, both multiples of 16.
+"""
+
+import math
+from typing import Tuple
+
+import torch
+
+from .validate import call_checked, check_contiguous, check_dtype, check_float_dtype, check_tensor
+
+_ops = torch.ops.te_fuser
+
+NVFP4_BLOCK = 16
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _matrix(shape) -> Tuple[int, int]:
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def nvfp4_scale_shape(shape, columnwise: bool) -> Tuple[int, int]:
+    """TE's NVFP4 scale shape (uint8 E4M3 codes): (roundup(rows, 128), roundup(cols / 16, 4)) rowwise,
+    (roundup(cols, 128), roundup(rows / 16, 4)) columnwise (the transposed data's rows)."""
+    rows, cols = _matrix(shape)
+    if columnwise:
+        rows, cols = cols, rows
+    return _round_up(rows, 128), _round_up(-(-cols // NVFP4_BLOCK), 4)
+
+
+def nvfp4_data_shape(shape, columnwise: bool) -> Tuple[int, ...]:
+    """Packed uint8 data (two values a byte): (*shape[:-1], cols / 2) rowwise, (cols, rows / 2) columnwise."""
+    rows, cols = _matrix(shape)
+    return (cols, rows // 2) if columnwise else (*shape[:-1], cols // 2)
+
+
+def check_nvfp4_shape(shape, name: str = "x") -> None:
+    """Both matrix dimensions multiples of 16 (TE's NVFP4 quantizer asks the same)."""
+    if len(shape) < 1:
+        raise ValueError(f"{name} must have at least 1 dimension to be quantized to NVFP4")
+    rows, cols = _matrix(shape)
+    if rows % NVFP4_BLOCK or cols % NVFP4_BLOCK:
+        raise ValueError(f"{name} of shape {tuple(shape)} is a {rows} x {cols} matrix: NVFP4 needs both the last "
+                         f"dimension and the product of the others to be multiples of {NVFP4_BLOCK}")
+
+
+def _check_quantize_args(x, rowwise, columnwise, block_2d, rht):
+    check_dtype(x, "x")
+    check_contiguous(x, "x")
+    check_nvfp4_shape(x.shape)
+    if not (rowwise or columnwise):
+        raise ValueError("at least one of rowwise and columnwise must be True")
+    if block_2d and rht:
+        raise ValueError("with_2d_quantization and with_rht cannot both be set (2D blocks are the weights', the "
+                         "Hadamard transform the wgrad operands')")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x holds Inf or NaN, which NVFP4 cannot represent (no E2M1 code stands for them)")
+
+
+def nvfp4_quantize(x: torch.Tensor, rowwise: bool = True, columnwise: bool = True, block_2d: bool = False,
+                   rht: bool = False, stochastic: bool = False, seed: int = 0):
+    """(data, scale, amax, columnwise data, columnwise scale, columnwise amax); an unused usage's are None.
+
+    block_2d: one scale per 16x16 block (both usages); rht: the columnwise data quantizes the random
+    Hadamard transform of each 16 consecutive values along the rows; stochastic: stochastic rounding
+    drawing from the counter-based stream `seed` (an int in [0, 2^63)), else round to nearest even."""
+    if not 0 <= int(seed) < 2**63:
+        raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
+    out = call_checked(lambda: _check_quantize_args(x, rowwise, columnwise, block_2d, rht), _ops.nvfp4_quantize,
+                       x, bool(rowwise), bool(columnwise), bool(block_2d), bool(rht), bool(stochastic), int(seed))
+    row, col = out[:3], out[3:]
+    return (*(row if rowwise else (None,) * 3), *(col if columnwise else (None,) * 3))
+
+
+def _check_dequantize_args(data, scale, amax, dtype):
+    check_dtype(data, "data", (torch.uint8,))
+    check_contiguous(data, "data")
+    check_dtype(scale, "scale", (torch.uint8,))
+    check_contiguous(scale, "scale")
+    check_tensor(amax, "amax")
+    check_float_dtype(dtype, "dtype")
+    if data.dim() != 2 or scale.dim() != 2:
+        raise ValueError(f"data and scale must be 2-D, got shapes {tuple(data.shape)} and {tuple(scale.shape)}")
+    if amax.dtype != torch.float32 or amax.numel() != 1:
+        raise ValueError(f"amax must be one float32 value, got dtype {amax.dtype} and shape {tuple(amax.shape)}")
+    if (data.shape[1] * 2) % NVFP4_BLOCK:
+        raise ValueError(f"data must hold a multiple of {NVFP4_BLOCK} values per row (two a byte), got "
+                         f"{data.shape[1] * 2}")
+    raise ValueError(f"scale of shape {tuple(scale.shape)} does not cover data of shape {tuple(data.shape)}")
+
+
+def nvfp4_dequantize(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dtype(float32(e2m1 * float32(float32(scale * amax) / 2688))) of packed 2-D data (rows, cols / 2),
+    (rows, cols) out."""
+    return call_checked(lambda: _check_dequantize_args(data, scale, amax, dtype), _ops.nvfp4_dequantize,
+                        data, scale, amax, dtype)
+
+
+def _fake_usage(x, used, data_shape, scale_shape):
+    if not used:
+        return (x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.uint8),
+                x.new_empty((0,), dtype=torch.float32))
+    return (x.new_empty(data_shape, dtype=torch.uint8), x.new_empty(scale_shape, dtype=torch.uint8),
+            x.new_empty((1,), dtype=torch.float32))
+
+
+@torch.library.register_fake("te_fuser::nvfp4_quantize")
+def _(x, rowwise, columnwise, block_2d, rht, stochastic, seed):
+    row = _fake_usage(x, rowwise, nvfp4_data_shape(x.shape, False), nvfp4_scale_shape(x.shape, False))
+    col = _fake_usage(x, columnwise, nvfp4_data_shape(x.shape, True), nvfp4_scale_shape(x.shape, True))
+    return (*row, *col)
+
+
+@torch.library.register_fake("te_fuser::nvfp4_dequantize")
+def _(data, scale, amax, out_dtype):
+    return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=out_dtype)

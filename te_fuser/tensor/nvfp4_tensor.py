@@ -1,0 +1,193 @@
+"""NVFP4Tensor and NVFP4Quantizer: E2M1 values in blocks of 16 sharing an E4M3 scale, under a float32
+per-tensor scale from the tensor's amax (TransformerEngine's NVFP4BlockScaling; docs/block_scaling.md).
+
+Rowwise data is scaled in 1x16 blocks along the last dimension, packed two values a byte,
+(*shape[:-1], shape[-1] / 2) uint8; columnwise data is the transposed matrix, (shape[-1],
+prod(shape[:-1]) / 2), in 1x16 blocks of its own rows (16x1 blocks of the tensor). With
+with_2d_quantization one scale covers each 16x16 block, for both usages; with with_rht the columnwise
+data holds the random Hadamard transform of each 16 values (the weight-gradient GEMM's operands, whose
+transforms cancel in the product). Scales are uint8 E4M3 codes in TE's padded shapes; the float32
+amaxes `_amax_rowwise` / `_amax_columnwise` (after the transform) set each usage's global scale.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from ..kernels import nvfp4 as kernels
+from ..te_dtype import DType
+from ._block_scaled_tensor import BUFFERS, BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled
+
+NVFP4_BLOCK_SCALING_SIZE = kernels.NVFP4_BLOCK
+
+# The E4M3 code of each E2M1 code (sign and magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}): every E2M1 value is one.
+_E2M1_AS_E4M3 = torch.tensor([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                              0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC], dtype=torch.uint8)
+
+# TE's fixed random signs of the wgrad transform (row j of the Hadamard matrix negated where -1).
+_WGRAD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def get_wgrad_sign_vector(device=None) -> torch.Tensor:
+    """The signs of the random Hadamard transform on the weight-gradient operands, float32."""
+    return torch.tensor(_WGRAD_SIGNS, dtype=torch.float32, device=device)
+
+
+def get_rht_matrix(device=None) -> torch.Tensor:
+    """The transform's matrix M = diag(signs) H / 4 (H the 16x16 Sylvester Hadamard matrix), float32 and
+    exact; a group of 16 values v becomes v @ M. M is orthogonal: M @ M.T = I."""
+    index = torch.arange(16)
+    parity = torch.tensor([[bin(i & j).count("1") % 2 for j in range(16)] for i in index.tolist()])
+    hadamard = 1.0 - 2.0 * parity.to(torch.float32)
+    return (get_wgrad_sign_vector()[:, None] * hadamard * 0.25).to(device)
+
+
+class NVFP4Tensor(BlockScaledTensor):
+    """A tensor quantized to NVFP4. Its rowwise values are `e2m1 * float32(scale * _amax_rowwise / 2688)`
+    per 1x16 block; see BlockScaledTensor for the buffers and the module docstring for the layouts.
+    `_columnwise_rht` says the columnwise data holds the Hadamard-transformed values."""
+
+    _BUFFERS = BUFFERS + ("_amax_rowwise", "_amax_columnwise")
+    SAVED_TENSORS = len(_BUFFERS)
+
+    @classmethod
+    def _check_data(cls, fp8_dtype, rowwise_data, columnwise_data) -> None:
+        if fp8_dtype != torch.uint8:
+            raise ValueError(f"fp8_dtype (the data's storage dtype) must be torch.uint8 for NVFP4, got {fp8_dtype!r}")
+        for data in (rowwise_data, columnwise_data):
+            if data is not None and data.dtype != torch.uint8:
+                raise ValueError(f"NVFP4 data must be uint8 (two E2M1 values a byte), got {data.dtype}")
+
+    def _set_meta(self, amax_rowwise=None, amax_columnwise=None, columnwise_rht: bool = False) -> None:
+        self._amax_rowwise, self._amax_columnwise = amax_rowwise, amax_columnwise
+        self._columnwise_rht = bool(columnwise_rht)
+
+    def _meta(self) -> dict:
+        return {"columnwise_rht": self._columnwise_rht}
+
+    @property
+    def _fp4_dtype(self) -> DType:
+        return DType.kFloat4E2M1
+
+    def _codes_and_factors(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A usage's values as (E4M3 codes (n, m) of its E2M1 values, float32 decode factors (n, m / 16),
+        float32(float32(scale * amax) * float32(1 / 2688))), n x m the data's matrix: (rows, cols)
+        rowwise, (cols, rows) columnwise. Each value is exactly code * factor."""
+        cols = self.shape[-1]
+        rows = self.numel() // cols
+        if columnwise:
+            data, scale, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
+            n, m = cols, rows
+        else:
+            data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
+            n, m = rows, cols
+        packed = data.reshape(n, m // 2).to(torch.int64)
+        nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n, m)
+        codes = _E2M1_AS_E4M3.to(data.device)[nibbles].view(torch.float8_e4m3fn)
+        block_scales = scale[:n, : m // NVFP4_BLOCK_SCALING_SIZE].contiguous().view(torch.float8_e4m3fn).float()
+        return codes, block_scales * amax.reshape(()) * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
+
+    def _stored_values(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
+        """A usage's values as its data holds them: (rows, cols) rowwise, (cols, rows) columnwise, the
+        Hadamard-transformed values when _columnwise_rht."""
+        if columnwise:
+            data, scale, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
+        else:
+            data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
+        return kernels.nvfp4_dequantize(data.reshape(data.shape[0] if columnwise else -1, data.shape[-1]), scale,
+                                        amax, dtype)
+
+    def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
+        if not columnwise:
+            return self._stored_values(False, dtype).reshape(self.shape)
+        if not self._columnwise_rht:
+            return self._stored_values(True, dtype).t().reshape(self.shape)
+        # The exact values (code * factor), then the inverse transform (M.T), exact in float64 too: a block's
+        # 16 values share one float32 factor. One rounding to float32 at the end.
+        codes, factors = self._codes_and_factors(True)
+        groups = codes.double().reshape(codes.shape[0], -1, NVFP4_BLOCK_SCALING_SIZE) * factors.double()[..., None]
+        values = (groups @ get_rht_matrix(codes.device).double().t()).reshape(codes.shape)
+        return values.to(torch.float32).to(dtype).t().reshape(self.shape)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        usages = [u for u, name in (("rowwise", "_rowwise_data"), ("columnwise", "_columnwise_data"))
+                  if getattr(self, name, None) is not None]
+        return f"NVFP4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, usages={usages or '<empty shell>'})"
+
+
+class NVFP4Quantizer(BlockScaledQuantizer):
+    """Quantizes a high-precision tensor to NVFP4 (TE's NVFP4Quantizer, both usages by default).
+
+    with_2d_quantization: 16x16 blocks (TE uses them for weights); with_rht: the columnwise data is the
+    random Hadamard transform's (TE: the wgrad operands), its amax taken after the transform
+    (with_post_rht_amax, which follows with_rht unless given); stochastic_rounding: each quantize() draws a
+    seed from torch's default CPU generator (so torch.manual_seed makes it reproducible), else round to
+    nearest even. Not implemented (NotImplementedError): with_amax_reduction (an amax all-reduced over a
+    group), with_random_sign_mask=False, with_rht without the post-transform amax."""
+
+    def __init__(self, fp4_dtype=DType.kFloat4E2M1, rowwise: bool = True, columnwise: bool = True,
+                 with_amax_reduction: bool = False, amax_reduction_group=None, with_rht: bool = False,
+                 with_post_rht_amax: Optional[bool] = None, with_2d_quantization: bool = False,
+                 stochastic_rounding: bool = False, with_random_sign_mask: bool = True):
+        if fp4_dtype != DType.kFloat4E2M1:
+            raise ValueError(f"fp4_dtype must be DType.kFloat4E2M1, got {fp4_dtype!r}")
+        if with_amax_reduction:
+            raise NotImplementedError("te_fuser's NVFP4Quantizer does not implement with_amax_reduction=True")
+        if not with_random_sign_mask:
+            raise NotImplementedError("te_fuser's NVFP4Quantizer does not implement with_random_sign_mask=False "
+                                      "(its transform always uses TE's wgrad signs)")
+        with_post_rht_amax = bool(with_rht) if with_post_rht_amax is None else bool(with_post_rht_amax)
+        if with_rht and not with_post_rht_amax:
+            raise NotImplementedError("te_fuser's NVFP4Quantizer does not implement with_rht=True with "
+                                      "with_post_rht_amax=False (the columnwise amax is the transformed values')")
+        if with_rht and with_2d_quantization:
+            raise ValueError("with_rht and with_2d_quantization cannot both be set (TE's recipe uses 2D blocks for "
+                             "weights and the transform for the wgrad operands)")
+        self.dtype = fp4_dtype
+        self.with_amax_reduction = False
+        self.amax_reduction_group = amax_reduction_group
+        self.with_rht = bool(with_rht)
+        self.with_post_rht_amax = with_post_rht_amax
+        self.with_2d_quantization = bool(with_2d_quantization)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+
+    @property
+    def rht_matrix(self) -> torch.Tensor:
+        return get_rht_matrix()
+
+    def quantize(self, x: torch.Tensor) -> NVFP4Tensor:
+        if x.dim() < 1:
+            raise ValueError("x must have at least 1 dimension to be quantized to NVFP4")
+        seed = int(torch.randint(0, 2**62, ())) if self.stochastic_rounding else 0
+        data, scale, amax, col_data, col_scale, col_amax = kernels.nvfp4_quantize(
+            x.detach().contiguous(), self.rowwise, self.columnwise, self.with_2d_quantization, self.with_rht,
+            self.stochastic_rounding, seed)
+        return NVFP4Tensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=scale, columnwise_data=col_data,
+                           columnwise_scale_inv=col_scale, amax_rowwise=amax, amax_columnwise=col_amax,
+                           fp8_dtype=torch.uint8, quantizer=self, columnwise_rht=self.with_rht and self.columnwise)
+
+    def get_scale_shape(self, shape, columnwise: bool) -> Tuple[int, int]:
+        return kernels.nvfp4_scale_shape(tuple(shape), columnwise)
+
+    def get_columnwise_shape(self, shape) -> Tuple[int, ...]:
+        shape = tuple(shape)
+        return (shape[-1], *shape[:-1]) if shape else ()
+
+    @staticmethod
+    def convert_shape_for_fp4(shape) -> Tuple[int, ...]:
+        """A shape with its last dimension halved: the packed data's."""
+        return (*tuple(shape)[:-1], shape[-1] // 2)
+
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """TE's test: at least 2-D, both matrix dimensions multiples of 16 (te_fuser's kernels ask the same)."""
+        return inp.dim() >= 2 and inp.shape[-1] % NVFP4_BLOCK_SCALING_SIZE == 0 and \
+            math.prod(inp.shape[:-1]) % NVFP4_BLOCK_SCALING_SIZE == 0
+
+    def __repr__(self) -> str:
+        return (f"NVFP4Quantizer(rowwise={self.rowwise}, columnwise={self.columnwise}, with_rht={self.with_rht}, "
+                f"with_2d_quantization={self.with_2d_quantization}, stochastic_rounding={self.stochastic_rounding})")
+
+
+torch.serialization.add_safe_globals([NVFP4Tensor, _rebuild_block_scaled, DType])

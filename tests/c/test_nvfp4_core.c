@@ -1,0 +1,363 @@
+/*
+ * Standalone test of the NVFP4 quantizers (no torch): the scalar functions against double-precision
+ * references written from docs/block_scaling.md, each tier's kernels against a plain element-by-element
+ * reference (1D and 2D blocks, the Hadamard transform, stochastic rounding, band splits; outputs
+ * allocated to their exact sizes, so ASan catches a write past them), and every size and pointer check.
+ * Run by tests/c/run_nvfp4.sh under ASan and UBSan.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/cpu_features.h"
+#include "common/tf_dtype.h"
+#include "fp4/nvfp4.h"
+#include "fp4/nvfp4_format.h"
+
+#include "check.h"
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint32_t rand_u32(void) {
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+static const double GRID[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+
+/* ---- the scalar functions ------------------------------------------------------------------- */
+
+/* The nearest grid magnitude, ties to the even code; beyond 6 (Inf too) 6. */
+static int ref_rn_code(float v) {
+  const double a = fabs((double)v);
+  int best = 7;
+  if (a < 6.0) {
+    best = 0;
+    for (int k = 1; k < 8; ++k) {
+      const double d = fabs(a - GRID[k]), db = fabs(a - GRID[best]);
+      if (d < db || (d == db && k % 2 == 0)) best = k;
+    }
+  }
+  return best | (signbit(v) ? 8 : 0);
+}
+
+static void test_e2m1(void) {
+  int bad = 0;
+  for (int c = 0; c < 16; ++c) {
+    const double want = (c & 8 ? -1.0 : 1.0) * GRID[c & 7];
+    bad += tf_e2m1_decode((uint8_t)c) != want || !!signbit(tf_e2m1_decode((uint8_t)c)) != !!(c & 8);
+  }
+  CHECK(bad == 0, "e2m1 decode: %d codes wrong", bad);
+  bad = 0;
+  uint32_t first = 0;
+  for (uint64_t u = 0; u <= 0xFF800000u; u += 0x1FF) {
+    const float v = tf_f32_from_bits((uint32_t)u);
+    if (isnan(v)) continue;
+    if (tf_e2m1_encode_rn(v) != ref_rn_code(v) && bad++ == 0) first = (uint32_t)u;
+  }
+  /* Every tie and its float32 neighbours. */
+  for (int k = 0; k < 7; ++k)
+    for (int s = 0; s < 2; ++s) {
+      float mid = (float)((GRID[k] + GRID[k + 1]) / 2) * (s ? -1.0f : 1.0f);
+      const float near[3] = {nextafterf(mid, -INFINITY), mid, nextafterf(mid, INFINITY)};
+      for (int i = 0; i < 3; ++i)
+        if (tf_e2m1_encode_rn(near[i]) != ref_rn_code(near[i]) && bad++ == 0) first = tf_f32_bits(near[i]);
+    }
+  CHECK(bad == 0, "e2m1 round to nearest even: %d differ, first bits 0x%08x", bad, first);
+  CHECK(tf_e2m1_encode_rn(-0.0f) == 8 && tf_e2m1_encode_rn(INFINITY) == 7 && tf_e2m1_encode_rn(-1e30f) == 15,
+        "signed zero, Inf and huge values saturate");
+  CHECK(tf_e2m1_encode_rn(NAN) == 0 && tf_e2m1_encode_rn(-NAN) == 8, "NaN gives the signed zero");
+}
+
+static void test_stochastic(void) {
+  int bad = 0, neighbour_bad = 0;
+  for (int t = 0; t < 400000; ++t) {
+    const float v = ((float)(int32_t)rand_u32() / 2147483648.0f) * 7.0f;
+    const uint32_t u = rand_u32() >> 8;
+    const int got = tf_e2m1_encode_sr(v, u);
+    const double a = fabs((double)v);
+    int lo = 0;
+    while (lo < 7 && GRID[lo + 1] <= a) ++lo;
+    const int up = lo < 7 && (double)u < (a - GRID[lo]) / (GRID[lo + 1] - GRID[lo]) * 16777216.0;
+    bad += got != ((lo + up) | (signbit(v) ? 8 : 0));
+    neighbour_bad += (got & 7) != lo && (got & 7) != lo + 1;
+  }
+  CHECK(bad == 0, "stochastic rounding: %d of 400000 differ from the rule", bad);
+  CHECK(neighbour_bad == 0, "stochastic rounding: %d results not a neighbour", neighbour_bad);
+  /* Grid values never move; u = 0 rounds up anything off the grid, u = 2^24 - 1 almost nothing. */
+  int grid_bad = 0;
+  for (int k = 0; k < 8; ++k)
+    for (uint32_t u = 0; u < (1u << 24); u += 4099) grid_bad += tf_e2m1_encode_sr((float)GRID[k], u) != k;
+  CHECK(grid_bad == 0, "grid values move under stochastic rounding: %d", grid_bad);
+  CHECK(tf_e2m1_encode_sr(0.75f, 0) == 2 && tf_e2m1_encode_sr(0.75f, (1u << 23) - 1) == 2 &&
+            tf_e2m1_encode_sr(0.75f, 1u << 23) == 1,
+        "0.75: up with probability exactly 1/2");
+  uint64_t seen = 0;
+  for (uint64_t i = 0; i < 64; ++i) seen |= 1ull << (tf_nvfp4_random24(7, i) >> 18);
+  CHECK(__builtin_popcountll(seen) > 40, "random stream spreads over its range (%d of 64 bins)", __builtin_popcountll(seen));
+  CHECK(tf_nvfp4_random24(7, 3) == tf_nvfp4_random24(7, 3) && tf_nvfp4_random24(7, 3) != tf_nvfp4_random24(8, 3),
+        "random stream: reproducible, seed-dependent");
+}
+
+static float ref_global_scale(float amax) {
+  double s = (double)(float)(2688.0 / (double)amax);
+  if (isinf(s)) s = FLT_MAX;
+  return (amax == 0.0f || s == 0.0) ? 1.0f : (float)s;
+}
+
+static void test_scales(void) {
+  int bad = 0, block_bad = 0;
+  const float one_sixth = (float)(1.0 / 6.0);
+  for (uint64_t u = 0; u < 0x7F800000u; u += 0x7FF) {
+    const float amax = tf_f32_from_bits((uint32_t)u);
+    const float s = tf_nvfp4_global_scale(amax);
+    bad += tf_f32_bits(s) != tf_f32_bits(ref_global_scale(amax));
+    const float block = amax * (float)((rand_u32() & 0xFFFF) / 65536.0);
+    const float multiplier = (float)((double)s * (double)one_sixth);
+    double d = (double)(float)((double)block * (double)multiplier);
+    block_bad += tf_nvfp4_block_scale(block, s) != tf_fp8_e4m3_encode(isinf(d) ? FLT_MAX : (float)d);
+  }
+  CHECK(bad == 0, "global scale: %d differ", bad);
+  CHECK(block_bad == 0, "block scale: %d differ", block_bad);
+  CHECK(tf_nvfp4_global_scale(0.0f) == 1.0f && tf_nvfp4_global_scale(1e-45f) == FLT_MAX &&
+            tf_nvfp4_global_scale(2688.0f) == 1.0f,
+        "global scale of 0, of a subnormal and of 2688");
+  CHECK(tf_nvfp4_block_scale(1e30f, FLT_MAX) == 0x7E, "block scale saturates at 448");
+  CHECK(tf_nvfp4_encode_multiplier(0, 1.0f) == FLT_MAX, "zero block scale: multiplier FLT_MAX");
+  /* The transform's matrix is orthogonal: M M^T = I exactly (entries +-1/4, 16 of them per dot). */
+  int orth_bad = 0;
+  for (int i = 0; i < 16; ++i)
+    for (int k = 0; k < 16; ++k) {
+      double dot = 0.0;
+      for (int j = 0; j < 16; ++j) dot += (double)tf_nvfp4_rht_entry(i, j) * tf_nvfp4_rht_entry(k, j);
+      orth_bad += dot != (i == k ? 1.0 : 0.0);
+    }
+  CHECK(orth_bad == 0, "Hadamard matrix not orthogonal: %d entries", orth_bad);
+}
+
+/* ---- the kernels against an element-by-element reference ------------------------------------ */
+
+static const tf_dtype DTYPES[3] = {TF_FLOAT32, TF_BFLOAT16, TF_FLOAT16};
+static const int ISA_CAPS[3] = {TF_ISA_PORTABLE, TF_ISA_AVX2, TF_ISA_AVX512};
+
+static float widen(const void *x, tf_dtype d, int64_t i) {
+  if (d == TF_FLOAT32) return ((const float *)x)[i];
+  const uint16_t h = ((const uint16_t *)x)[i];
+  return d == TF_BFLOAT16 ? tf_bf16_to_f32(h) : tf_f16_to_f32(h);
+}
+
+/* randn-like values with edge blocks: an all-zero block, huge and tiny blocks, signed zeros. */
+static void *make_input(tf_dtype d, int64_t rows, int64_t ld) {
+  void *x = malloc((size_t)(rows * ld) * tf_dtype_size(d));
+  for (int64_t i = 0; i < rows * ld; ++i) {
+    const int64_t r = i / ld, c = i % ld;
+    float v = ((float)(int32_t)rand_u32() / 2147483648.0f) * 3.0f;
+    if (c / 16 == 1) v = 0.0f;
+    if (c / 16 == 2 && r % 3 == 0) v *= 1e4f;
+    if (c / 16 == 3) v *= 1e-6f;
+    if (c % 29 == 5) v = -0.0f;
+    if (d == TF_FLOAT32) ((float *)x)[i] = v;
+    else ((uint16_t *)x)[i] = d == TF_BFLOAT16 ? tf_f32_to_bf16(v) : tf_f32_to_f16(v);
+  }
+  return x;
+}
+
+/* The columnwise value (c, r) of x: x itself, or the transform of its column's 16-row group. */
+static float ref_column_value(const void *x, tf_dtype d, int64_t ld, int64_t r, int64_t c, int rht) {
+  if (!rht) return widen(x, d, r * ld + c);
+  const int64_t g = r / 16 * 16;
+  float acc = 0.0f;
+  for (int j = 0; j < 16; ++j) {
+    const float m = (((__builtin_popcount((unsigned)(j & (r - g))) & 1) ^ ((0xD7E8 >> j) & 1)) ? -0.25f : 0.25f);
+    acc = (float)((double)acc + (double)(float)((double)widen(x, d, (g + j) * ld + c) * m));
+  }
+  return acc;
+}
+
+typedef struct mode {
+  int block_2d, rht_t, stochastic;
+} mode;
+
+/* Quantizes element (i, j) of a matrix whose value is value(i, j), with 16-element blocks along j
+ * (or 16x16 blocks), as docs/block_scaling.md says. */
+static int ref_check(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_t cols, mode md, int columnwise,
+                     uint64_t seed, float amax, const uint8_t *y, const uint8_t *s, int64_t ld_s) {
+  const int64_t n_rows = columnwise ? cols : rows, n_cols = columnwise ? rows : cols;
+  const float s_enc = ref_global_scale(amax);
+  int bad = 0;
+  for (int64_t i = 0; i < n_rows; ++i)
+    for (int64_t b = 0; b < n_cols; b += 16) {
+      double bamax = 0.0;
+      const int64_t i0 = md.block_2d ? i / 16 * 16 : i, i1 = md.block_2d ? i0 + 16 : i + 1;
+      for (int64_t ii = i0; ii < i1; ++ii)
+        for (int64_t j = b; j < b + 16; ++j) {
+          const float v = columnwise ? ref_column_value(x, d, ld, j, ii, md.rht_t) : widen(x, d, ii * ld + j);
+          bamax = fabs(v) > bamax ? fabs(v) : bamax;
+        }
+      const float multiplier = (float)((double)s_enc * (double)(float)(1.0 / 6.0));
+      const double sd = (double)(float)(bamax * multiplier);
+      const uint8_t code = tf_fp8_e4m3_encode(isinf(sd) ? FLT_MAX : (float)sd);
+      bad += s[i * ld_s + b / 16] != code;
+      const float s_dec = (float)(1.0 / (double)s_enc);
+      double enc = (double)(float)(1.0 / (double)(float)((double)tf_fp8_e4m3_decode(code) * s_dec));
+      const float e = isinf(enc) ? FLT_MAX : (float)enc;
+      for (int64_t j = b; j < b + 16; ++j) {
+        const float v = columnwise ? ref_column_value(x, d, ld, j, i, md.rht_t) : widen(x, d, i * ld + j);
+        const float scaled = (float)((double)v * e);
+        const uint64_t counter = (uint64_t)(columnwise ? rows * cols : 0) + (uint64_t)(i * n_cols + j);
+        const uint8_t want = md.stochastic ? tf_e2m1_encode_sr(scaled, tf_nvfp4_random24(seed, counter))
+                                           : (uint8_t)ref_rn_code(scaled);
+        const uint8_t byte = y[(i * n_cols + j) / 2];
+        bad += ((j % 2 ? byte >> 4 : byte) & 15) != want;
+      }
+    }
+  return bad;
+}
+
+static void test_kernels(void) {
+  const int64_t sizes_r[] = {16, 48}, sizes_c[] = {16, 64, 528};
+  const mode modes[] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {0, 1, 1}};
+  int bad = 0, band_bad = 0, amax_bad = 0, runs = 0;
+  for (int t = 0; t < 3; ++t) {
+    if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
+    CHECK(tf_set_cpu_isa_cap(ISA_CAPS[t]) == TF_OK, "set cap");
+    for (int di = 0; di < 3; ++di)
+      for (int ri = 0; ri < 2; ++ri)
+        for (int ci = 0; ci < 3; ++ci)
+          for (int mi = 0; mi < 5; ++mi) {
+            const int64_t rows = sizes_r[ri], cols = sizes_c[ci], ld = cols + 16;
+            const tf_dtype d = DTYPES[di];
+            const mode md = modes[mi];
+            void *x = make_input(d, rows, ld);
+            float amax = 0.0f, amax_t = 0.0f;
+            CHECK(tf_nvfp4_amax(x, d, rows, cols, ld, 0, rows, 0, &amax) == TF_OK, "amax");
+            CHECK(tf_nvfp4_amax(x, d, rows, cols, ld, 0, rows, md.rht_t, &amax_t) == TF_OK, "amax_t");
+            double want = 0.0, want_t = 0.0;
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t c = 0; c < cols; ++c) {
+                want = fmax(want, fabs(widen(x, d, r * ld + c)));
+                want_t = fmax(want_t, fabs(ref_column_value(x, d, ld, r, c, md.rht_t)));
+              }
+            amax_bad += amax != (float)want || amax_t != (float)want_t;
+            const int64_t ls = cols / 16, lst = rows / 16;
+            uint8_t *y = malloc((size_t)(rows * cols / 2)), *s = malloc((size_t)(rows * ls));
+            uint8_t *yt = malloc((size_t)(rows * cols / 2)), *st = malloc((size_t)(cols * lst));
+            uint8_t *y2 = malloc((size_t)(rows * cols / 2)), *s2 = malloc((size_t)(rows * ls));
+            uint8_t *yt2 = malloc((size_t)(rows * cols / 2)), *st2 = malloc((size_t)(cols * lst));
+            const uint64_t seed = 0x1234567ull + (uint64_t)runs;
+            CHECK(tf_nvfp4_quantize(x, d, rows, cols, ld, 0, rows, md.block_2d, md.rht_t, md.stochastic, seed, amax,
+                                    md.block_2d ? amax : amax_t, y, s, ls, yt, st, lst) == TF_OK,
+                  "quantize");
+            bad += ref_check(x, d, ld, rows, cols, md, 0, seed, amax, y, s, ls);
+            bad += ref_check(x, d, ld, rows, cols, md, 1, seed, md.block_2d ? amax : amax_t, yt, st, lst);
+            /* The same bytes from 16-row bands, last band first. */
+            for (int64_t r0 = rows - 16; r0 >= 0; r0 -= 16)
+              CHECK(tf_nvfp4_quantize(x, d, rows, cols, ld, r0, r0 + 16, md.block_2d, md.rht_t, md.stochastic, seed,
+                                      amax, md.block_2d ? amax : amax_t, y2, s2, ls, yt2, st2, lst) == TF_OK,
+                    "band");
+            band_bad += memcmp(y, y2, (size_t)(rows * cols / 2)) || memcmp(s, s2, (size_t)(rows * ls)) ||
+                        memcmp(yt, yt2, (size_t)(rows * cols / 2)) || memcmp(st, st2, (size_t)(cols * lst));
+            ++runs;
+            free(x), free(y), free(s), free(yt), free(st), free(y2), free(s2), free(yt2), free(st2);
+          }
+  }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(runs > 0 && bad == 0, "quantize: %d mismatches with the reference over %d runs", bad, runs);
+  CHECK(band_bad == 0, "quantize: %d runs differ when split into bands", band_bad);
+  CHECK(amax_bad == 0, "amax: %d runs wrong", amax_bad);
+}
+
+static void test_amax_specials(void) {
+  float x[16 * 16] = {0};
+  float amax = 0.0f;
+  x[37] = -INFINITY;
+  CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 16, 16, 16, 0, 16, 0, &amax) == TF_OK && isinf(amax), "Inf shows in the amax");
+  x[200] = NAN;
+  CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 16, 16, 16, 0, 16, 1, &amax) == TF_OK && isnan(amax), "NaN shows in the amax");
+}
+
+static void test_dequantize(void) {
+  int bad = 0;
+  for (int t = 0; t < 3; ++t) {
+    if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
+    CHECK(tf_set_cpu_isa_cap(ISA_CAPS[t]) == TF_OK, "set cap");
+    const int64_t rows = 32, cols = 1040;
+    uint8_t *y = malloc((size_t)(rows * cols / 2)), *s = malloc((size_t)(rows * cols / 16));
+    for (int64_t i = 0; i < rows * cols / 2; ++i) y[i] = (uint8_t)rand_u32();
+    for (int64_t i = 0; i < rows * cols / 16; ++i) s[i] = (uint8_t)(rand_u32() % 0x7F); /* no NaN code */
+    const float amax = 3.7f;
+    for (int di = 0; di < 3; ++di) {
+      const tf_dtype d = DTYPES[di];
+      void *out = malloc((size_t)(rows * cols) * tf_dtype_size(d));
+      CHECK(tf_nvfp4_dequantize(y, rows, cols, 0, rows, s, cols / 16, amax, out, d) == TF_OK, "dequantize");
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const uint8_t byte = y[(r * cols + c) / 2];
+          const double e = tf_e2m1_decode((uint8_t)((c % 2 ? byte >> 4 : byte) & 15));
+          const float f1 = (float)((double)tf_fp8_e4m3_decode(s[r * (cols / 16) + c / 16]) * amax);
+          const float factor = (float)((double)f1 * (double)(float)(1.0 / 2688.0));
+          const float v = (float)(e * factor);
+          const float got = widen(out, d, r * cols + c);
+          const float want = d == TF_FLOAT32 ? v : d == TF_BFLOAT16 ? tf_bf16_to_f32(tf_f32_to_bf16(v))
+                                                                    : tf_f16_to_f32(tf_f32_to_f16(v));
+          bad += tf_f32_bits(got) != tf_f32_bits(want);
+        }
+      free(out);
+    }
+    free(y), free(s);
+  }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(bad == 0, "dequantize: %d mismatches", bad);
+}
+
+static void test_checks(void) {
+  float x[64 * 64] = {0}, amax = 0.0f;
+  uint8_t y[64 * 32], yt[64 * 32], s[64 * 4], st[64 * 4];
+  float out[64 * 64];
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 1, 1, 5, 1.0f, 2.0f, y, s, 4, yt, st, 4) == TF_OK, "ok");
+  CHECK(tf_nvfp4_quantize(x, (tf_dtype)7, 64, 64, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_DTYPE, "dtype");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 40, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "cols not a multiple of 16");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 40, 64, 64, 0, 32, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "rows not a multiple of 16");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 8, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "band not a multiple of 16");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 80, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "band past rows");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 48, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "ld_x < cols");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 3, 0, 0, 0) == TF_ERR_BAD_SIZE, "ld_scale");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, 0, 0, 0, yt, st, 3) == TF_ERR_BAD_SIZE, "ld_scale_t");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 2, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_ARGUMENT, "block_2d 2");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 1, 1, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_ARGUMENT, "2D with rht");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 1, 0, 0, 0, 1.0f, 2.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_ARGUMENT, "2D, two amaxes");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0, 0, 0, INFINITY, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_ARGUMENT, "amax Inf");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0, 0, 0, 1.0f, NAN, y, s, 4, 0, 0, 0) == TF_ERR_BAD_ARGUMENT, "amax_t NaN");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0, 0, 0, -1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_ARGUMENT, "amax < 0");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, 0, 4, 0, 0, 0) == TF_ERR_NULL_POINTER, "y without scale");
+  CHECK(tf_nvfp4_quantize(0, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_NULL_POINTER, "x NULL");
+  CHECK(tf_nvfp4_quantize(0, TF_FLOAT32, 64, 64, 64, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_OK, "empty band");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, INT64_MAX / 32 * 16, 16, 16, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 1, 0, 0, 0) == TF_ERR_OVERFLOW, "rows * cols overflows");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 1 << 20, 16, 16, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, INT64_MAX / 4, 0, 0, 0) == TF_ERR_OVERFLOW, "rows * ld_scale overflows");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 1 << 20, 16, 16, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, 0, 0, 0, yt, st, INT64_MAX / 4) == TF_ERR_OVERFLOW, "cols * ld_scale_t overflows");
+  CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 64, 64, 64, 0, 64, 2, &amax) == TF_ERR_BAD_ARGUMENT, "amax rht 2");
+  CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0) == TF_ERR_NULL_POINTER, "amax NULL");
+  CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 64, 24, 64, 0, 64, 0, &amax) == TF_ERR_BAD_SIZE, "amax cols not a multiple of 16");
+  CHECK(tf_nvfp4_dequantize(y, 64, 64, 0, 64, s, 4, 1.0f, out, TF_FLOAT32) == TF_OK, "dequantize ok");
+  CHECK(tf_nvfp4_dequantize(y, 64, 64, 0, 64, s, 3, 1.0f, out, TF_FLOAT32) == TF_ERR_BAD_SIZE, "dequantize ld_scale");
+  CHECK(tf_nvfp4_dequantize(y, 64, 40, 0, 64, s, 4, 1.0f, out, TF_FLOAT32) == TF_ERR_BAD_SIZE, "dequantize cols not a multiple of 16");
+  CHECK(tf_nvfp4_dequantize(y, 64, 64, 0, 64, s, 4, NAN, out, TF_FLOAT32) == TF_ERR_BAD_ARGUMENT, "dequantize amax NaN");
+  CHECK(tf_nvfp4_dequantize(y, 64, 64, 0, 64, 0, 4, 1.0f, out, TF_FLOAT32) == TF_ERR_NULL_POINTER, "dequantize scale NULL");
+  CHECK(tf_nvfp4_dequantize(y, 64, 64, 0, 64, s, 4, 1.0f, out, (tf_dtype)9) == TF_ERR_BAD_DTYPE, "dequantize dtype");
+  CHECK(tf_nvfp4_dequantize(y, INT64_MAX / 2, 64, 0, 0, s, 4, 1.0f, out, TF_FLOAT32) == TF_ERR_OVERFLOW, "dequantize overflows");
+}
+
+int main(void) {
+  test_e2m1();
+  test_stochastic();
+  test_scales();
+  test_kernels();
+  test_amax_specials();
+  test_dequantize();
+  test_checks();
+  return check_report();
+}
