@@ -5,6 +5,7 @@ from .basic.activation import GEGLU, GELU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SRe
 from .basic.bias import Bias
 from .basic.extra_output import MakeExtraOutput
 from .basic.grouped_linear import GroupedBasicLinear
+from .basic.identity import Identity
 from .basic.linear import BasicLinear
 from .basic.norm import LayerNorm, RMSNorm
 from .basic.quantize import Quantize
@@ -24,6 +25,7 @@ __all__ = [
     "GEGLU",
     "GELU",
     "GroupedBasicLinear",
+    "Identity",
     "LayerNorm",
     "LinearBiasActivation",
     "MakeExtraOutput",
