@@ -9,6 +9,7 @@ from .basic.identity import Identity
 from .basic.linear import BasicLinear
 from .basic.norm import LayerNorm, RMSNorm
 from .basic.quantize import Quantize
+from .basic.reshape import Reshape
 from .fused.activation_bias_grad import ActivationBiasGrad
 from .fused.linear_bias_activation import LinearBiasActivation
 from .fuser import OperationFuser
@@ -36,6 +37,7 @@ __all__ = [
     "Quantize",
     "ReGLU",
     "ReLU",
+    "Reshape",
     "RMSNorm",
     "Sequential",
     "SiLU",
