@@ -3,6 +3,7 @@
 from ..kernels import fused as _fused_kernels  # noqa: F401  (registers the fake kernels)
 from .basic.activation import GEGLU, GELU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU
 from .basic.bias import Bias
+from .basic.constant_scale import ConstantScale
 from .basic.extra_output import MakeExtraOutput
 from .basic.grouped_linear import GroupedBasicLinear
 from .basic.identity import Identity
@@ -21,6 +22,7 @@ __all__ = [
     "BasicLinear",
     "BasicOperation",
     "Bias",
+    "ConstantScale",
     "FusedOperation",
     "FusibleOperation",
     "GEGLU",
