@@ -2,6 +2,7 @@
 
 from ..kernels import fused as _fused_kernels  # noqa: F401  (registers the fake kernels)
 from .basic.activation import GEGLU, GELU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU
+from .basic.add_extra_input import AddExtraInput, AddInPlace
 from .basic.bias import Bias
 from .basic.constant_scale import ConstantScale
 from .basic.extra_output import MakeExtraOutput
@@ -19,6 +20,8 @@ from .sequential import Sequential
 
 __all__ = [
     "ActivationBiasGrad",
+    "AddExtraInput",
+    "AddInPlace",
     "BasicLinear",
     "BasicOperation",
     "Bias",

@@ -57,6 +57,7 @@ class BasicOperation(FusibleOperation):
     num_backward_quantizers = 0
     # Whether the op runs under the block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling).
     supports_block_scaling = False
+    num_extra_inputs = 0  # tensors the op takes besides its input (see fuser.py)
     num_extra_outputs = 0  # tensors the op returns besides its output (see fuser.py)
 
     def __init__(self):
@@ -67,14 +68,14 @@ class BasicOperation(FusibleOperation):
         self._forward_quantizers: List = []
         self._backward_quantizers: List = []
 
-    def forward(self, input_: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, input_: torch.Tensor, *extra_inputs: torch.Tensor, **kwargs) -> torch.Tensor:
         """Called on its own (outside a Sequential), a basic op runs through a fuser of one op."""
         fuser = self.__dict__.get("_own_fuser")
         if fuser is None:
             from .fuser import OperationFuser  # the fuser module imports this one
 
             fuser = self.__dict__["_own_fuser"] = OperationFuser([self])
-        return fuser(input_, [kwargs])
+        return fuser(input_, [kwargs], extra_inputs=extra_inputs)
 
     # -- the fuser's view: a basic op is a fusion of one ---------------------------------
     @property

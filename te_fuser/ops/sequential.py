@@ -17,6 +17,7 @@ class Sequential(torch.nn.Module):
         for i, module in enumerate(modules):
             self.add_module(str(i), module)
         self._groups = None
+        self._num_extra_inputs = 0
 
     def append(self, module: torch.nn.Module) -> "Sequential":
         self.add_module(str(len(self._modules)), module)
@@ -28,6 +29,11 @@ class Sequential(torch.nn.Module):
 
     def __getitem__(self, i: int) -> torch.nn.Module:
         return list(self._modules.values())[i]
+
+    @property
+    def _module_groups(self) -> List:
+        """TE's name for the groups (fusers and other modules) the last forward ran."""
+        return self._groups
 
     def _make_groups(self) -> List:
         groups, run = [], []
@@ -41,16 +47,25 @@ class Sequential(torch.nn.Module):
             groups.append(module)
         if run:
             groups.append(OperationFuser(run))
+        self._num_extra_inputs = sum(g.num_extra_inputs for g in groups if isinstance(g, OperationFuser))
         return groups
 
-    def forward(self, x: torch.Tensor):
-        """The output, or (output, *extra outputs) when ops such as MakeExtraOutput made some."""
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        """The output, or (output, *extra outputs) when ops such as MakeExtraOutput made some. extra_inputs:
+        those of the ops that take some (AddExtraInput), in op order."""
         if self._groups is None:
             self._groups = self._make_groups()
-        extras = []
+        if len(extra_inputs) != self._num_extra_inputs:
+            raise ValueError(f"extra_inputs: the ops take {self._num_extra_inputs} extra input(s), "
+                             f"got {len(extra_inputs)}")
+        extras, pending = [], list(extra_inputs)
         for group in self._groups:
-            x = group(x)
-            if isinstance(group, OperationFuser) and isinstance(x, tuple):
+            if not isinstance(group, OperationFuser):
+                x = group(x)
+                continue
+            mine, pending = pending[:group.num_extra_inputs], pending[group.num_extra_inputs:]
+            x = group(x, extra_inputs=mine)
+            if isinstance(x, tuple):
                 x, *more = x
                 extras.extend(more)
         return (x, *extras) if extras else x
