@@ -8,6 +8,7 @@ from .basic.constant_scale import ConstantScale
 from .basic.extra_output import MakeExtraOutput
 from .basic.grouped_linear import GroupedBasicLinear
 from .basic.identity import Identity
+from .basic.l2normalization import L2Normalization
 from .basic.linear import BasicLinear
 from .basic.norm import LayerNorm, RMSNorm
 from .basic.quantize import Quantize
@@ -32,6 +33,7 @@ __all__ = [
     "GELU",
     "GroupedBasicLinear",
     "Identity",
+    "L2Normalization",
     "LayerNorm",
     "LinearBiasActivation",
     "MakeExtraOutput",
