@@ -5,6 +5,7 @@ from .basic.activation import GEGLU, GELU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SRe
 from .basic.add_extra_input import AddExtraInput, AddInPlace
 from .basic.bias import Bias
 from .basic.constant_scale import ConstantScale
+from .basic.dropout import Dropout
 from .basic.extra_output import MakeExtraOutput
 from .basic.grouped_linear import GroupedBasicLinear
 from .basic.identity import Identity
@@ -27,6 +28,7 @@ __all__ = [
     "BasicOperation",
     "Bias",
     "ConstantScale",
+    "Dropout",
     "FusedOperation",
     "FusibleOperation",
     "GEGLU",
