@@ -4,6 +4,7 @@ from ..kernels import fused as _fused_kernels  # noqa: F401  (registers the fake
 from .basic.activation import GEGLU, GELU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU
 from .basic.add_extra_input import AddExtraInput, AddInPlace
 from .basic.bias import Bias
+from .basic.collectives import AllGather, AllReduce, ReduceScatter
 from .basic.constant_scale import ConstantScale
 from .basic.dropout import Dropout
 from .basic.extra_output import MakeExtraOutput
@@ -24,6 +25,8 @@ __all__ = [
     "ActivationBiasGrad",
     "AddExtraInput",
     "AddInPlace",
+    "AllGather",
+    "AllReduce",
     "BasicLinear",
     "BasicOperation",
     "Bias",
@@ -44,6 +47,7 @@ __all__ = [
     "QGEGLU",
     "QGELU",
     "Quantize",
+    "ReduceScatter",
     "ReGLU",
     "ReLU",
     "Reshape",
