@@ -18,6 +18,7 @@ from .basic.reshape import Reshape
 from .fused.activation_bias_grad import ActivationBiasGrad
 from .fused.linear_bias_activation import LinearBiasActivation
 from .fuser import OperationFuser
+from .linear import Linear
 from .op import BasicOperation, FusedOperation, FusibleOperation, OperationContext
 from .sequential import Sequential
 
@@ -40,6 +41,7 @@ __all__ = [
     "Identity",
     "L2Normalization",
     "LayerNorm",
+    "Linear",
     "LinearBiasActivation",
     "MakeExtraOutput",
     "OperationContext",

@@ -5,12 +5,13 @@ from typing import List
 import torch
 
 from .fuser import OperationFuser
-from .op import BasicOperation
+from .op import BasicOperation, FusibleOperation
 
 
 class Sequential(torch.nn.Module):
-    """Like torch.nn.Sequential; consecutive BasicOperations run as one fused autograd Function,
-    any other module runs as itself in between."""
+    """Like torch.nn.Sequential; consecutive fusible ops (basic ops, and compositions such as ops.Linear,
+    which contribute their basic ops) run as one fused autograd Function, any other module runs as
+    itself in between."""
 
     def __init__(self, *modules: torch.nn.Module):
         super().__init__()
@@ -40,6 +41,9 @@ class Sequential(torch.nn.Module):
         for module in self._modules.values():
             if isinstance(module, BasicOperation):
                 run.append(module)
+                continue
+            if isinstance(module, FusibleOperation):
+                run.extend(module.basic_ops)
                 continue
             if run:
                 groups.append(OperationFuser(run))
