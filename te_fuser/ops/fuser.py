@@ -46,9 +46,11 @@ from ..quantization import FP8GlobalState
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
+from .basic.add_extra_input import AddExtraInput
 from .basic.bias import Bias
 from .basic.linear import BasicLinear
 from .fused.activation_bias_grad import ActivationBiasGrad
+from .fused.forward_linear_bias_add import ForwardLinearBiasAdd
 from .fused.linear_bias_activation import LinearBiasActivation
 from .op import BasicOperation, OperationContext
 
@@ -59,13 +61,28 @@ SECOND_BACKWARD_MESSAGE = (
 )
 
 
+def _linear_bias_add(basic_ops: Sequence[BasicOperation], i: int) -> int:
+    """How many basic ops from i on form BasicLinear (+ Bias) + AddExtraInput, or 0."""
+    n = len(basic_ops)
+    if not (isinstance(basic_ops[i], BasicLinear) and ForwardLinearBiasAdd.applies_to(basic_ops[i])):
+        return 0
+    j = i + 2 if i + 1 < n and isinstance(basic_ops[i + 1], Bias) else i + 1
+    return j - i + 1 if j < n and isinstance(basic_ops[j], AddExtraInput) else 0
+
+
 def fuse_forward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
-    """[(op, basic op indices)]: BasicLinear + Bias (+ an element-wise activation) become LinearBiasActivation."""
+    """[(op, basic op indices)]: BasicLinear (+ Bias) + AddExtraInput become ForwardLinearBiasAdd, and
+    BasicLinear + Bias (+ an element-wise activation) LinearBiasActivation."""
     plan, i, n = [], 0, len(basic_ops)
     while i < n:
         op = basic_ops[i]
-        if (isinstance(op, BasicLinear) and i + 1 < n and isinstance(basic_ops[i + 1], Bias)
-                and LinearBiasActivation.applies_to(op)):
+        width = _linear_bias_add(basic_ops, i)
+        if width:
+            bias = basic_ops[i + 1] if width == 3 else None
+            plan.append((ForwardLinearBiasAdd(op, bias, basic_ops[i + width - 1]), tuple(range(i, i + width))))
+            i += width
+        elif (isinstance(op, BasicLinear) and i + 1 < n and isinstance(basic_ops[i + 1], Bias)
+              and LinearBiasActivation.applies_to(op)):
             act = basic_ops[i + 2] if i + 2 < n and isinstance(basic_ops[i + 2], _BiasActivation) else None
             width = 3 if act is not None else 2
             plan.append((LinearBiasActivation(op, basic_ops[i + 1], act), tuple(range(i, i + width))))
