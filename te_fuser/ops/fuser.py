@@ -48,8 +48,10 @@ from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
 from .basic.add_extra_input import AddExtraInput
 from .basic.bias import Bias
+from .basic.extra_output import MakeExtraOutput
 from .basic.linear import BasicLinear
 from .fused.activation_bias_grad import ActivationBiasGrad
+from .fused.backward_linear_add import BackwardLinearAdd
 from .fused.forward_linear_bias_add import ForwardLinearBiasAdd
 from .fused.linear_bias_activation import LinearBiasActivation
 from .op import BasicOperation, OperationContext
@@ -94,11 +96,16 @@ def fuse_forward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
 
 
 def fuse_backward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
-    """[(op, basic op indices)] in forward order: Bias + an element-wise activation become ActivationBiasGrad."""
+    """[(op, basic op indices)] in forward order: Bias + an element-wise activation become ActivationBiasGrad,
+    MakeExtraOutput + BasicLinear BackwardLinearAdd."""
     plan, i, n = [], 0, len(basic_ops)
     while i < n:
         if isinstance(basic_ops[i], Bias) and i + 1 < n and isinstance(basic_ops[i + 1], _BiasActivation):
             plan.append((ActivationBiasGrad(basic_ops[i], basic_ops[i + 1]), (i, i + 1)))
+            i += 2
+        elif (isinstance(basic_ops[i], MakeExtraOutput) and i + 1 < n and isinstance(basic_ops[i + 1], BasicLinear)
+              and BackwardLinearAdd.applies_to(basic_ops[i], basic_ops[i + 1])):
+            plan.append((BackwardLinearAdd(basic_ops[i], basic_ops[i + 1]), (i, i + 1)))
             i += 2
         else:
             plan.append((basic_ops[i], (i,)))
