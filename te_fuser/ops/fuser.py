@@ -29,6 +29,11 @@ the ops run with autocast off.
 Extra outputs: an op with num_extra_outputs > 0 sets ctx.extra_outputs in its
 forward; the fuser takes them off the ctx at once and returns (output,
 *extra outputs), and sets ctx.grad_extra_outputs before that op's backward.
+Extra inputs (TE's AddExtraInput): the caller passes them after the input
+(fuser(x, extra_inputs=...), Sequential(x, *extra)); an op with num_extra_inputs
+> 0 finds its own on ctx.extra_inputs during its forward, which the fuser takes
+off the ctx right after, and sets ctx.grad_extra_inputs in its backward, which
+the fuser takes off at once and returns as those inputs' gradients.
 """
 
 from typing import List, Optional, Sequence
@@ -41,9 +46,13 @@ from ..quantization import FP8GlobalState, runs_while_tracing
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
+from .basic.add_extra_input import AddExtraInput
 from .basic.bias import Bias
+from .basic.extra_output import MakeExtraOutput
 from .basic.linear import BasicLinear
 from .fused.activation_bias_grad import ActivationBiasGrad
+from .fused.backward_linear_add import BackwardLinearAdd
+from .fused.forward_linear_bias_add import ForwardLinearBiasAdd
 from .fused.linear_bias_activation import LinearBiasActivation
 from .op import BasicOperation, OperationContext
 
@@ -54,13 +63,28 @@ SECOND_BACKWARD_MESSAGE = (
 )
 
 
+def _linear_bias_add(basic_ops: Sequence[BasicOperation], i: int) -> int:
+    """How many basic ops from i on form BasicLinear (+ Bias) + AddExtraInput, or 0."""
+    n = len(basic_ops)
+    if not (isinstance(basic_ops[i], BasicLinear) and ForwardLinearBiasAdd.applies_to(basic_ops[i])):
+        return 0
+    j = i + 2 if i + 1 < n and isinstance(basic_ops[i + 1], Bias) else i + 1
+    return j - i + 1 if j < n and isinstance(basic_ops[j], AddExtraInput) else 0
+
+
 def fuse_forward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
-    """[(op, basic op indices)]: BasicLinear + Bias (+ an element-wise activation) become LinearBiasActivation."""
+    """[(op, basic op indices)]: BasicLinear (+ Bias) + AddExtraInput become ForwardLinearBiasAdd, and
+    BasicLinear + Bias (+ an element-wise activation) LinearBiasActivation."""
     plan, i, n = [], 0, len(basic_ops)
     while i < n:
         op = basic_ops[i]
-        if (isinstance(op, BasicLinear) and i + 1 < n and isinstance(basic_ops[i + 1], Bias)
-                and LinearBiasActivation.applies_to(op)):
+        width = _linear_bias_add(basic_ops, i)
+        if width:
+            bias = basic_ops[i + 1] if width == 3 else None
+            plan.append((ForwardLinearBiasAdd(op, bias, basic_ops[i + width - 1]), tuple(range(i, i + width))))
+            i += width
+        elif (isinstance(op, BasicLinear) and i + 1 < n and isinstance(basic_ops[i + 1], Bias)
+              and LinearBiasActivation.applies_to(op)):
             act = basic_ops[i + 2] if i + 2 < n and isinstance(basic_ops[i + 2], _BiasActivation) else None
             width = 3 if act is not None else 2
             plan.append((LinearBiasActivation(op, basic_ops[i + 1], act), tuple(range(i, i + width))))
@@ -72,11 +96,16 @@ def fuse_forward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
 
 
 def fuse_backward_ops(basic_ops: Sequence[BasicOperation]) -> List[tuple]:
-    """[(op, basic op indices)] in forward order: Bias + an element-wise activation become ActivationBiasGrad."""
+    """[(op, basic op indices)] in forward order: Bias + an element-wise activation become ActivationBiasGrad,
+    MakeExtraOutput + BasicLinear BackwardLinearAdd."""
     plan, i, n = [], 0, len(basic_ops)
     while i < n:
         if isinstance(basic_ops[i], Bias) and i + 1 < n and isinstance(basic_ops[i + 1], _BiasActivation):
             plan.append((ActivationBiasGrad(basic_ops[i], basic_ops[i + 1]), (i, i + 1)))
+            i += 2
+        elif (isinstance(basic_ops[i], MakeExtraOutput) and i + 1 < n and isinstance(basic_ops[i + 1], BasicLinear)
+              and BackwardLinearAdd.applies_to(basic_ops[i], basic_ops[i + 1])):
+            plan.append((BackwardLinearAdd(basic_ops[i], basic_ops[i + 1]), (i, i + 1)))
             i += 2
         else:
             plan.append((basic_ops[i], (i,)))
@@ -89,32 +118,39 @@ class _Plan:
     backward step needs of them, worked out once (a small layer's step is mostly this bookkeeping)."""
 
     __slots__ = ("forward_ops", "backward_ops", "input_requires_grad", "params_require_grad", "param_slices",
-                 "forward_steps", "backward_steps")
+                 "num_params", "forward_steps", "backward_steps")
 
-    def __init__(self, basic_ops, input_requires_grad, params_require_grad, param_counts):
+    def __init__(self, basic_ops, input_requires_grad, params_require_grad, param_counts, extras_require_grad=()):
         self.forward_ops = fuse_forward_ops(basic_ops)
         self.backward_ops = fuse_backward_ops(basic_ops)
         self.params_require_grad = tuple(params_require_grad)
-        # Op j's input requires grad when the chain input or a parameter of an earlier op does.
-        self.input_requires_grad, self.param_slices = [], []
-        needs, start = input_requires_grad, 0
-        for count in param_counts:
+        self.num_params = len(self.params_require_grad)
+        # Op j's input requires grad when the chain input, or a parameter or extra input of an earlier op, does.
+        self.input_requires_grad, self.param_slices, extra_slices = [], [], []
+        needs, start, extra_start = input_requires_grad, 0, 0
+        for op, count in zip(basic_ops, param_counts):
             self.input_requires_grad.append(needs)
             self.param_slices.append((start, start + count))
-            needs = needs or any(params_require_grad[start:start + count])
+            extra_slices.append((extra_start, extra_start + op.num_extra_inputs))
+            needs = (needs or any(params_require_grad[start:start + count])
+                     or any(extras_require_grad[extra_start:extra_start + op.num_extra_inputs]))
             start += count
+            extra_start += op.num_extra_inputs
         last = len(basic_ops) - 1
-        # (op, basic op indices, the op before it, the op after it, those of its basic ops with extra outputs)
+        # (op, basic op indices, the op before it, the op after it, those of its basic ops with extra outputs,
+        # (basic op index, extra input slice) of those with extra inputs)
         self.forward_steps = tuple(
             (op, idx, basic_ops[idx[0] - 1] if idx[0] > 0 else None, basic_ops[idx[-1] + 1] if idx[-1] < last else None,
-             tuple(j for j in idx if basic_ops[j].num_extra_outputs))
+             tuple(j for j in idx if basic_ops[j].num_extra_outputs),
+             tuple((j, slice(*extra_slices[j])) for j in idx if basic_ops[j].num_extra_inputs))
             for op, idx in self.forward_ops)
         # Last op first: (op, basic op indices, whether it or an op before it wants a gradient, its
-        # basic ops' first parameter positions).
+        # basic ops' first parameter positions, (basic op index, extra input slice) of those with extra inputs).
         self.backward_steps = tuple(
             (op, idx, any(self.input_requires_grad[j] or any(self.params_require_grad[slice(*self.param_slices[j])])
-                          for j in idx),
-             tuple(self.param_slices[j][0] for j in idx))
+                          or any(extras_require_grad[slice(*extra_slices[j])]) for j in idx),
+             tuple(self.param_slices[j][0] for j in idx),
+             tuple((j, slice(*extra_slices[j])) for j in idx if basic_ops[j].num_extra_inputs))
             for op, idx in reversed(self.backward_ops))
 
 
@@ -122,10 +158,10 @@ class _BackwardState:
     """Everything the backward needs besides the saved tensors; dropped once backward ran."""
 
     __slots__ = ("plan", "op_ctxs", "tensor_objects", "has_shells", "save_ranges", "num_params",
-                 "grad_input_quantizer")
+                 "num_extra_inputs", "grad_input_quantizer")
 
 
-def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer, autocast_dtype):
+def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer, autocast_dtype, extra_inputs=()):
     """The chain's forward: (output, extra outputs, the basic ops' contexts)."""
     ctxs = []
     for needs, (start, end) in zip(plan.input_requires_grad, plan.param_slices):
@@ -135,11 +171,15 @@ def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer, autocast_dt
         ctx.params_require_grad = plan.params_require_grad[start:end]
         ctxs.append(ctx)
     x, extras = input_, []
-    for op, idx, prev_op, next_op, extra_ops in plan.forward_steps:
+    for op, idx, prev_op, next_op, extra_ops, extra_in in plan.forward_steps:
+        for j, where in extra_in:
+            ctxs[j].extra_inputs = tuple(extra_inputs[where])
         x = op.fuser_forward([ctxs[j] for j in idx], x,
                              prev_op.grad_output_quantizer() if prev_op is not None else None,
                              next_op.input_quantizer() if next_op is not None else None,
                              [kwargs_list[j] for j in idx])
+        for j, _ in extra_in:
+            del ctxs[j].extra_inputs
         for j in extra_ops:
             extras.extend(ctxs[j].__dict__.pop("extra_outputs"))
     if output_quantizer is not None:
@@ -179,8 +219,9 @@ def _backward(func_ctx, grad_output, *grad_extra_outputs):
                 del pending[:op.num_extra_outputs]
 
     param_grads: List[Optional[torch.Tensor]] = [None] * state.num_params
+    extra_grads: List[Optional[torch.Tensor]] = [None] * state.num_extra_inputs
     dy = grad_output
-    for op, idx, wants_grad, param_starts in state.plan.backward_steps:
+    for op, idx, wants_grad, param_starts, extra_in in state.plan.backward_steps:
         if not wants_grad:
             # Neither these ops nor any before them (frozen, with an input that needs no
             # gradient) want a gradient, and they saved nothing for one.
@@ -189,6 +230,8 @@ def _backward(func_ctx, grad_output, *grad_extra_outputs):
         dy, grads_per_op = op.fuser_backward([ctxs[j] for j in idx], dy)
         for start, grads in zip(param_starts, grads_per_op):
             param_grads[start:start + len(grads)] = grads
+        for j, where in extra_in:
+            extra_grads[where] = ctxs[j].__dict__.pop("grad_extra_inputs")
     if state.grad_input_quantizer is not None and dy is not None:
         dy = state.grad_input_quantizer(high_precision(dy).contiguous())
     elif isinstance(dy, Float8Tensor):
@@ -201,7 +244,7 @@ def _backward(func_ctx, grad_output, *grad_extra_outputs):
         for ctx in state.op_ctxs:
             ctx.clear()
         func_ctx.state = None
-    return (dy, None, None, None, None, *param_grads)
+    return (dy, None, None, None, None, *param_grads, *extra_grads)
 
 
 _backward_once_differentiable = torch.autograd.function.once_differentiable(_backward)
@@ -210,9 +253,10 @@ _backward_once_differentiable = torch.autograd.function.once_differentiable(_bac
 class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(func_ctx, input_, plan, kwargs_list, boundary_quantizers, autocast_dtype, *params):
+    def forward(func_ctx, input_, plan, kwargs_list, boundary_quantizers, autocast_dtype, *params_and_extra_inputs):
         output_quantizer, grad_input_quantizer = boundary_quantizers
-        x, extras, ctxs = _run_forward(plan, input_, kwargs_list, output_quantizer, autocast_dtype)
+        extra_inputs = params_and_extra_inputs[plan.num_params:]
+        x, extras, ctxs = _run_forward(plan, input_, kwargs_list, output_quantizer, autocast_dtype, extra_inputs)
         to_save, ranges = [], []
         for ctx in ctxs:
             start = len(to_save)
@@ -223,7 +267,8 @@ class _FuserFunction(torch.autograd.Function):
         func_ctx.save_for_backward(*tensors)
         state = _BackwardState()
         state.plan, state.op_ctxs = plan, ctxs
-        state.tensor_objects, state.save_ranges, state.num_params = objects, ranges, len(params)
+        state.tensor_objects, state.save_ranges, state.num_params = objects, ranges, plan.num_params
+        state.num_extra_inputs = len(extra_inputs)
         # Tested with `is`: list.count(None) would compare each FP8 shell with None through
         # Tensor.__eq__, a torch op per shell.
         state.has_shells = any(obj is not None for obj in objects)
@@ -266,20 +311,29 @@ class OperationFuser:
             if not isinstance(op, BasicOperation):
                 raise TypeError(f"OperationFuser takes BasicOperations, got {type(op).__name__}")
         self.basic_ops = tuple(basic_ops)
+        self.num_extra_inputs = sum(op.num_extra_inputs for op in self.basic_ops)
         self._no_kwargs = tuple({} for _ in self.basic_ops)
         self._plan: Optional[_Plan] = None
         self._plan_key = None
         self.plans_built = 0  # how often fusions were (re)found; tests check the cache with it
 
     def __call__(self, input_: torch.Tensor, basic_op_kwargs: Optional[Sequence[dict]] = None, *,
-                 fp8_output: bool = False, fp8_grad: bool = False) -> torch.Tensor:
-        """Run the chain. fp8_output / fp8_grad (TE's semantics): under fp8_autocast, the output is a
+                 extra_inputs: Sequence[torch.Tensor] = (), fp8_output: bool = False,
+                 fp8_grad: bool = False) -> torch.Tensor:
+        """Run the chain. extra_inputs: the tensors the ops with extra inputs take, in op order.
+        fp8_output / fp8_grad (TE's semantics): under fp8_autocast, the output is a
         Float8Tensor quantized with the last linear op's output quantizer, and the input's gradient
         one quantized with the first linear op's grad-input quantizer; outside it they do nothing."""
         if not isinstance(input_, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(input_).__name__}")
         if input_.dim() == 0:
             raise ValueError("input must have at least one dimension (its last is the features), got a 0-d tensor")
+        if len(extra_inputs) != self.num_extra_inputs:
+            raise ValueError(f"extra_inputs: the ops take {self.num_extra_inputs} extra input(s), "
+                             f"got {len(extra_inputs)}")
+        for t in extra_inputs:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"extra_inputs must be torch.Tensors, got {type(t).__name__}")
         kwargs_list = basic_op_kwargs if basic_op_kwargs is not None else self._no_kwargs
         dtype = amp.autocast_dtype(input_.device.type)
         if dtype is not None:
@@ -290,9 +344,10 @@ class OperationFuser:
         recipe = FP8GlobalState.get_recipe() if fp8 else None
         grad = torch.is_grad_enabled()
         params_rg = tuple([grad and p.requires_grad for p in params])
+        extras_rg = tuple([grad and t.requires_grad for t in extra_inputs])
         key = (fp8, type(recipe), getattr(recipe, "fp8_format", None), grad, grad and input_.requires_grad,
-               params_rg)
-        self._ensure_plan(key, tuple(len(ps) for ps in params_per_op))
+               params_rg, extras_rg)
+        self._ensure_plan(key, tuple(len(ps) for ps in params_per_op), extras_rg)
         plan = self._plan
         if fp8 or any(op.fp8_enabled for op in self.basic_ops):
             group = FP8GlobalState.get_group()
@@ -309,14 +364,23 @@ class OperationFuser:
                         self._boundary_quantizer("grad_input", fp8_grad and key[4], input_.device))
         with amp.autocast_off(input_.device.type, dtype):
             if not grad:  # no graph to build: the autograd Function would only cost its call (~13 us)
-                x, extras, _ = _run_forward(plan, input_, kwargs_list, boundary[0], dtype)
+                x, extras, _ = _run_forward(plan, input_, kwargs_list, boundary[0], dtype, extra_inputs)
                 return (x, *extras) if extras else x
-            return _FuserFunction.apply(input_, plan, kwargs_list, boundary, dtype, *params)
+            return _FuserFunction.apply(input_, plan, kwargs_list, boundary, dtype, *params, *extra_inputs)
+
+    # TE's names for the fusions found by the last call: forward order, and backward order (last op first).
+    @property
+    def _forward_ops(self) -> List[tuple]:
+        return list(self._plan.forward_ops) if self._plan is not None else []
+
+    @property
+    def _backward_ops(self) -> List[tuple]:
+        return list(reversed(self._plan.backward_ops)) if self._plan is not None else []
 
     @runs_while_tracing  # a plan made in the graph would be new at each call: one compilation per call
-    def _ensure_plan(self, key: tuple, param_counts: tuple) -> None:
+    def _ensure_plan(self, key: tuple, param_counts: tuple, extras_rg: tuple) -> None:
         if key != self._plan_key:
-            self._plan = _Plan(self.basic_ops, key[4], key[5], param_counts)
+            self._plan = _Plan(self.basic_ops, key[4], key[5], list(param_counts), extras_rg)
             self._plan_key = key
             self.plans_built += 1
 

@@ -57,6 +57,7 @@ class BasicOperation(FusibleOperation):
     num_backward_quantizers = 0
     # Whether the op runs under the block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling).
     supports_block_scaling = False
+    num_extra_inputs = 0  # tensors the op takes besides its input (see fuser.py)
     num_extra_outputs = 0  # tensors the op returns besides its output (see fuser.py)
 
     def __init__(self):
@@ -67,10 +68,10 @@ class BasicOperation(FusibleOperation):
         self._forward_quantizers: List = []
         self._backward_quantizers: List = []
 
-    def forward(self, input_: torch.Tensor, **kwargs) -> torch.Tensor:
+    def forward(self, input_: torch.Tensor, *extra_inputs: torch.Tensor, **kwargs) -> torch.Tensor:
         """Called on its own (outside a Sequential), a basic op runs through a fuser of one op."""
         self._ensure_own_fuser()
-        return self.__dict__["_own_fuser"](input_, [kwargs])
+        return self.__dict__["_own_fuser"](input_, [kwargs], extra_inputs=extra_inputs)
 
     @runs_while_tracing  # a fuser made in the graph would be new at each call: one compilation per call
     def _ensure_own_fuser(self) -> None:

@@ -6,18 +6,20 @@ import torch
 
 from ..quantization import runs_while_tracing
 from .fuser import OperationFuser
-from .op import BasicOperation
+from .op import BasicOperation, FusibleOperation
 
 
 class Sequential(torch.nn.Module):
-    """Like torch.nn.Sequential; consecutive BasicOperations run as one fused autograd Function,
-    any other module runs as itself in between."""
+    """Like torch.nn.Sequential; consecutive fusible ops (basic ops, and compositions such as ops.Linear,
+    which contribute their basic ops) run as one fused autograd Function, any other module runs as
+    itself in between."""
 
     def __init__(self, *modules: torch.nn.Module):
         super().__init__()
         for i, module in enumerate(modules):
             self.add_module(str(i), module)
         self._groups = None
+        self._num_extra_inputs = 0
 
     def append(self, module: torch.nn.Module) -> "Sequential":
         self.add_module(str(len(self._modules)), module)
@@ -30,11 +32,19 @@ class Sequential(torch.nn.Module):
     def __getitem__(self, i: int) -> torch.nn.Module:
         return list(self._modules.values())[i]
 
+    @property
+    def _module_groups(self) -> List:
+        """TE's name for the groups (fusers and other modules) the last forward ran."""
+        return self._groups
+
     def _make_groups(self) -> List:
         groups, run = [], []
         for module in self._modules.values():
             if isinstance(module, BasicOperation):
                 run.append(module)
+                continue
+            if isinstance(module, FusibleOperation):
+                run.extend(module.basic_ops)
                 continue
             if run:
                 groups.append(OperationFuser(run))
@@ -42,6 +52,7 @@ class Sequential(torch.nn.Module):
             groups.append(module)
         if run:
             groups.append(OperationFuser(run))
+        self._num_extra_inputs = sum(g.num_extra_inputs for g in groups if isinstance(g, OperationFuser))
         return groups
 
     @runs_while_tracing  # groups made in the graph would be new at each call: one compilation per call
@@ -49,13 +60,21 @@ class Sequential(torch.nn.Module):
         if self._groups is None:
             self._groups = self._make_groups()
 
-    def forward(self, x: torch.Tensor):
-        """The output, or (output, *extra outputs) when ops such as MakeExtraOutput made some."""
+    def forward(self, x: torch.Tensor, *extra_inputs: torch.Tensor):
+        """The output, or (output, *extra outputs) when ops such as MakeExtraOutput made some. extra_inputs:
+        those of the ops that take some (AddExtraInput), in op order."""
         self._ensure_groups()
-        extras = []
+        if len(extra_inputs) != self._num_extra_inputs:
+            raise ValueError(f"extra_inputs: the ops take {self._num_extra_inputs} extra input(s), "
+                             f"got {len(extra_inputs)}")
+        extras, pending = [], list(extra_inputs)
         for group in self._groups:
-            x = group(x)
-            if isinstance(group, OperationFuser) and isinstance(x, tuple):
+            if not isinstance(group, OperationFuser):
+                x = group(x)
+                continue
+            mine, pending = pending[:group.num_extra_inputs], pending[group.num_extra_inputs:]
+            x = group(x, extra_inputs=mine)
+            if isinstance(x, tuple):
                 x, *more = x
                 extras.extend(more)
         return (x, *extras) if extras else x

@@ -370,7 +370,9 @@ class BasicLinear(BasicOperation):
                 y = tp.all_reduce(y, self.tensor_parallel_group)
         return y
 
-    def op_backward(self, ctx, grad_output):
+    def op_backward(self, ctx, grad_output, grad_input_addend=None):
+        """grad_input_addend (the fused linear + add backward): a tensor of the input's shape added to dx,
+        by the dgrad GEMM itself (beta = 1) in high precision when no collective follows it."""
         x_saved, w_saved = ctx.saved_tensors
         dy = grad_output
         if self.gathers_grad_output:
@@ -400,7 +402,11 @@ class BasicLinear(BasicOperation):
         else:
             dy2 = high_precision(dy).reshape(-1, n)
             if ctx.input_requires_grad:
-                dx = mm(dy2, w_saved)
+                fold = (grad_input_addend is not None and self.tensor_parallel_mode != "column"
+                        and grad_input_addend.dtype == dy2.dtype)
+                dx = mm(dy2, w_saved, grad_input_addend.reshape(-1, k) if fold else None)
+                if fold:
+                    grad_input_addend = None
             if ctx.weight_requires_grad:
                 dw = mm(dy2.t(), x_saved.reshape(-1, k))
         if dx is not None:
@@ -410,6 +416,8 @@ class BasicLinear(BasicOperation):
                     dx = tp.reduce_scatter_dim0(dx, self.tensor_parallel_group)
                 else:
                     dx = tp.all_reduce(dx, self.tensor_parallel_group)
+            if grad_input_addend is not None:
+                dx = dx + grad_input_addend.view_as(dx)
         if dw is not None:
             dw = self._finish_wgrad(ctx, dw)
         return dx, (dw,)
