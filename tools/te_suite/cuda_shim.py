@@ -100,6 +100,9 @@ def _patch(name, value):
 
 def _install_cuda_answers():
     cpu_rng = torch.random
+    # torch.manual_seed seeds CUDA too when CUDA looks available: seeding the CPU generator directly avoids
+    # coming back here.
+    seed = lambda seed: torch.default_generator.manual_seed(int(seed))  # noqa: E731
     answers = {
         "is_available": lambda: True,
         "device_count": lambda: 1,
@@ -110,8 +113,10 @@ def _install_cuda_answers():
         "get_device_properties": lambda device=None: _Properties(),
         "is_bf16_supported": lambda including_emulation=True: True,
         "synchronize": lambda device=None: None,
-        "manual_seed": cpu_rng.manual_seed,
-        "manual_seed_all": cpu_rng.manual_seed,
+        "manual_seed": seed,
+        "manual_seed_all": seed,
+        "seed": lambda: None,
+        "seed_all": lambda: None,
         "get_rng_state": lambda device="cuda": cpu_rng.get_rng_state(),
         "set_rng_state": lambda state, device="cuda": cpu_rng.set_rng_state(state),
         "memory_allocated": lambda device=None: 0,
