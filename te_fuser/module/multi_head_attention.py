@@ -13,6 +13,7 @@ from ..quantization import FP8GlobalState
 from ..ops import _tensor_parallel as tp
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..utils import SplitAlongDim
+from ._qk_norm import make_qk_norms
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
@@ -55,8 +56,11 @@ class MultiheadAttention(torch.nn.Module):
     Each linear is one node on the op fuser and the attention one FusedAttentionFunction,
     so every tensor saved for backward is released when backward ends.
     checkpoint_core_attention=True recomputes the attention in backward (te_fuser.distributed.checkpoint).
+    Query/key normalization over each head's channels: TE 2.6's use_qk_norm=True (L2, after RoPE; the
+    module is `qk_norm`) or later TE's qk_norm_type ("L2Normalization", "RMSNorm" or "LayerNorm", modules
+    `q_norm` and `k_norm`, after RoPE unless qk_norm_before_rope=True), with qk_norm_eps.
     Not supported (NotImplementedError naming it): userbuffer overlap (ub_*),
-    qk_norm_type, softmax_type other than "vanilla", bottom_right_diagonal=True,
+    softmax_type other than "vanilla", bottom_right_diagonal=True,
     and the DotProductAttention options it lacks. attention_backend (te_fuser's) is passed on to
     DotProductAttention: the backend its attention runs on, None for the automatic choice.
     With a recipe with fp8_mha=True (TE's semantics, without rotary_pos_emb), the QKV
@@ -79,16 +83,15 @@ class MultiheadAttention(torch.nn.Module):
                  rotary_pos_interleaved: bool = False, ub_overlap_ag: bool = False, ub_overlap_rs: bool = False,
                  ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False,
                  bias: bool = True, normalization: str = "LayerNorm", device: Union[torch.device, str, None] = None,
-                 qkv_format: str = "sbhd", name: Optional[str] = None, qk_norm_type: Optional[str] = None,
-                 qk_norm_eps: float = 1e-6, qk_norm_before_rope: bool = False, seq_length: Optional[int] = None,
-                 micro_batch_size: Optional[int] = None, softmax_type: str = "vanilla",
-                 attention_backend: Optional[str] = None):
+                 qkv_format: str = "sbhd", name: Optional[str] = None, use_qk_norm: bool = False,
+                 qk_norm_eps: float = 1e-6, seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                 qk_norm_type: Optional[str] = None, qk_norm_before_rope: bool = False,
+                 softmax_type: str = "vanilla", attention_backend: Optional[str] = None):
         super().__init__()
-        del qk_norm_eps, qk_norm_before_rope, seq_length, micro_batch_size  # JIT warm-up hints / qk_norm only
         check_unsupported("MultiheadAttention", {
             "ub_overlap_ag": ub_overlap_ag, "ub_overlap_rs": ub_overlap_rs,
             "ub_overlap_rs_dgrad": ub_overlap_rs_dgrad, "ub_bulk_dgrad": ub_bulk_dgrad,
-            "ub_bulk_wgrad": ub_bulk_wgrad, "qk_norm_type": qk_norm_type is not None,
+            "ub_bulk_wgrad": ub_bulk_wgrad,
             "softmax_type": softmax_type != "vanilla", "bottom_right_diagonal": bool(bottom_right_diagonal)})
         if attention_type not in ATTENTION_TYPES:
             raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {attention_type!r}")
@@ -171,6 +174,13 @@ class MultiheadAttention(torch.nn.Module):
             tp_group=tp_group, layer_number=self.layer_number, attention_type=attention_type,
             attention_backend=attention_backend)
 
+        # TE 2.6 names the shared L2 norm qk_norm; later TE has q_norm and k_norm (None without a norm).
+        self.q_norm, self.k_norm = make_qk_norms(use_qk_norm, qk_norm_type, qk_norm_eps, kv_channels, seq_length,
+                                                 micro_batch_size, self.params_dtype, device)
+        if use_qk_norm:
+            self.qk_norm = self.q_norm
+        self.qk_norm_before_rope = bool(qk_norm_before_rope)
+
         self.proj = Linear(self.hidden_size_q, hidden_size, init_method=output_layer_init_method, bias=bias,
                            return_bias=return_bias, parallel_mode="row" if set_parallel_mode else None,
                            name=f"{name}.proj" if name is not None else None, **common)
@@ -229,7 +239,8 @@ class MultiheadAttention(torch.nn.Module):
         check_unsupported("MultiheadAttention.forward", {"bottom_right_diagonal": bool(bottom_right_diagonal),
                                                          "inference_params": inference_params is not None})
         fp8_mha = FP8GlobalState.is_enabled() and bool(getattr(FP8GlobalState.get_recipe(), "fp8_mha", False))
-        qkv_fp8 = fp8_mha and rotary_pos_emb is None  # RoPE is applied in high precision (TE)
+        # RoPE and the q/k norms are applied in high precision (TE).
+        qkv_fp8 = fp8_mha and rotary_pos_emb is None and self.q_norm is None
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if self.attention_type == "cross" and not isinstance(encoder_output, torch.Tensor):
@@ -246,12 +257,16 @@ class MultiheadAttention(torch.nn.Module):
             query, layernorm_output = self._project(module, hidden_states, is_first_microbatch, qkv_fp8)
             query = self._heads(query, self.num_attention_heads_per_partition)
 
+        if self.q_norm is not None and self.qk_norm_before_rope:
+            query, key = self.q_norm(query), self.k_norm(key)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             query = apply_rotary_pos_emb(query, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
                                          fused=True, cu_seqlens=cu_seqlens_q)
             key = apply_rotary_pos_emb(key, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
                                        fused=True, cu_seqlens=cu_seqlens_kv)
+        if self.q_norm is not None and not self.qk_norm_before_rope:
+            query, key = self.q_norm(query), self.k_norm(key)
 
         attention_kwargs = dict(
             attention_mask=attention_mask, qkv_format=self.qkv_format, cu_seqlens_q=cu_seqlens_q,

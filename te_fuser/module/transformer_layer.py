@@ -40,7 +40,8 @@ class TransformerLayer(torch.nn.Module):
 
     hidden_dropout is applied to each block's output before its residual add, with torch's
     default generator as in TransformerEngine (its attention dropout forks the RNG tracker).
-    Not supported (NotImplementedError naming it): ub_tp_comm_overlap, qk_norm_type,
+    use_qk_norm / qk_norm_type / qk_norm_eps / qk_norm_before_rope go to MultiheadAttention (its q/k norms).
+    Not supported (NotImplementedError naming it): ub_tp_comm_overlap,
     softmax_type other than "vanilla", bottom_right_diagonal=True, and what
     MultiheadAttention / LayerNormMLP do not support.
     """
@@ -64,8 +65,9 @@ class TransformerLayer(torch.nn.Module):
                  ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = True, ub_bulk_wgrad: bool = True,
                  bias: bool = True, activation: str = "gelu", activation_params: Optional[dict] = None,
                  normalization: str = "LayerNorm", device: Union[torch.device, str, None] = None,
-                 attn_input_format: str = "sbhd", name: Optional[str] = None, qk_norm_type: Optional[str] = None,
-                 qk_norm_eps: float = 1e-6, qk_norm_before_rope: bool = False, softmax_type: str = "vanilla"):
+                 attn_input_format: str = "sbhd", name: Optional[str] = None, use_qk_norm: bool = False,
+                 qk_norm_eps: float = 1e-6, qk_norm_type: Optional[str] = None, qk_norm_before_rope: bool = False,
+                 softmax_type: str = "vanilla"):
         super().__init__()
         # The ub_* flags only take effect with ub_tp_comm_overlap, as in TransformerEngine.
         del ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad
@@ -123,8 +125,8 @@ class TransformerLayer(torch.nn.Module):
                       zero_centered_gamma=zero_centered_gamma, qkv_weight_interleaved=qkv_weight_interleaved,
                       rotary_pos_interleaved=rotary_pos_interleaved, qkv_format=attn_input_format,
                       seq_length=seq_length, micro_batch_size=micro_batch_size, softmax_type=softmax_type,
-                      bias=bias, normalization=normalization, device=device, qk_norm_type=qk_norm_type,
-                      qk_norm_eps=qk_norm_eps, qk_norm_before_rope=qk_norm_before_rope)
+                      bias=bias, normalization=normalization, device=device, use_qk_norm=use_qk_norm,
+                      qk_norm_type=qk_norm_type, qk_norm_eps=qk_norm_eps, qk_norm_before_rope=qk_norm_before_rope)
 
         def child_name(sub):
             return f"{name}.{sub}" if name is not None else None

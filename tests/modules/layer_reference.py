@@ -76,8 +76,17 @@ def attention(q, k, v, causal):
     return out.transpose(1, 2)
 
 
+def qk_norm(t, P, name, kind, eps):
+    """The per-head q or k norm `name` ("q_norm" / "k_norm") of kind L2Normalization, RMSNorm or LayerNorm."""
+    if kind == "L2Normalization":
+        return t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + eps)
+    if kind == "RMSNorm":
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * P[f"{name}.weight"]
+    return F.layer_norm(t, (t.shape[-1],), P[f"{name}.weight"], P[f"{name}.bias"], eps)
+
+
 def mha(module, x, qkv_format="sbhd", causal=True, encoder_output=None, rotary=None, normalization="LayerNorm",
-        eps=1e-5, P=None):
+        eps=1e-5, P=None, qk_norm_kind=None, qk_norm_eps=1e-6, qk_norm_before_rope=False):
     """(output without proj bias, proj bias, layernorm output or None) of a MultiheadAttention, in float64."""
     P = float64_params(module) if P is None else P
     to_bshd = (lambda t: t.transpose(0, 1)) if qkv_format == "sbhd" else (lambda t: t)
@@ -111,8 +120,14 @@ def mha(module, x, qkv_format="sbhd", causal=True, encoder_output=None, rotary=N
     q = F.linear(x, wq, bq).unflatten(-1, (-1, hn))
     k = F.linear(kv_in, wk, bk).unflatten(-1, (-1, hn))
     v = F.linear(kv_in, wv, bv).unflatten(-1, (-1, hn))
+    normed = (lambda q, k: (qk_norm(q, P, "q_norm", qk_norm_kind, qk_norm_eps),  # noqa: E731
+                            qk_norm(k, P, "k_norm", qk_norm_kind, qk_norm_eps)))
+    if qk_norm_kind is not None and qk_norm_before_rope:
+        q, k = normed(q, k)
     if rotary is not None:
         q, k = rope(q, rotary), rope(k, rotary)
+    if qk_norm_kind is not None and not qk_norm_before_rope:
+        q, k = normed(q, k)
     context = attention(q, k, v, causal).flatten(-2)
     out = F.linear(context, P["proj.weight"])
     back = to_bshd  # the transposition is its own inverse

@@ -154,8 +154,6 @@ def test_fp8_and_fp8_dpa_within_tolerance(fp8_recipe, generator):
 
 
 def test_fp8_mha_recipe_and_unsupported_options_raise():
-    with pytest.raises(NotImplementedError, match="qk_norm_type"):
-        _mha(qk_norm_type="RMSNorm")
     with pytest.raises(NotImplementedError, match="ub_overlap_ag"):
         _mha(ub_overlap_ag=True)
     with pytest.raises(NotImplementedError, match="softmax_type"):
