@@ -2,7 +2,7 @@
 
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import distributed, fp8, memory, ops, quantization, recipe, tensor, utils
-from .attention import DotProductAttention
+from .attention import DotProductAttention, InferenceParams
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
 from .tensor.utils import cast_master_weights_to_fp8
@@ -21,6 +21,7 @@ __all__ = [
     "FP8GlobalState",
     "FP8GlobalStateManager",
     "GroupedLinear",
+    "InferenceParams",
     "LayerNorm",
     "LayerNormLinear",
     "LayerNormMLP",

@@ -2,5 +2,6 @@
 
 from .dot_product_attention import DotProductAttention
 from .function import FusedAttentionFunction
+from .inference import InferenceParams
 
-__all__ = ["DotProductAttention", "FusedAttentionFunction"]
+__all__ = ["DotProductAttention", "FusedAttentionFunction", "InferenceParams"]

@@ -6,6 +6,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from ..attention.dot_product_attention import DotProductAttention
+from ..attention.kv_cache_rope import apply_step_rotary_pos_emb
 from ..attention.rope import apply_rotary_pos_emb
 from ..distributed import checkpoint as te_checkpoint
 from ..tensor.float8_tensor import Float8Tensor
@@ -226,8 +227,9 @@ class MultiheadAttention(torch.nn.Module):
                 cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
                 fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None):
-        check_unsupported("MultiheadAttention.forward", {"bottom_right_diagonal": bool(bottom_right_diagonal),
-                                                         "inference_params": inference_params is not None})
+        check_unsupported("MultiheadAttention.forward", {"bottom_right_diagonal": bool(bottom_right_diagonal)})
+        if inference_params is not None and self.layer_number not in inference_params.cache_manager.cache:
+            inference_params.allocate_memory(self.layer_number)  # once per layer, as TE's
         fp8_mha = FP8GlobalState.is_enabled() and bool(getattr(FP8GlobalState.get_recipe(), "fp8_mha", False))
         qkv_fp8 = fp8_mha and rotary_pos_emb is None  # RoPE is applied in high precision (TE)
         if not isinstance(hidden_states, torch.Tensor):
@@ -248,8 +250,12 @@ class MultiheadAttention(torch.nn.Module):
 
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            query = apply_rotary_pos_emb(query, q_emb, self.qkv_format, self.rotary_pos_interleaved)
-            key = apply_rotary_pos_emb(key, k_emb, self.qkv_format, self.rotary_pos_interleaved)
+            if inference_params is not None:  # positions continue from each sequence's cached length
+                query, key = apply_step_rotary_pos_emb(query, key, q_emb, k_emb, self.qkv_format, inference_params,
+                                                       self.rotary_pos_interleaved)
+            else:
+                query = apply_rotary_pos_emb(query, q_emb, self.qkv_format, self.rotary_pos_interleaved)
+                key = apply_rotary_pos_emb(key, k_emb, self.qkv_format, self.rotary_pos_interleaved)
 
         attention_kwargs = dict(
             attention_mask=attention_mask, qkv_format=self.qkv_format, cu_seqlens_q=cu_seqlens_q,
@@ -259,7 +265,7 @@ class MultiheadAttention(torch.nn.Module):
             window_size=window_size if window_size is not None else self.window_size,
             core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
             alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs,
-            fp8_output=fp8_mha)
+            fp8_output=fp8_mha, inference_params=inference_params)
         if checkpoint_core_attention:
             # Recomputed in backward from q, k, v, with the forward's RNG (tracker) and FP8 states.
             context = te_checkpoint(self.core_attention, query, key, value, use_reentrant=False,
