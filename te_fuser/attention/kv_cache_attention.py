@@ -50,6 +50,9 @@ def cached_attention(q, k, v, qkv_format: str, inference_params, layer_number: i
     batch_size = params.batch_size
     if batch_size == 0:
         raise RuntimeError("inference_params has no step: call inference_params.pre_step(step_dict) first")
+    if params.device != q.device:
+        raise ValueError(f"inference_params' cache is on {params.device}, query_layer on {q.device} (set "
+                         f"InferenceParams' device)")
     batch_dim = {"bshd": 0, "sbhd": 1}.get(qkv_format)
     if batch_dim is not None and q.shape[batch_dim] != batch_size:
         raise ValueError(f"query_layer holds {q.shape[batch_dim]} sequences, inference_params' step has "
