@@ -274,6 +274,10 @@ def test_attention_refuses_what_the_cache_cannot_serve():
         dpa(2, "bshd", attn_mask_type="causal")(q, k, v, inference_params=params)
     with pytest.raises(ValueError, match="query_layer holds 1 sequences"):
         dpa(2, "bshd")(q[:1], k[:1], v[:1], inference_params=params)
+    with pytest.raises(ValueError, match="its dtype"):
+        dpa(2, "bshd")(q.half(), k.half(), v.half(), inference_params=params)
+    with pytest.raises(TypeError, match="inference_params must be an InferenceParams"):
+        dpa(2, "bshd")(q, k, v, inference_params={"max_batch_size": 2})
     with pytest.raises(RuntimeError, match="pre_step"):
         dpa(2, "bshd")(q, k, v, inference_params=make_params(2))
 

@@ -13,6 +13,7 @@ from ..ops._fp8_io import dequantized_with_grad
 from .backends import Lengths
 from .backends.selection import check_backend_name
 from .function import FusedAttentionFunction, attention_forward, choose_backend
+from .inference import check_inference_params
 from .kv_cache_attention import cached_attention
 from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
 
@@ -82,6 +83,11 @@ class DotProductAttention(torch.nn.Module):
     te_fuser.kernels.attention.backend_for says which backend a problem gets, and why.
     With dropout, a library kernel draws its mask from torch's generator; the call runs inside
     get_rng_state_tracker().fork() when a tracker is given, as TE's does.
+
+    inference_params (TE's InferenceParams, te_fuser/attention/inference.py): the new k and v of the step
+    are written into the cache of this module's layer_number, and the new queries attend to the cached
+    and new tokens (attn_mask_type 'padding', or 'padding_causal' aligned to the bottom right, as in TE),
+    forward only (te_fuser/attention/kv_cache_attention.py).
     """
 
     def __init__(self, num_attention_heads: int, kv_channels, num_gqa_groups: Optional[int] = None,
@@ -249,6 +255,7 @@ class DotProductAttention(torch.nn.Module):
 
     def _cached_attention(self, q, k, v, qkv_format, mask_type, inference_params, autocast_dtype):
         """The attention of a KV-cache inference step (te_fuser/attention/kv_cache_attention.py): forward only."""
+        check_inference_params(inference_params)
         if self.layer_number is None:
             raise ValueError("inference_params needs DotProductAttention's layer_number (the key of its KV cache)")
         if "padding" not in mask_type:

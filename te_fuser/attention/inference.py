@@ -61,6 +61,11 @@ def new_tokens(t: torch.Tensor, qkv_format: str, batch: torch.Tensor, within: to
     return t[:batch.numel()]
 
 
+def check_inference_params(inference_params) -> None:
+    if not isinstance(inference_params, InferenceParams):
+        raise TypeError(f"inference_params must be an InferenceParams, got {type(inference_params).__name__}")
+
+
 class KVCacheManager:
     """The base of TE's cache managers: cache[layer_number] = (k_cache, v_cache); sequences {seq_id: length}."""
 
@@ -328,6 +333,7 @@ class InferenceParams:
         self.cu_seqlens_q = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=self.device)
         self.cu_seqlens_kv = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=self.device)
         self.pre_step_seqlens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=self.device)
+        self.device = self.cu_seqlens_q.device  # where the tensors went (a CUDA index filled in)
 
     def _output_format(self, qkv_format: str) -> str:
         return self.cache_qkv_format if qkv_format == self.cache_qkv_format else f"{qkv_format}_2{self.cache_qkv_format}"

@@ -50,9 +50,11 @@ def cached_attention(q, k, v, qkv_format: str, inference_params, layer_number: i
     batch_size = params.batch_size
     if batch_size == 0:
         raise RuntimeError("inference_params has no step: call inference_params.pre_step(step_dict) first")
-    if params.device != q.device:
-        raise ValueError(f"inference_params' cache is on {params.device}, query_layer on {q.device} (set "
-                         f"InferenceParams' device)")
+    if params.cu_seqlens_q.device != q.device:
+        raise ValueError(f"inference_params' cache is on {params.cu_seqlens_q.device}, query_layer on {q.device} "
+                         f"(InferenceParams' device chooses)")
+    if params.dtype != q.dtype:
+        raise ValueError(f"inference_params' cache holds {params.dtype} (its dtype), query_layer is {q.dtype}")
     batch_dim = {"bshd": 0, "sbhd": 1}.get(qkv_format)
     if batch_dim is not None and q.shape[batch_dim] != batch_size:
         raise ValueError(f"query_layer holds {q.shape[batch_dim]} sequences, inference_params' step has "

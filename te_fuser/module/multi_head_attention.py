@@ -6,6 +6,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from ..attention.dot_product_attention import DotProductAttention
+from ..attention.inference import check_inference_params
 from ..attention.kv_cache_rope import apply_step_rotary_pos_emb
 from ..attention.rope import apply_rotary_pos_emb
 from ..distributed import checkpoint as te_checkpoint
@@ -56,6 +57,8 @@ class MultiheadAttention(torch.nn.Module):
     Each linear is one node on the op fuser and the attention one FusedAttentionFunction,
     so every tensor saved for backward is released when backward ends.
     checkpoint_core_attention=True recomputes the attention in backward (te_fuser.distributed.checkpoint).
+    inference_params (TE's KV cache): the cache of layer_number is allocated on first use, and RoPE
+    rotates each new token at its sequence's cached length plus its index in the step.
     Not supported (NotImplementedError naming it): userbuffer overlap (ub_*),
     qk_norm_type, softmax_type other than "vanilla", bottom_right_diagonal=True,
     and the DotProductAttention options it lacks. attention_backend (te_fuser's) is passed on to
@@ -228,8 +231,10 @@ class MultiheadAttention(torch.nn.Module):
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
                 fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None):
         check_unsupported("MultiheadAttention.forward", {"bottom_right_diagonal": bool(bottom_right_diagonal)})
-        if inference_params is not None and self.layer_number not in inference_params.cache_manager.cache:
-            inference_params.allocate_memory(self.layer_number)  # once per layer, as TE's
+        if inference_params is not None:
+            check_inference_params(inference_params)
+            if self.layer_number not in inference_params.cache_manager.cache:
+                inference_params.allocate_memory(self.layer_number)  # once per layer, as TE's
         fp8_mha = FP8GlobalState.is_enabled() and bool(getattr(FP8GlobalState.get_recipe(), "fp8_mha", False))
         qkv_fp8 = fp8_mha and rotary_pos_emb is None  # RoPE is applied in high precision (TE)
         if not isinstance(hidden_states, torch.Tensor):
