@@ -148,7 +148,8 @@ def watch_decoding(params, layers, num_gqa_groups=2):
     """(whether a cache tensor moved, peak bytes of the decoding, bytes it left allocated, one K cache's bytes)."""
     q, k, v = sequences(num_gqa_groups)
     steps = plan(REQUESTS, MAX_BATCH)
-    modules = [dpa(num_gqa_groups, "bshd", layer_number=layer) for layer in layers]
+    # On torch's math ops: te_fuser's CPU kernel takes a workspace that grows with the thread count.
+    modules = [dpa(num_gqa_groups, "bshd", layer_number=layer, backend="unfused") for layer in layers]
     for layer in layers:
         params.allocate_memory(layer)
     caches = [params.cache_manager.cache[layer] for layer in layers]
@@ -172,11 +173,10 @@ def watch_decoding(params, layers, num_gqa_groups=2):
 
 
 def big_cache_params(is_paged, custom_cache_manager=None):
-    """A cache much larger than a step's working memory (te_fuser's CPU attention kernel takes a fixed
-    ~270 KB workspace per call): a cache-sized allocation stands out."""
-    kwargs = dict(max_sequence_length=4096, custom_cache_manager=custom_cache_manager)
+    """A cache much larger than a step's working memory: a cache-sized allocation stands out."""
+    kwargs = dict(max_sequence_length=1024, custom_cache_manager=custom_cache_manager)
     if is_paged:
-        kwargs.update(page_size=16, total_num_pages=MAX_BATCH * 4096 // 16)
+        kwargs.update(page_size=16, total_num_pages=MAX_BATCH * 1024 // 16)
     return make_params(2, "bshd", is_paged, **kwargs)
 
 
