@@ -106,6 +106,29 @@ def test_decoding_in_16_bit(dtype):
         torch.testing.assert_close(got[seq].double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("qkv_format", ["bshd", "sbhd"])
+def test_batch_padded_to_max_batch_size(qkv_format):
+    """As TE's CUDA-graph runs feed it: rows past the step's sequences are ignored and give 0."""
+    q, k, v = sequences(2)
+    steps = plan(REQUESTS, MAX_BATCH)[:4]
+    batch_dim = 0 if qkv_format == "bshd" else 1
+
+    def padded(*inputs, inference_params):
+        pad = [t.narrow(batch_dim, 0, 1).mul(0).add(7.0) for t in inputs]  # junk rows
+        wide = [torch.cat([t] + [p] * (MAX_BATCH + 1 - t.shape[batch_dim]), dim=batch_dim)
+                for t, p in zip(inputs, pad)]
+        out = dpa(2, qkv_format)(*wide, inference_params=inference_params)
+        batch = inputs[0].shape[batch_dim]
+        assert not out.narrow(batch_dim, batch, out.shape[batch_dim] - batch).any()
+        return out.narrow(batch_dim, 0, batch)
+
+    with torch.no_grad():
+        got = run_incremental(padded, (q, k, v), steps, qkv_format, make_params(2, qkv_format))
+        expected = run_incremental(dpa(2, qkv_format), (q, k, v), steps, qkv_format, make_params(2, qkv_format))
+    for seq, rows in enumerate(expected):
+        torch.testing.assert_close(got[seq], rows, atol=0, rtol=0)
+
+
 def cached_tokens(params, layer_number):
     """{seq_id: (k, v) of its cached tokens}, read through the page table (paged) or the batch rows."""
     if params.is_paged:

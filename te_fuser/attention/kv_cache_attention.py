@@ -56,7 +56,8 @@ def cached_attention(q, k, v, qkv_format: str, inference_params, layer_number: i
     if params.dtype != q.dtype:
         raise ValueError(f"inference_params' cache holds {params.dtype} (its dtype), query_layer is {q.dtype}")
     batch_dim = {"bshd": 0, "sbhd": 1}.get(qkv_format)
-    if batch_dim is not None and q.shape[batch_dim] != batch_size:
+    # Batches padded past the step's sequences (to max_batch_size, for CUDA graphs in TE) give 0 there.
+    if batch_dim is not None and q.shape[batch_dim] < batch_size:
         raise ValueError(f"query_layer holds {q.shape[batch_dim]} sequences, inference_params' step has "
                          f"{batch_size} (the step_dict given to pre_step)")
     new_counts = [total - pre for total, pre in zip(params.sequences.values(), params.sequences_pre_step.values())]
@@ -75,7 +76,7 @@ def cached_attention(q, k, v, qkv_format: str, inference_params, layer_number: i
         qk, kk, vk = (_padded(new_tokens(t, "thd", batch, within), batch, within, batch_size, max_new)
                       for t in (q, k, v))
     else:
-        qk, kk, vk = (t.permute(1, 0, 2, 3) if qkv_format == "sbhd" else t for t in (q, k, v))
+        qk, kk, vk = ((t.permute(1, 0, 2, 3) if qkv_format == "sbhd" else t)[:batch_size] for t in (q, k, v))
 
     parts = [_attend(qk, kk, vk, lens_new, lens_new, softmax_scale, causal, backend)]
     max_cached = max(params.sequences_pre_step.values())
@@ -91,4 +92,6 @@ def cached_attention(q, k, v, qkv_format: str, inference_params, layer_number: i
         packed = out.new_zeros(q.shape[0], *out.shape[2:])
         packed[:tokens] = out[batch, within]
         return packed
+    if out.shape[0] < q.shape[batch_dim]:
+        out = torch.cat((out, out.new_zeros(q.shape[batch_dim] - out.shape[0], *out.shape[1:])))
     return out.permute(1, 0, 2, 3) if qkv_format == "sbhd" else out
