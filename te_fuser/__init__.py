@@ -2,7 +2,7 @@
 
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
-from .attention import DotProductAttention, RotaryPositionEmbedding
+from .attention import DotProductAttention, InferenceParams, RotaryPositionEmbedding
 from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
@@ -22,6 +22,7 @@ __all__ = [
     "FP8GlobalState",
     "FP8GlobalStateManager",
     "GroupedLinear",
+    "InferenceParams",
     "LayerNorm",
     "LayerNormLinear",
     "LayerNormMLP",

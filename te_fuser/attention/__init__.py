@@ -2,6 +2,7 @@
 
 from .dot_product_attention import DotProductAttention
 from .function import FusedAttentionFunction
+from .inference import InferenceParams
 from .rope import RotaryPositionEmbedding
 
-__all__ = ["DotProductAttention", "FusedAttentionFunction", "RotaryPositionEmbedding"]
+__all__ = ["DotProductAttention", "FusedAttentionFunction", "InferenceParams", "RotaryPositionEmbedding"]

@@ -13,6 +13,8 @@ from ..ops._fp8_io import dequantized_with_grad
 from .backends import Lengths
 from .backends.selection import check_backend_name
 from .function import FusedAttentionFunction, attention_forward, choose_backend
+from .inference import check_inference_params
+from .kv_cache_attention import cached_attention
 from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
@@ -81,6 +83,11 @@ class DotProductAttention(torch.nn.Module):
     te_fuser.kernels.attention.backend_for says which backend a problem gets, and why.
     With dropout, a library kernel draws its mask from torch's generator; the call runs inside
     get_rng_state_tracker().fork() when a tracker is given, as TE's does.
+
+    inference_params (TE's InferenceParams, te_fuser/attention/inference.py): the new k and v of the step
+    are written into the cache of this module's layer_number, and the new queries attend to the cached
+    and new tokens (attn_mask_type 'padding', or 'padding_causal' aligned to the bottom right, as in TE),
+    forward only (te_fuser/attention/kv_cache_attention.py).
     """
 
     def __init__(self, num_attention_heads: int, kv_channels, num_gqa_groups: Optional[int] = None,
@@ -254,6 +261,21 @@ class DotProductAttention(torch.nn.Module):
             lens_q = lens_kv = None
         return None, None, lens_q, lens_kv
 
+    def _cached_attention(self, q, k, v, qkv_format, mask_type, inference_params, autocast_dtype):
+        """The attention of a KV-cache inference step (te_fuser/attention/kv_cache_attention.py): forward only."""
+        check_inference_params(inference_params)
+        if self.layer_number is None:
+            raise ValueError("inference_params needs DotProductAttention's layer_number (the key of its KV cache)")
+        if "padding" not in mask_type:
+            raise ValueError(f"inference_params needs attn_mask_type 'padding' or 'padding_causal' (as in TE), "
+                             f"got {mask_type!r}")
+        if self._fp8_quantizers(q.device) is not None:
+            raise NotImplementedError("inference_params with FP8 attention (fp8_dpa / fp8_mha) is not supported")
+        with torch.no_grad(), amp.autocast_off(q.device.type, autocast_dtype):
+            q, k, v = (dequantized_with_grad(t) for t in (q, k, v))
+            return cached_attention(q, k, v, qkv_format, inference_params, self.layer_number, self.softmax_scale,
+                                    "causal" in mask_type, self._attention_backend)
+
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format: Optional[str] = None,
                 cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
@@ -269,7 +291,6 @@ class DotProductAttention(torch.nn.Module):
             "checkpoint_core_attention": bool(checkpoint_core_attention),
             "core_attention_bias_type": core_attention_bias_type != "no_bias" or core_attention_bias is not None,
             "alibi_slopes": alibi_slopes is not None,
-            "inference_params": inference_params is not None,
             "pad_between_seqs": bool(pad_between_seqs),
         }
         for option, used in unsupported.items():
@@ -283,6 +304,10 @@ class DotProductAttention(torch.nn.Module):
         dtype = amp.autocast_dtype(query_layer.device.type)
         if dtype is not None:
             query_layer, key_layer, value_layer = (amp.cast_input(t) for t in (query_layer, key_layer, value_layer))
+        if inference_params is not None:
+            out = self._cached_attention(query_layer, key_layer, value_layer, qkv_format, mask_type, inference_params,
+                                         dtype)
+            return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
         cu_q, cu_kv, lens_q, lens_kv = self._lengths(query_layer, key_layer, qkv_format, mask_type,
                                                      attention_mask, cu_seqlens_q, cu_seqlens_kv)
 

@@ -6,6 +6,8 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from ..attention.dot_product_attention import DotProductAttention
+from ..attention.inference import check_inference_params
+from ..attention.kv_cache_rope import apply_step_rotary_pos_emb
 from ..attention.rope import apply_rotary_pos_emb
 from ..distributed import checkpoint as te_checkpoint
 from ..tensor.float8_tensor import Float8Tensor
@@ -59,6 +61,8 @@ class MultiheadAttention(torch.nn.Module):
     Query/key normalization over each head's channels: TE 2.6's use_qk_norm=True (L2, after RoPE; the
     module is `qk_norm`) or later TE's qk_norm_type ("L2Normalization", "RMSNorm" or "LayerNorm", modules
     `q_norm` and `k_norm`, after RoPE unless qk_norm_before_rope=True), with qk_norm_eps.
+    inference_params (TE's KV cache): the cache of layer_number is allocated on first use, and RoPE
+    rotates each new token at its sequence's cached length plus its index in the step.
     Not supported (NotImplementedError naming it): userbuffer overlap (ub_*),
     softmax_type other than "vanilla", bottom_right_diagonal=True,
     and the DotProductAttention options it lacks. attention_backend (te_fuser's) is passed on to
@@ -236,8 +240,11 @@ class MultiheadAttention(torch.nn.Module):
                 cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None,
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
                 fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None):
-        check_unsupported("MultiheadAttention.forward", {"bottom_right_diagonal": bool(bottom_right_diagonal),
-                                                         "inference_params": inference_params is not None})
+        check_unsupported("MultiheadAttention.forward", {"bottom_right_diagonal": bool(bottom_right_diagonal)})
+        if inference_params is not None:
+            check_inference_params(inference_params)
+            if self.layer_number not in inference_params.cache_manager.cache:
+                inference_params.allocate_memory(self.layer_number)  # once per layer, as TE's
         fp8_mha = FP8GlobalState.is_enabled() and bool(getattr(FP8GlobalState.get_recipe(), "fp8_mha", False))
         # RoPE and the q/k norms are applied in high precision (TE).
         qkv_fp8 = fp8_mha and rotary_pos_emb is None and self.q_norm is None
@@ -261,10 +268,14 @@ class MultiheadAttention(torch.nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         if rotary_pos_emb is not None:
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            query = apply_rotary_pos_emb(query, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                                         fused=True, cu_seqlens=cu_seqlens_q)
-            key = apply_rotary_pos_emb(key, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
-                                       fused=True, cu_seqlens=cu_seqlens_kv)
+            if inference_params is not None:  # positions continue from each sequence's cached length
+                query, key = apply_step_rotary_pos_emb(query, key, q_emb, k_emb, self.qkv_format, inference_params,
+                                                       self.rotary_pos_interleaved)
+            else:
+                query = apply_rotary_pos_emb(query, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                                             fused=True, cu_seqlens=cu_seqlens_q)
+                key = apply_rotary_pos_emb(key, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved,
+                                           fused=True, cu_seqlens=cu_seqlens_kv)
         if self.q_norm is not None and not self.qk_norm_before_rope:
             query, key = self.q_norm(query), self.k_norm(key)
 
@@ -276,7 +287,7 @@ class MultiheadAttention(torch.nn.Module):
             window_size=window_size if window_size is not None else self.window_size,
             core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
             alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs,
-            fp8_output=fp8_mha)
+            fp8_output=fp8_mha, inference_params=inference_params)
         if checkpoint_core_attention:
             # Recomputed in backward from q, k, v, with the forward's RNG (tracker) and FP8 states.
             context = te_checkpoint(self.core_attention, query, key, value, use_reentrant=False,

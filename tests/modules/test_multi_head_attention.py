@@ -166,7 +166,7 @@ def test_fp8_mha_recipe_and_unsupported_options_raise():
         _mha(tp_size=8)
     module = _mha(fuse_qkv_params=True)
     x = torch.randn(SEQ, BATCH, HIDDEN)
-    with pytest.raises(NotImplementedError, match="inference_params"):
+    with pytest.raises(TypeError, match="inference_params must be an InferenceParams"):
         module(x, inference_params=object())
     with pytest.raises(ValueError, match="encoder_output"):
         _mha(attention_type="cross")(x)
