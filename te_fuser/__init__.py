@@ -3,6 +3,8 @@
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
 from .attention import DotProductAttention, InferenceParams, RotaryPositionEmbedding
+from .cross_entropy import parallel_cross_entropy
+from .distributed import CudaRNGStatesTracker
 from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
@@ -15,6 +17,7 @@ from .tensor import (Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tenso
 __version__ = "0.1.0"
 
 __all__ = [
+    "CudaRNGStatesTracker",
     "DotProductAttention",
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
@@ -40,6 +43,7 @@ __all__ = [
     "graph",
     "memory",
     "ops",
+    "parallel_cross_entropy",
     "prepare_for_saving",
     "quantized_model_init",
     "recipe",
