@@ -82,7 +82,7 @@ def init_parallel(rank: int, world: int, port: int) -> None:
 # Models
 # ---------------------------------------------------------------------------------------------
 def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0.0, cpu_init=True,
-                normalization="LayerNorm", distribute_saved_activations=False):
+                normalization="LayerNorm", distribute_saved_activations=False, fp8_format="hybrid"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs = dict(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
@@ -92,7 +92,7 @@ def make_config(dtype="fp32", fp8_recipe=None, recompute=False, hidden_dropout=0
     if dtype == "bf16":
         kwargs.update(bf16=True, params_dtype=torch.bfloat16)
     if fp8_recipe is not None:
-        kwargs.update(fp8="hybrid", fp8_recipe=fp8_recipe)
+        kwargs.update(fp8=fp8_format, fp8_recipe=fp8_recipe)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
                       distribute_saved_activations=distribute_saved_activations)
@@ -218,7 +218,8 @@ def graph_leftovers(model):
 def run_case(case: dict) -> dict:
     """One training run of the TE-spec GPT (and of the local-spec reference on the same weights).
 
-    case keys: dtype ("fp32"|"bf16"), fp8 (None|"delayed"|"tensorwise"), recompute (bool),
+    case keys: dtype ("fp32"|"bf16"), fp8 (Megatron's --fp8-recipe: None|"delayed"|"tensorwise"|"mxfp8"),
+    fp8_format (its --fp8-format, default "hybrid"), recompute (bool),
     distribute_saved_activations (bool), normalization ("LayerNorm"|"RMSNorm"),
     cpu_init (Megatron's use_cpu_initialization; False: layers built on "the current device" and
     initialized under the RNG tracker), hidden_dropout (Megatron's bias-dropout-add; attention
@@ -232,7 +233,8 @@ def run_case(case: dict) -> dict:
     data = batches()
     config = make_config(case.get("dtype", "fp32"), case.get("fp8"), case.get("recompute", False),
                          case.get("hidden_dropout", 0.0), case.get("cpu_init", True),
-                         case.get("normalization", "LayerNorm"), case.get("distribute_saved_activations", False))
+                         case.get("normalization", "LayerNorm"), case.get("distribute_saved_activations", False),
+                         case.get("fp8_format", "hybrid"))
     _reseed()
     local = build_local_gpt(config)
     te_config = config
