@@ -68,6 +68,7 @@ class FP8GlobalState:
     # Set when the outermost context is entered; TE's is_first_fp8_module() reads and clears it.
     is_first_module: bool = False
     _live_states: "weakref.WeakSet[DelayedScalingState]" = weakref.WeakSet()
+    _live_current_states: "weakref.WeakSet[CurrentScalingState]" = weakref.WeakSet()
     graph_capturing: bool = False  # inside te_fuser.make_graphed_callables (graph.set_capture_start)
 
     @classmethod
@@ -107,27 +108,43 @@ _BLOCK_SCALED_RECIPES = (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScalin
 _AUTOCAST_RECIPES = (DelayedScaling, Float8CurrentScaling) + _BLOCK_SCALED_RECIPES
 
 
-# A recipe made inside a compiled region exists, while dynamo traces it, only as a record of its fields,
-# which the runs_while_tracing functions (they make the recipe states) cannot read: autocast hands them an
-# equal recipe made outside the graph, one per distinct recipe. Callables (amax_compute_algo,
-# scaling_factor_compute_algo) cannot be handed to such a function: a recipe with them stays as it is, and
-# make_recipe_state refuses it if it was made in the compiled region.
-_RECIPES_MADE_WHILE_TRACING: dict = {}
+# One recipe object per distinct recipe, for torch.compile: what makes recipe states runs as Python while dynamo
+# traces (runs_while_tracing), and dynamo guards the recipe it is given by identity, so an equal recipe made
+# anew each step would compile the graph again each step. A recipe made inside a compiled region exists, while
+# dynamo traces it, only as a record of its fields: an equal one made outside the graph stands in for it.
+# Callables (amax_compute_algo, scaling_factor_compute_algo) cannot be handed to such a function: a recipe
+# with them stays as it is, and make_recipe_state refuses it if it was made in the compiled region.
+_CANONICAL_RECIPES: dict = {}
 
 
 @runs_while_tracing
 def _make_recipe(key: tuple) -> None:
     cls, fields = key
-    _RECIPES_MADE_WHILE_TRACING.setdefault(key, cls(**dict(fields)))
+    _CANONICAL_RECIPES.setdefault(key, cls(**dict(fields)))
 
 
-def _made_outside_the_graph(recipe):
+def _recipe_key(recipe):
+    """(type, fields) of a recipe, or None when it has callables or unhashable fields."""
     fields = tuple((field.name, getattr(recipe, field.name)) for field in dataclasses.fields(recipe))
     if any(callable(value) for _, value in fields):
-        return recipe
+        return None
     key = (type(recipe), fields)
-    _make_recipe(key)
-    return _RECIPES_MADE_WHILE_TRACING[key]
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _canonical_recipe(recipe):
+    """The first recipe seen equal to this one, or this one (recipes are frozen: equal stays equal)."""
+    key = _recipe_key(recipe)
+    if key is None:
+        return recipe
+    if torch.compiler.is_compiling():
+        _make_recipe(key)
+        return _CANONICAL_RECIPES[key]
+    return _CANONICAL_RECIPES.setdefault(key, recipe)
 
 
 @contextlib.contextmanager
@@ -146,8 +163,7 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     if not isinstance(recipe, _AUTOCAST_RECIPES):
         raise TypeError(f"fp8_recipe must be DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
                         f"Float8BlockScaling or NVFP4BlockScaling, got {type(recipe).__name__}")
-    if torch.compiler.is_compiling():
-        recipe = _made_outside_the_graph(recipe)
+    recipe = _canonical_recipe(recipe)
     if not FP8GlobalState._stack:
         FP8GlobalState.is_first_module = True
     FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))
@@ -433,6 +449,7 @@ class CurrentScalingState(_TERecipeStateNames):
         self.num_quantizers = num_quantizers
         self.device = device
         self._quantizers = [self._make_quantizer(i) for i in range(num_quantizers)]
+        FP8GlobalState._live_current_states.add(self)
 
     def quantizers(self, group=None) -> List[Float8CurrentScalingQuantizer]:
         del group  # each tensor's own amax: nothing to reduce
@@ -495,6 +512,16 @@ class BlockScalingState:
 
     def load_state_dict(self, state: dict) -> None:
         del state
+
+
+def recipe_state_tensors() -> List[torch.Tensor]:
+    """The tensors of every live FP8 scaling state: delayed scaling's amax history, scale and scale_inv, and
+    each current-scaling quantizer's amax and scale. They persist from step to step (a graph that references
+    them holds no memory of its own: te_fuser.memory.audit_autograd's `persistent`)."""
+    tensors = [getattr(state, name) for state in list(FP8GlobalState._live_states) for name in _DELAYED_BUFFERS]
+    for state in list(FP8GlobalState._live_current_states):
+        tensors += [t for quantizer in state._quantizers for t in (quantizer.amax, quantizer.scale)]
+    return tensors
 
 
 def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=None):

@@ -136,7 +136,7 @@ def _roots(output):
     raise TypeError(f"audit_autograd expects a tensor, an autograd node or a list of them, got {type(output).__name__}")
 
 
-def audit_autograd(output, *, max_depth=4):
+def audit_autograd(output, *, max_depth=4, persistent=()):
     """Walk the autograd graph behind ``output`` and report tensors on custom Function ctxs.
 
     Every node reachable through ``next_functions`` is visited; for each custom Function
@@ -147,7 +147,12 @@ def audit_autograd(output, *, max_depth=4):
     reaching bytes through any other attribute or the tensor it is a view of. Tensors saved with
     ``save_for_backward``, nn.Parameters and nn.Modules are not reported. Works before and
     after backward (torch frees saved tensors at backward; plain attributes stay).
+
+    persistent: tensors that outlive any one graph (e.g. te_fuser.quantization.recipe_state_tensors(),
+    the FP8 scaling state); a ctx that references their storages holds no memory of its own, so they are
+    not reported. torch.compile's autograd node keeps the state it read on its ctx after backward.
     """
+    skipped = {_storage_of(t)[0] for t in persistent}
     findings = []
     seen_nodes = set()
     queue = _roots(output)
@@ -164,6 +169,7 @@ def audit_autograd(output, *, max_depth=4):
         for attribute, value in vars(node).items():
             held = []
             _collect(value, attribute, max_depth, held, set())
+            held = [h for h in held if h.storage_key is None or h.storage_key not in skipped]
             if held:
                 findings.append(CtxFinding(type(node).__name__, attribute, tuple(held), _unique_bytes(held)))
     all_held = [held for finding in findings for held in finding.tensors]

@@ -150,3 +150,48 @@ def test_leaf_and_bad_arguments():
     assert audit_autograd(torch.randn(3, requires_grad=True)).nodes_visited == 0
     with pytest.raises(TypeError, match="expects a tensor"):
         audit_autograd("loss")
+
+
+class _StashesActivationAndState(torch.autograd.Function):
+    """Keeps a persistent state tensor and an activation on its ctx (the second is the bug)."""
+
+    @staticmethod
+    def forward(ctx, x, state):
+        ctx.state, ctx.activation = state, x * 2
+        return x * state
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.state, None
+
+
+def test_persistent_storages_are_not_reported_and_everything_else_still_is():
+    state = torch.ones(1024, 1)
+    x = torch.randn(1024, 1, requires_grad=True)
+    out = _StashesActivationAndState.apply(x, state)
+    out.sum().backward()
+    every = audit_autograd(out)
+    assert {h.path for f in every.findings for h in f.tensors} == {"state", "activation"}
+    with_state = audit_autograd(out, persistent=[state])
+    assert [h.path for f in with_state.findings for h in f.tensors] == ["activation"]
+    assert with_state.total_bytes == every.total_bytes - state.untyped_storage().nbytes()
+
+
+def test_a_compiled_fp8_step_holds_only_recipe_state_after_backward():
+    """torch.compile's autograd node keeps the FP8 scaling state it read on its ctx after backward: persistent
+    tensors (te_fuser.quantization.recipe_state_tensors), so nothing else may be there."""
+    import te_fuser
+    from te_fuser.quantization import recipe_state_tensors
+    from te_fuser.recipe import DelayedScaling
+
+    torch.manual_seed(0)
+    layer = te_fuser.LayerNormMLP(32, 64)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(16, 32, requires_grad=True)
+    recipe = DelayedScaling()
+    for _ in range(2):
+        with te_fuser.fp8_autocast(fp8_recipe=recipe):
+            out = compiled(x)
+        out.sum().backward()
+    assert audit_autograd(out).total_bytes > 0  # the control: the node does keep the state it read
+    assert audit_autograd(out, persistent=recipe_state_tensors()).total_bytes == 0

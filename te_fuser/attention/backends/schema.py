@@ -9,6 +9,8 @@ from typing import Dict, Optional
 
 import torch
 
+from ...quantization import runs_while_tracing
+
 _checked: Dict[str, Optional[str]] = {}
 
 
@@ -17,13 +19,21 @@ def schema_problem(expected: Dict[str, str]) -> Optional[str]:
 
     The answer for each op is computed at its first check and kept.
     """
-    for name, schema in expected.items():
+    ops = tuple(expected.items())
+    _ensure_checked(ops)  # every op first: dynamo reads _checked as it was when first read in a frame
+    for name, schema in ops:
+        problem = _checked[f"{name}:{schema}"]
+        if problem is not None:
+            return problem
+    return None
+
+
+@runs_while_tracing  # checked in the graph, the answer would be new at the next call: a second compilation
+def _ensure_checked(ops: tuple) -> None:
+    for name, schema in ops:
         key = f"{name}:{schema}"
         if key not in _checked:
             _checked[key] = _check(name, schema)
-        if _checked[key] is not None:
-            return _checked[key]
-    return None
 
 
 def _check(name: str, expected: str) -> Optional[str]:
