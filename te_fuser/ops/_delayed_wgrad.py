@@ -30,6 +30,13 @@ class WgradQueue:
         return compute(*operands)
 
 
+def refuse_delayed_wgrad_while_tracing() -> None:
+    """Under torch.compile the backward is traced once: an entry would be queued at trace time only."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("te_fuser does not run delay_wgrad_compute under torch.compile: the traced "
+                                  "backward would queue no weight gradient for backward_dw()")
+
+
 def finish_wgrad(dw: torch.Tensor, weight_dtype: torch.dtype, main_grad_weight: Optional[torch.Tensor],
                  name: str = "weight") -> Optional[torch.Tensor]:
     """dW in the weight's dtype, or, with fuse_wgrad_accumulation (main_grad_weight given), accumulated

@@ -14,6 +14,7 @@ from te_fuser.ops._delayed_wgrad import WgradQueue
 
 from _fuser_ctx_walk import retained_cpu_bytes
 from _module_checks import autocast, ctx_walk_check
+from _torch_support import compiles_te_fuser_modules
 
 HIDDEN, OUT, FFN, TOKENS, MICROBATCHES = 64, 48, 96, 32, 3
 RECIPES = {"no_fp8": None, "delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling()}
@@ -136,6 +137,46 @@ def test_backward_dw_without_delay_is_a_no_op_and_parameters_split_gets_its_piec
     delayed.backward_dw()
     for n, p in delayed.named_parameters():
         assert torch.equal(p.grad, grads[n]), n
+
+
+@pytest.mark.parametrize("block_recipe", [recipe.MXFP8BlockScaling(), recipe.Float8BlockScaling(),
+                                          recipe.NVFP4BlockScaling()], ids=["mxfp8", "fp8_block", "nvfp4"])
+def test_block_scaled_recipes(block_recipe, generator):
+    """Under the block-scaled recipes the queued GEMM reads dy's columnwise usage only; results as without
+    the delay, bitwise (NVFP4's stochastic rounding of dy is seeded, so the same draws)."""
+    size = 128  # Float8BlockScaling's block
+    ref = te_fuser.LayerNormLinear(size, size, device="cpu")
+    delayed = te_fuser.LayerNormLinear(size, size, device="cpu", delay_wgrad_compute=True)
+    delayed.load_state_dict(ref.state_dict())
+    for _ in range(2):
+        x = torch.randn(size, size, generator=generator)
+        for layer in (ref, delayed):
+            with autocast(block_recipe):
+                out = layer(x)
+            out.backward(torch.ones_like(out))
+        assert delayed.weight.grad is None or not torch.equal(delayed.weight.grad, ref.weight.grad)
+        delayed.backward_dw()
+        for (n, p), q in zip(ref.named_parameters(), delayed.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+
+
+@compiles_te_fuser_modules
+def test_torch_compile(generator):
+    """fullgraph=True: a clear error (the backward is traced once, it could not queue at each call);
+    without it, dynamo runs the fuser's autograd Function eagerly and the delay works."""
+    torch._dynamo.reset()
+    ref, delayed = _pair("Linear")
+    with pytest.raises(Exception, match="delay_wgrad_compute under torch.compile"):
+        torch.compile(delayed, fullgraph=True)(torch.randn(TOKENS, HIDDEN)).sum().backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(delayed)
+    for _ in range(2):
+        x = torch.randn(TOKENS, HIDDEN, generator=generator)
+        compiled(x).sum().backward()
+        delayed.backward_dw()
+        ref(x).sum().backward()
+        assert torch.equal(delayed.weight.grad, ref.weight.grad)
+    torch._dynamo.reset()
 
 
 # -- lifetimes ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ...kernels.bias_grad import bias_grad
 from ...tensor.float8_tensor import Float8Tensor, fp8_data, fp8_data_transpose
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
-from .._delayed_wgrad import finish_wgrad
+from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from ..op import BasicOperation
 from .linear import fp8_wgrad, high_precision_wgrad, saved_weight, sync_weight_quantizer, transposed_data
 
@@ -160,6 +160,7 @@ class GroupedBasicLinear(BasicOperation):
             if self.wgrad_queue is None:
                 weight_grads = _finished_wgrads(*finish)
             else:  # TE's delay_wgrad_compute: for the module's backward_dw()
+                refuse_delayed_wgrad_while_tracing()
                 self.wgrad_queue.put(_finished_wgrads, *finish)
         return grad_input, tuple(weight_grads) + (tuple(dbs) if self.use_bias else ())
 

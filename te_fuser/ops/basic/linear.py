@@ -11,7 +11,7 @@ from ...tensor.quantized_tensor import QuantizedTensor
 from ...quantization import FP8GlobalState, current_init, is_block_scaled, make_recipe_state, runs_while_tracing
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from .. import _tensor_parallel as tp
-from .._delayed_wgrad import finish_wgrad
+from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
 from ..block_gemm import block_scaled_gemm_nt, check_block_gemm_dims, gemm_operand, recipe_block
@@ -447,6 +447,7 @@ class BasicLinear(BasicOperation):
         wgrad_queue, None now and the GEMM queued, with what finishes it, for backward_dw()."""
         if self.wgrad_queue is None:
             return _finished_wgrad(gemm, operands, ctx.weight_dtype, ctx.main_grad_weight)
+        refuse_delayed_wgrad_while_tracing()
         self.wgrad_queue.put(_finished_wgrad, gemm, operands, ctx.weight_dtype, ctx.main_grad_weight)
         return None
 
