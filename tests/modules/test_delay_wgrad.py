@@ -7,13 +7,14 @@ import gc
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import te_fuser
 from te_fuser import recipe
 from te_fuser.ops._delayed_wgrad import WgradQueue
 
 from _fuser_ctx_walk import retained_cpu_bytes
-from _module_checks import autocast, ctx_walk_check
+from _module_checks import autocast, ctx_walk_check, spawn
 from _torch_support import compiles_te_fuser_modules
 
 HIDDEN, OUT, FFN, TOKENS, MICROBATCHES = 64, 48, 96, 32, 3
@@ -158,6 +159,36 @@ def test_block_scaled_recipes(block_recipe, generator):
         delayed.backward_dw()
         for (n, p), q in zip(ref.named_parameters(), delayed.parameters()):
             assert torch.equal(p.grad, q.grad), n
+
+
+def _tensor_parallel_case(rank):
+    """Column- and row-parallel with sequence parallelism, no FP8 and current scaling: the input gathered
+    (FP8 bytes) and dy gathered in backward are what the queue keeps; results as without the delay."""
+    group = dist.group.WORLD
+    for mode in ("column", "row"):
+        for fp8 in ("no_fp8", "current"):
+            torch.manual_seed(0)
+            ref, delayed = [te_fuser.Linear(HIDDEN, 2 * OUT, parallel_mode=mode, sequence_parallel=True,
+                                            tp_group=group, device="cpu", delay_wgrad_compute=d) for d in (False, True)]
+            delayed.load_state_dict(ref.state_dict())
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(2):
+                x = torch.randn(TOKENS, ref.local_in_features, generator=g)
+                results = []
+                for layer in (ref, delayed):
+                    xi = x.clone().requires_grad_()
+                    with te_fuser.fp8_autocast(enabled=fp8 != "no_fp8", fp8_recipe=RECIPES[fp8], fp8_group=group):
+                        out = layer(xi)
+                    out.backward(torch.ones_like(out))
+                    results.append(xi.grad)
+                assert torch.equal(*results), (mode, fp8)
+                delayed.backward_dw()
+                for (n, p), q in zip(ref.named_parameters(), delayed.parameters()):
+                    assert torch.equal(p.grad, q.grad), (mode, fp8, n)
+
+
+def test_tensor_parallel_on_two_ranks():
+    spawn(_tensor_parallel_case)
 
 
 @compiles_te_fuser_modules
