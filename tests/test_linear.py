@@ -283,7 +283,7 @@ def test_init_method_params_dtype_bias_and_return_bias():
 
 @pytest.mark.parametrize("option", [dict(ub_overlap_ag=True), dict(ub_overlap_rs=True), dict(ub_bulk_wgrad=True),
                                     dict(ub_bulk_dgrad=True), dict(ub_overlap_rs_dgrad=True), dict(ub_name="qkv"),
-                                    dict(delay_wgrad_compute=True), dict(symmetric_ar_type="multimem_all_reduce")])
+                                    dict(symmetric_ar_type="multimem_all_reduce")])
 def test_unsupported_options_raise_naming_the_option(option):
     name = next(iter(option))
     with pytest.raises(NotImplementedError, match=name):

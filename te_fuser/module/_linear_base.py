@@ -11,6 +11,7 @@ from .. import amp
 from ..quantization import current_init
 from ..tensor.utils import initialize_weight, quantize_weights
 from ..ops import _tensor_parallel as tp
+from ..ops._delayed_wgrad import WgradQueue
 from ..ops.basic.linear import BasicLinear
 from ..ops.fuser import OperationFuser
 from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
@@ -108,9 +109,49 @@ class FusedModule(torch.nn.Module):
     def set_extra_state(self, state) -> None:
         set_fp8_extra_state(self._ops, state, self._param_device())
 
+    # -- delay_wgrad_compute (TE's): weight gradients left for backward_dw() --------------
+    delay_wgrad_compute = False
+
+    def _wgrad_params(self):
+        """[(linear op, the parameters its weight gradient goes to)]; the ops' LinearWeights by default."""
+        return [(weights.op, weights.weights(self)) for weights in self._linear_weights]
+
+    def _set_delay_wgrad_compute(self, enabled: bool) -> None:
+        self.delay_wgrad_compute = bool(enabled)
+        for op in self._ops:
+            if hasattr(op, "wgrad_queue"):  # the linear ops
+                op.wgrad_queue = WgradQueue() if enabled else None
+
     def backward_dw(self) -> None:
-        """TE computes delayed weight gradients here; te_fuser computes them in backward
-        (delay_wgrad_compute is not supported), so there is nothing left to do."""
+        """With delay_wgrad_compute (TE's), the weight gradients the oldest backward not yet handled
+        queued: computed now and accumulated, into main_grad with fuse_wgrad_accumulation, else into
+        .grad (added to one already there, as autograd would); their queued inputs are freed. Each
+        backward queues one entry, each call runs one; a call with none queued raises, as in TE.
+        Without delay_wgrad_compute the backward computed them: nothing to do."""
+        if not self.delay_wgrad_compute:
+            return
+        targets = [(op.wgrad_queue, params) for op, params in self._wgrad_params()]
+        if not any(len(queue) for queue, _ in targets):
+            raise RuntimeError(f"te_fuser.{type(self).__name__}.backward_dw(): no weight gradient is queued "
+                               "(each backward queues one, each backward_dw() computes one)")
+        for queue, params in targets:
+            if len(queue):
+                accumulate_grads(params, queue.run_oldest())
+
+
+def accumulate_grads(params, grads) -> None:
+    """Add each gradient to its parameter's .grad (set it when None); a single gradient for several
+    parameters (parameters_split) is split among them along dim 0. None: nothing (main_grad has it)."""
+    if not isinstance(grads, (list, tuple)):
+        grads = [grads] if grads is None or len(params) == 1 else grads.split([p.shape[0] for p in params])
+    with torch.no_grad():
+        for param, grad in zip(params, grads):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
 
 
 def _param(module: torch.nn.Module, name: str):

@@ -24,8 +24,10 @@ class GroupedLinear(FusedModule):
     As in TransformerEngine, tensor parallelism only shards the weights
     (parallel_mode "column": out_features, "row": in_features): the
     communication is the caller's (the MoE layer's), and bias needs TP size 1.
+    delay_wgrad_compute=True: backward_dw() computes the weight gradients of the
+    oldest backward, as te_fuser.Linear's.
     Not supported (NotImplementedError naming the option): userbuffer overlap,
-    delay_wgrad_compute, save_original_input, single_grouped_weight/bias and
+    save_original_input, single_grouped_weight/bias and
     use_grouped_tensor=True.
     """
 
@@ -42,7 +44,7 @@ class GroupedLinear(FusedModule):
         super().__init__()
         self._fp8_init = current_init()  # quantized_model_init at construction
         unsupported = {"ub_overlap_rs": ub_overlap_rs, "ub_overlap_ag": ub_overlap_ag,
-                       "ub_name": ub_name is not None, "delay_wgrad_compute": delay_wgrad_compute,
+                       "ub_name": ub_name is not None,
                        "save_original_input": save_original_input, "single_grouped_weight": single_grouped_weight,
                        "single_grouped_bias": single_grouped_bias, "use_grouped_tensor": bool(use_grouped_tensor)}
         for option, used in unsupported.items():
@@ -86,6 +88,7 @@ class GroupedLinear(FusedModule):
         op = GroupedBasicLinear(num_gemms, local_in, local_out, use_bias=self.apply_bias,
                                 accumulate_into_main_grad=self.fuse_wgrad_accumulation)
         self._set_ops([op])
+        self._set_delay_wgrad_compute(delay_wgrad_compute)
 
         self._build_parameters(device)
 
@@ -129,6 +132,9 @@ class GroupedLinear(FusedModule):
     # Read with getattr, not self._parameters: under FSDP1 the parameters are attributes only.
     def _weights(self) -> List[torch.Tensor]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def _wgrad_params(self):
+        return [(self._ops[0], self._weights())]
 
     def _biases(self) -> List[torch.Tensor]:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []

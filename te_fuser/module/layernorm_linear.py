@@ -56,7 +56,7 @@ class LayerNormLinear(FusedModule):
     all-gathered sequence with return_layernorm_output_gathered (whose gradient is
     reduce-scattered back; TE drops the gradient of a gathered output).
     parallel_mode "row" is refused, as in TE. Not supported (NotImplementedError naming the
-    option): ub_*, delay_wgrad_compute, symmetric_ar_type. fp8_output / fp8_grad as te_fuser.Linear.
+    option): ub_*, symmetric_ar_type. fp8_output / fp8_grad and delay_wgrad_compute as te_fuser.Linear.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, sequence_parallel: bool = False,
@@ -75,7 +75,6 @@ class LayerNormLinear(FusedModule):
         check_unsupported("LayerNormLinear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                           ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                           ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name is not None,
-                          delay_wgrad_compute=delay_wgrad_compute,
                           symmetric_ar_type=symmetric_ar_type is not None)
         if parallel_mode == "row":
             raise NotImplementedError("te_fuser.LayerNormLinear does not support parallel_mode='row' "
@@ -130,6 +129,8 @@ class LayerNormLinear(FusedModule):
         self._set_ops(ops)
         object.__setattr__(self, "_norm_op", norm_op)
         object.__setattr__(self, "_linear_op", linear_op)
+        self._linear_weights = (self._weights,)
+        self._set_delay_wgrad_compute(delay_wgrad_compute)
 
         self._build_parameters(device)
 

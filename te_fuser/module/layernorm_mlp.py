@@ -36,7 +36,9 @@ class LayerNormMLP(FusedModule):
     set_parallel_mode the MLP is not split (TE would still shrink ffn_hidden_size by tp_size).
     return_layernorm_output / return_bias: TE's return order (out, [bias,] ln_out).
     seq_length and micro_batch_size (TE's JIT warm-up hints) are accepted and unused.
-    Not supported (NotImplementedError naming the option): ub_*, delay_wgrad_compute,
+    delay_wgrad_compute=True: backward computes no weight gradient; backward_dw() computes
+    fc1's and fc2's (the bias gradients come out of backward, as TE's under FP8).
+    Not supported (NotImplementedError naming the option): ub_*,
     symmetric_ar_type, checkpoint (selective recompute), activation_params.
     """
 
@@ -56,7 +58,7 @@ class LayerNormMLP(FusedModule):
         super().__init__()
         check_unsupported("LayerNormMLP", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                           ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
-                          ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
+                          ub_bulk_wgrad=ub_bulk_wgrad,
                           symmetric_ar_type=symmetric_ar_type is not None, checkpoint=checkpoint,
                           activation_params=activation_params is not None)
         if activation not in ACTIVATIONS:
@@ -115,6 +117,8 @@ class LayerNormMLP(FusedModule):
             ops.append(Bias(self.hidden_size, create_bias=False))
         self._set_ops(ops)
         object.__setattr__(self, "_norm_op", norm_op)
+        self._linear_weights = (self._fc1, self._fc2)
+        self._set_delay_wgrad_compute(delay_wgrad_compute)
 
         self._build_parameters(device)
 

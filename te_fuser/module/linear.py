@@ -32,9 +32,10 @@ class Linear(FusedModule):
     weight gradient uses the saved high-precision input, quantized again in
     backward under FP8, instead of an FP8 copy made in forward; like TE, it
     raises under the DelayedScaling recipe.
+    delay_wgrad_compute=True (TE's): backward computes the input's gradient
+    only; backward_dw() computes the weight's (see FusedModule.backward_dw).
     Not supported (NotImplementedError naming the option): userbuffer overlap
-    (ub_*), delay_wgrad_compute (backward_dw() exists and does nothing),
-    symmetric_ar_type.
+    (ub_*), symmetric_ar_type.
     forward(fp8_output=True) returns a Float8Tensor (quantized with the
     layer's output quantizer: under delayed scaling a forward scaling slot of
     its own, under current scaling the output's amax), and fp8_grad=True makes
@@ -58,7 +59,6 @@ class Linear(FusedModule):
         check_unsupported("Linear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                           ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                           ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name is not None,
-                          delay_wgrad_compute=delay_wgrad_compute,
                           symmetric_ar_type=symmetric_ar_type is not None)
         if parallel_mode not in _PARALLEL_MODES:
             raise ValueError(f"parallel_mode must be one of {_PARALLEL_MODES}, got {parallel_mode!r}")
@@ -94,6 +94,8 @@ class Linear(FusedModule):
         if self._bias_in_fuser:
             ops.append(Bias(self.local_out_features, create_bias=False))
         self._set_ops(ops)
+        self._linear_weights = (self._weights,)
+        self._set_delay_wgrad_compute(delay_wgrad_compute)
         self.save_original_input = save_original_input
 
         self._build_parameters(device)

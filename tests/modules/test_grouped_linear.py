@@ -116,8 +116,6 @@ def test_bad_m_splits(m_splits, error, match):
 
 
 def test_bad_arguments():
-    with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
-        te_fuser.GroupedLinear(2, IN, OUT, delay_wgrad_compute=True, device="cpu")
     with pytest.raises(NotImplementedError, match="ub_overlap_ag"):
         te_fuser.GroupedLinear(2, IN, OUT, ub_overlap_ag=True, device="cpu")
     with pytest.raises(ValueError, match="bias=True needs TP size 1"):

@@ -244,8 +244,7 @@ def test_bad_arguments_raise_clear_errors():
         te_fuser.LayerNormLinear(8, 8, parallel_mode="row", device="cpu")
     with pytest.raises(ValueError, match="parallel_mode"):
         te_fuser.LayerNormLinear(8, 8, parallel_mode="diagonal", device="cpu")
-    for option in [dict(ub_overlap_ag=True), dict(ub_name="qkv"), dict(delay_wgrad_compute=True),
-                   dict(symmetric_ar_type="two_shot")]:
+    for option in [dict(ub_overlap_ag=True), dict(ub_name="qkv"), dict(symmetric_ar_type="two_shot")]:
         with pytest.raises(NotImplementedError, match=next(iter(option))):
             te_fuser.LayerNormLinear(8, 8, device="cpu", **option)
     with pytest.raises(ValueError, match="positive"):

@@ -218,7 +218,7 @@ def test_bad_arguments_raise_clear_errors():
             te_fuser.LayerNormMLP(8, 8, activation=activation, device="cpu")
     with pytest.raises(NotImplementedError, match="'tanh'.*unknown"):
         te_fuser.LayerNormMLP(8, 8, activation="tanh", device="cpu")
-    for option in [dict(ub_overlap_ag=True), dict(checkpoint=True), dict(delay_wgrad_compute=True),
+    for option in [dict(ub_overlap_ag=True), dict(checkpoint=True),
                    dict(activation_params={"limit": 7.0}), dict(symmetric_ar_type="one_shot")]:
         with pytest.raises(NotImplementedError, match=next(iter(option))):
             te_fuser.LayerNormMLP(8, 8, device="cpu", **option)

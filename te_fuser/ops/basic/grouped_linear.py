@@ -17,8 +17,9 @@ from ...kernels.bias_grad import bias_grad
 from ...tensor.float8_tensor import Float8Tensor, fp8_data, fp8_data_transpose
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
+from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from ..op import BasicOperation
-from .linear import saved_weight, sync_weight_quantizer, transposed_data
+from .linear import fp8_wgrad, high_precision_wgrad, saved_weight, sync_weight_quantizer, transposed_data
 
 
 class GroupedBasicLinear(BasicOperation):
@@ -35,6 +36,7 @@ class GroupedBasicLinear(BasicOperation):
         self.num_forward_quantizers = 2 * self.num_gemms
         self.num_backward_quantizers = self.num_gemms
         self._fp8_weight_cache: List[Optional[Float8Tensor]] = [None] * self.num_gemms
+        self.wgrad_queue = None  # a WgradQueue (delay_wgrad_compute): as BasicLinear's, one entry for all GEMMs
 
     def op_params(self, weights=(), biases=(), **kwargs):
         del kwargs
@@ -125,16 +127,16 @@ class GroupedBasicLinear(BasicOperation):
     def op_backward(self, ctx, grad_output):
         k, n = self.in_features, self.out_features
         dys = grad_output.reshape(-1, n).split(list(ctx.m_splits))
-        dxs, dws, dbs = [], [], []
+        # wgrads: (GEMM, operands) of each weight gradient; None for an expert without tokens (zeros)
+        dxs, wgrads, dbs = [], [], []
         for i, dy in enumerate(dys):
             x_saved, w_saved = ctx.saved_tensors[2 * i], ctx.saved_tensors[2 * i + 1]
             if dy.shape[0] == 0:
                 dxs.append(dy.new_empty(0, k))
-                dws.append(torch.zeros(n, k, dtype=torch.float32, device=dy.device) if ctx.weight_requires_grad
-                           else None)
+                wgrads.append(None)
                 dbs.append(dy.new_zeros(n) if ctx.bias_requires_grad else None)
                 continue
-            dx = dw = None
+            dx = None
             if ctx.fp8:
                 dyq = ctx.grad_output_quantizers[i](dy.contiguous())
                 if ctx.input_requires_grad:
@@ -142,37 +144,36 @@ class GroupedBasicLinear(BasicOperation):
                                      w_saved._scale_inv, ctx.dtype)
                 if ctx.weight_requires_grad:
                     with_transpose(dyq)
-                    dw = fp8_gemm_nt(fp8_data_transpose(dyq), dyq._scale_inv, fp8_data(x_saved), x_saved._scale_inv,
-                                     torch.float32)
+                    wgrads.append((fp8_wgrad, (fp8_data_transpose(dyq), dyq._scale_inv, fp8_data(x_saved),
+                                                x_saved._scale_inv)))
             else:
                 if ctx.input_requires_grad:
                     dx = mm(dy, w_saved)
                 if ctx.weight_requires_grad:
-                    dw = mm(dy.t(), x_saved)
+                    wgrads.append((high_precision_wgrad, (dy, x_saved)))
             dxs.append(dx)
-            dws.append(dw)
             dbs.append(bias_grad(dy) if ctx.bias_requires_grad else None)
         grad_input = torch.cat(dxs).view(*ctx.lead_shape, k) if ctx.input_requires_grad else None
-        weight_grads = [self._finish_wgrad(ctx, i, dw) for i, dw in enumerate(dws)]
+        weight_grads = (None,) * self.num_gemms
+        if ctx.weight_requires_grad:
+            finish = (wgrads, (n, k), grad_output.device, ctx.weight_dtype, ctx.main_grad_weights)
+            if self.wgrad_queue is None:
+                weight_grads = _finished_wgrads(*finish)
+            else:  # TE's delay_wgrad_compute: for the module's backward_dw()
+                refuse_delayed_wgrad_while_tracing()
+                self.wgrad_queue.put(_finished_wgrads, *finish)
         return grad_input, tuple(weight_grads) + (tuple(dbs) if self.use_bias else ())
 
-    @staticmethod
-    def _finish_wgrad(ctx, i: int, dw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """dW_i in the weight's dtype, or accumulated into weight_i.main_grad (then no .grad, as in TE)."""
-        if dw is None:
-            return None
-        if ctx.main_grad_weights is None:
-            return dw.to(ctx.weight_dtype)
-        weight = ctx.main_grad_weights[i]
-        main_grad = getattr(weight, "main_grad", None)
-        if main_grad is None:
-            raise RuntimeError(f"fuse_wgrad_accumulation is on but weight{i}.main_grad is not set")
-        if getattr(weight, "overwrite_main_grad", False):
-            main_grad.copy_(dw)
-        else:
-            main_grad.add_(dw)
-        weight.grad_added_to_main_grad = True
-        return None
+
+def _finished_wgrads(wgrads, shape, device, weight_dtype, main_grad_weights) -> List[Optional[torch.Tensor]]:
+    """Each weight's gradient (zeros for an expert without tokens), in the weights' dtype or accumulated
+    into weight_i.main_grad (then None, as in TE)."""
+    grads = []
+    for i, job in enumerate(wgrads):
+        dw = torch.zeros(shape, dtype=torch.float32, device=device) if job is None else job[0](*job[1])
+        main_grad_weight = None if main_grad_weights is None else main_grad_weights[i]
+        grads.append(finish_wgrad(dw, weight_dtype, main_grad_weight, f"weight{i}"))
+    return grads
 
 
 def validate_m_splits(m_splits, num_gemms: int, rows: int) -> List[int]:

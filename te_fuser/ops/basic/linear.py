@@ -11,6 +11,7 @@ from ...tensor.quantized_tensor import QuantizedTensor
 from ...quantization import FP8GlobalState, current_init, is_block_scaled, make_recipe_state, runs_while_tracing
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from .. import _tensor_parallel as tp
+from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
 from ..block_gemm import block_scaled_gemm_nt, check_block_gemm_dims, gemm_operand, recipe_block
@@ -78,6 +79,21 @@ def _columnwise_only(t):
     return type(t)(t.shape, t.dtype, fp8_dtype=t._fp8_dtype, **columnwise, **t._meta())
 
 
+def fp8_wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv) -> torch.Tensor:
+    """dW = dy.T @ x from the transposed FP8 bytes of dy and x, in float32."""
+    return fp8_gemm_nt(dy_t, dy_scale_inv, x_t, x_scale_inv, torch.float32)
+
+
+def _block_scaled_wgrad(block, dyq, xq) -> torch.Tensor:
+    """dW = dy.T @ x over token blocks, from the columnwise usage of the block-scaled dy and x."""
+    return block_scaled_gemm_nt(*gemm_operand(dyq, True), *gemm_operand(xq, True), block, torch.float32)
+
+
+def high_precision_wgrad(dy, x) -> torch.Tensor:
+    """dW = dy.T @ x in high precision."""
+    return mm(dy.t(), x)
+
+
 def _saved_input(x: Float8Tensor, caller_owned: bool) -> tuple:
     """(what the wgrad keeps of the FP8 GEMM input, whether it is row-major).
 
@@ -113,6 +129,11 @@ class BasicLinear(BasicOperation):
     "column" keeps only this rank's FP8 input shard and gathers it again in
     backward (TE does the same), so the saved input is 1/tp of the gathered
     one. The reduce-scatters stay in high precision, as in TE.
+
+    wgrad_queue (a WgradQueue, TE's delay_wgrad_compute): the backward computes the input's
+    gradient only and queues the weight-gradient GEMM with its operands -- the transposed FP8 bytes
+    of dy and x under FP8 -- for the module's backward_dw(); the weight then gets no gradient from
+    autograd.
     """
 
     num_forward_quantizers = 2
@@ -139,6 +160,7 @@ class BasicLinear(BasicOperation):
         # Keep the high-precision input for the weight gradient (quantized again in backward under
         # FP8), not an FP8 copy: saves memory when the caller keeps that input alive anyway.
         self.save_original_input = False
+        self.wgrad_queue = None  # a WgradQueue: weight gradients left for backward_dw()
         self._fp8_init = current_init()  # quantized_model_init at construction
         if create_weight:
             self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features,
@@ -397,8 +419,8 @@ class BasicLinear(BasicOperation):
                 with_transpose(dyq)
                 if ctx.input_quantizer is not None and not ctx.regather_input:  # the saved original input
                     x_saved = _saved_transpose(with_transpose(ctx.input_quantizer(x_saved)))
-                dw = fp8_gemm_nt(fp8_data_transpose(dyq), dyq._scale_inv, transposed_data(x_saved, ctx.input_rowmajor),
-                                 x_saved._scale_inv, torch.float32)
+                dw = self._wgrad(ctx, fp8_wgrad, fp8_data_transpose(dyq), dyq._scale_inv,
+                                 transposed_data(x_saved, ctx.input_rowmajor), x_saved._scale_inv)
         else:
             dy2 = high_precision(dy).reshape(-1, n)
             if ctx.input_requires_grad:
@@ -408,7 +430,7 @@ class BasicLinear(BasicOperation):
                 if fold:
                     grad_input_addend = None
             if ctx.weight_requires_grad:
-                dw = mm(dy2.t(), x_saved.reshape(-1, k))
+                dw = self._wgrad(ctx, high_precision_wgrad, dy2, x_saved.reshape(-1, k))
         if dx is not None:
             dx = dx.view(*ctx.lead_shape, k)
             if self.tensor_parallel_mode == "column":
@@ -418,9 +440,16 @@ class BasicLinear(BasicOperation):
                     dx = tp.all_reduce(dx, self.tensor_parallel_group)
             if grad_input_addend is not None:
                 dx = dx + grad_input_addend.view_as(dx)
-        if dw is not None:
-            dw = self._finish_wgrad(ctx, dw)
         return dx, (dw,)
+
+    def _wgrad(self, ctx, gemm, *operands) -> Optional[torch.Tensor]:
+        """The weight's gradient from gemm(*operands) (None once accumulated into main_grad); with a
+        wgrad_queue, None now and the GEMM queued, with what finishes it, for backward_dw()."""
+        if self.wgrad_queue is None:
+            return _finished_wgrad(gemm, operands, ctx.weight_dtype, ctx.main_grad_weight)
+        refuse_delayed_wgrad_while_tracing()
+        self.wgrad_queue.put(_finished_wgrad, gemm, operands, ctx.weight_dtype, ctx.main_grad_weight)
+        return None
 
     # -- block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) -
     def _block_scaled_forward(self, ctx, x, weight, bias, is_first_microbatch, original, wgrad_needed):
@@ -472,7 +501,9 @@ class BasicLinear(BasicOperation):
             if ctx.input_quantizer is not None:  # the saved original input
                 ctx.input_quantizer.set_usage(rowwise=False, columnwise=True)
                 x_saved = ctx.input_quantizer(x_saved.reshape(-1, self.local_in_features))
-            dw = block_scaled_gemm_nt(*gemm_operand(dyq, True), *gemm_operand(x_saved, True), block, torch.float32)
+            # Queued: only dy's columnwise buffers (a new tensor over them); the rowwise ones go now.
+            dy_cols = dyq if self.wgrad_queue is None else _columnwise_only(dyq)
+            dw = self._wgrad(ctx, _block_scaled_wgrad, block, dy_cols, x_saved)
         return dx, dw
 
     def _gather_saved_input(self, ctx, x_saved):
@@ -488,18 +519,7 @@ class BasicLinear(BasicOperation):
         # Only the transposed layout the wgrad reads: the gathered row-major bytes go at once.
         return _saved_transpose(with_transpose(all_gather_fp8_dim0(x_saved, group)))
 
-    @staticmethod
-    def _finish_wgrad(ctx, dw: torch.Tensor) -> Optional[torch.Tensor]:
-        """dW in the weight's dtype, or accumulated into weight.main_grad (then no .grad, as in TE)."""
-        weight = ctx.main_grad_weight
-        if weight is None:
-            return dw if dw.dtype == ctx.weight_dtype else dw.to(ctx.weight_dtype)
-        main_grad = getattr(weight, "main_grad", None)
-        if main_grad is None:
-            raise RuntimeError("fuse_wgrad_accumulation is on but weight.main_grad is not set")
-        if getattr(weight, "overwrite_main_grad", False):
-            main_grad.copy_(dw)
-        else:
-            main_grad.add_(dw)
-        weight.grad_added_to_main_grad = True
-        return None
+
+def _finished_wgrad(gemm, operands, weight_dtype, main_grad_weight) -> Optional[torch.Tensor]:
+    """gemm(*operands) finished: in the weight's dtype, or accumulated into main_grad (then None)."""
+    return finish_wgrad(gemm(*operands), weight_dtype, main_grad_weight)
