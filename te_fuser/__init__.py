@@ -3,6 +3,7 @@
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
 from .attention import DotProductAttention, InferenceParams, RotaryPositionEmbedding
+from .cpu_offload import get_cpu_offload_context
 from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
@@ -37,6 +38,7 @@ __all__ = [
     "fp8",
     "fp8_autocast",
     "fp8_model_init",
+    "get_cpu_offload_context",
     "graph",
     "memory",
     "ops",
