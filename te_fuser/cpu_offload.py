@@ -146,7 +146,7 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
     k's copies are waited for, and its device references dropped, at the commit of layer window[k]
     (TE's window map over num_model_group layers); in backward group k is reloaded at layer window[k]'s
     commit and waited for before layer k's backward. A tensor asked for before its group was reloaded
-    is reloaded on the spot.
+    is reloaded on the spot (or, when its group's window never came, read from its device copy).
 
     copier: what moves tensors (CudaCopier; the tests give one that records the moves on the CPU).
     """
@@ -192,8 +192,11 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
             return tensor_tag
         record = tensor_tag
         if record.restored is None:
-            if record.hosts is not None and record.reload_event is None:
-                self._reload([record])
+            if record.hosts is not None:
+                if all(p is None for p in record.parts):  # offloaded, and its group was not prefetched
+                    self._reload([record])
+                else:  # its group's offload was never waited for: the device copy is still here
+                    record.hosts = None
             if record.reload_event is not None:
                 self.copier.wait(record.reload_event)
             parts = record.parts

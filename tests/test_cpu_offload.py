@@ -229,7 +229,7 @@ def test_quantized_tensor_moves_its_buffers(make):
     q.requires_grad_()
     expected = torch.autograd.grad((q * w).sum(), w)[0]
     buffers = [name for name, v in vars(q).items() if isinstance(v, torch.Tensor)]
-    context, sync, copier = _offload(1, 2)
+    context, sync, copier = _offload(1, 1)
     copier.phase = "forward"
     with context:
         y = (q * w).sum()
@@ -240,6 +240,18 @@ def test_quantized_tensor_moves_its_buffers(make):
     (grad,) = torch.autograd.grad(y.sum(), w)
     assert torch.equal(grad, expected)
     assert sum(d == "in" for d, *_ in copier.moves) == sum(d == "out" for d, *_ in copier.moves)
+
+
+def test_layers_past_the_run_are_read_from_the_device():
+    """One layer run of 3 model layers: its copies started, but their window (layer 1) never came, so
+    backward reads the device tensors and nothing comes back from the host."""
+    models = _models("linear", 1)
+    reference = _run(copy.deepcopy(models), _input(), None)
+    context, sync, copier = _offload(2, 3)
+    out, dx, grads = _run(models, _input(), None, context, sync, copier)
+    assert [d for d, *_ in copier.moves] and all(d == "out" for d, *_ in copier.moves)
+    assert torch.equal(out, reference[0]) and torch.equal(dx, reference[1])
+    assert all(torch.equal(a, b) for a, b in zip(grads, reference[2]))
 
 
 def test_parameters_stay():
