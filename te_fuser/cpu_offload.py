@@ -8,9 +8,13 @@ offloaded, the last ones stay on the device, and TE's window map spreads the wai
 the model_layers layers.
 
 Which tensors move (TE moves the tensors its modules mark): a tensor marked by mark_activation_offload,
-and every other saved tensor except parameters and views of them. Weights stay where they are; a
+and every other saved tensor except parameters, views of them, and tensors marked
+`activation_offloading = False` (te_fuser's concatenated view of split weight parameters). Weights stay where they are; a
 quantized tensor (Float8Tensor, the block-scaled kinds) is split by prepare_for_saving so its bytes move,
 in a new wrapper: the caller's object keeps its buffers.
+
+The same tensor saved by several ops of a layer moves once. autograd's check that a saved tensor was not
+changed in place before backward, which the hooks take over, is kept: backward raises as it would.
 
 Lifetimes: what a saved tensor becomes is a _Saved record that autograd owns. The handler reaches the
 records only through weak references, so a record, its host copy and its restored tensor die with the
@@ -62,9 +66,11 @@ def is_cpu_offload_enabled() -> bool:
 
 def is_activation(tensor: torch.Tensor) -> bool:
     """te_fuser's rule for what moves: marked tensors, and every tensor that is not a parameter or a view
-    of one."""
-    if getattr(tensor, "activation_offloading", False):
-        return True
+    of one (nor marked activation_offloading = False: a view over parameters' bytes such as the fused QKV
+    weight)."""
+    marked = getattr(tensor, "activation_offloading", None)
+    if marked is not None:
+        return bool(marked)
     return not isinstance(tensor, torch.nn.Parameter) and not isinstance(tensor._base, torch.nn.Parameter)
 
 
@@ -120,13 +126,21 @@ class _Saved:
     host copies, then (in backward) the restored tensor. A quantized tensor is held as its buffers and
     the emptied wrapper they go back into."""
 
-    __slots__ = ("group", "parts", "shell", "devices", "hosts", "offload_event", "reload_event", "restored",
-                 "__weakref__")
+    __slots__ = ("group", "parts", "shell", "devices", "versions", "modified", "moved", "hosts", "offload_event",
+                 "reload_event", "restored", "__weakref__")
 
     def __init__(self, group: int, parts: list, shell):
         self.group, self.parts, self.shell = group, parts, shell
         self.devices = [None if p is None else p.device for p in parts]
+        self.versions = [None if p is None else p._version for p in parts]
+        self.modified = self.moved = False  # moved: parts are no longer the saved tensors
         self.hosts = self.offload_event = self.reload_event = self.restored = None
+
+    def check_unmodified(self) -> None:
+        """Record whether a part was changed in place since it was saved (autograd's version check, which
+        the saved-tensor hooks take over)."""
+        self.modified = self.modified or any(p is not None and p._version != v
+                                             for p, v in zip(self.parts, self.versions))
 
 
 class OffloadHandler:
@@ -167,6 +181,7 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
         self.current_group = 0
         # group -> weak references to its records; a group's entry goes once it is offloaded / reloaded.
         self._to_offload = {}
+        self._seen = {}  # group -> {what identifies a saved tensor: its record}, until the group's commit
         self._offloading = {}
         self._to_reload = {}
         self._reloading = {}
@@ -182,7 +197,15 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
             parts, shells = prepare_for_saving(tensor.detach())  # a new wrapper: the caller's keeps its buffers
             record = _Saved(group, parts, shells[0])
         else:
+            # The same tensor saved by several ops of the layer (unchanged since) moves once.
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride(),
+                   tensor.dtype, tensor._version)
+            seen = self._seen.setdefault(group, {})
+            record = seen[key]() if key in seen else None
+            if record is not None:
+                return record
             record = _Saved(group, [tensor], None)
+            seen[key] = weakref.ref(record)
         self._to_offload.setdefault(group, []).append(weakref.ref(record))
         return record
 
@@ -192,8 +215,14 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
             return tensor_tag
         record = tensor_tag
         if record.restored is None:
+            if not record.moved:
+                record.check_unmodified()
+            if record.modified:
+                raise RuntimeError("one of the variables needed for gradient computation has been modified by "
+                                   "an inplace operation: a tensor saved under CPU offload changed after it was "
+                                   "saved")
             if record.hosts is not None:
-                if all(p is None for p in record.parts):  # offloaded, and its group was not prefetched
+                if record.moved:  # offloaded, and its group was not prefetched
                     self._reload([record])
                 else:  # its group's offload was never waited for: the device copy is still here
                     record.hosts = None
@@ -207,6 +236,7 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
     # -- layer boundaries -------------------------------------------------------------------------
     def on_group_commit_forward(self) -> None:
         layer = self.current_group
+        self._seen.pop(layer, None)
         records = _alive(self._to_offload.pop(layer, []))
         if records:
             self._offload(records)
@@ -230,6 +260,8 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
             record.reload_event = None
 
     def _offload(self, records) -> None:
+        for r in records:
+            r.check_unmodified()
         tensors = [p for r in records for p in r.parts if p is not None]
         hosts, event = self.copier.to_host(tensors)
         it = iter(hosts)
@@ -244,7 +276,7 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
             if r.offload_event is not None:
                 self.copier.wait(r.offload_event)
             r.offload_event = None
-            r.parts = [None] * len(r.parts)
+            r.parts, r.moved = [None] * len(r.parts), True
         if records:
             self._to_reload[group] = [weakref.ref(r) for r in records]
 

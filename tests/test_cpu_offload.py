@@ -40,6 +40,7 @@ class RecordingCopier:
 
     def __init__(self):
         self.moves, self.phase, self.handler = [], None, None
+        self.sources = []  # storage addresses of the tensors moved out
 
     @staticmethod
     def takes(tensor):
@@ -51,6 +52,7 @@ class RecordingCopier:
 
     def to_host(self, tensors):
         hosts = [t.detach().clone() for t in tensors]
+        self.sources += [t.untyped_storage().data_ptr() for t in tensors]
         self._record("out", hosts)
         return hosts, None
 
@@ -124,6 +126,18 @@ def test_offloaded_run_matches_plain_run(kind, fp8):
     out, dx, grads = offloaded
     assert torch.equal(out, reference[0]) and torch.equal(dx, reference[1])
     assert len(grads) == len(reference[2]) and all(torch.equal(a, b) for a, b in zip(grads, reference[2]))
+
+
+@pytest.mark.parametrize("fp8", RECIPES)
+@pytest.mark.parametrize("kind", MODULES)
+def test_weights_stay(kind, fp8):
+    """No tensor over a parameter's bytes moves (the fused QKV weight, a view over the split parameters'
+    storage, included); activations do."""
+    models = _models(kind, 2)
+    context, sync, copier = _offload(1, 2)
+    _run(models, _input(), RECIPES[fp8], context, sync, copier)
+    params = {p.untyped_storage().data_ptr() for m in models for p in m.parameters()}
+    assert copier.sources and not params & set(copier.sources)
 
 
 @pytest.mark.parametrize("fp8", ["no_fp8", "current"])
@@ -252,6 +266,34 @@ def test_layers_past_the_run_are_read_from_the_device():
     assert [d for d, *_ in copier.moves] and all(d == "out" for d, *_ in copier.moves)
     assert torch.equal(out, reference[0]) and torch.equal(dx, reference[1])
     assert all(torch.equal(a, b) for a, b in zip(grads, reference[2]))
+
+
+def test_a_tensor_saved_twice_moves_once():
+    """x saved by two ops of a layer moves out once and back once, and both gradients are right."""
+    x = torch.randn(8, 8)
+    a, b = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    context, sync, copier = _offload(1, 1)
+    with context:
+        y = x * a + x * b
+    sync(y).sum().backward()
+    assert [d for d, *_ in copier.moves] == ["out", "in"]
+    assert torch.equal(a.grad, x) and torch.equal(b.grad, x)
+
+
+@pytest.mark.parametrize("layers", [(1, 1), (1, 2)], ids=["offloaded", "read_from_device"])
+def test_changed_in_place_after_saving_raises(layers):
+    """autograd's version check survives the hooks: a saved tensor changed in place before its offload (or
+    before backward, when its group stayed on the device) makes backward raise, instead of the gradient
+    reading the new values."""
+    x = torch.randn(8, 8)
+    a = torch.randn(8, 8, requires_grad=True)
+    context, sync, _ = _offload(*layers)
+    with context:
+        y = x * a
+        x.mul_(2)
+    y = sync(y)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
 
 
 def test_parameters_stay():
