@@ -9,9 +9,9 @@ the model_layers layers.
 
 Which tensors move (TE moves the tensors its modules mark): a tensor marked by mark_activation_offload,
 and every other saved tensor except parameters, views of them, and tensors marked
-`activation_offloading = False` (te_fuser's concatenated view of split weight parameters). Weights stay where they are; a
-quantized tensor (Float8Tensor, the block-scaled kinds) is split by prepare_for_saving so its bytes move,
-in a new wrapper: the caller's object keeps its buffers.
+`activation_offloading = False` (te_fuser's concatenated view of split weight parameters): weights stay
+where they are. A quantized tensor (Float8Tensor, the block-scaled kinds) is split by prepare_for_saving
+so its bytes move, in a new wrapper: the caller's object keeps its buffers.
 
 The same tensor saved by several ops of a layer moves once. autograd's check that a saved tensor was not
 changed in place before backward, which the hooks take over, is kept: backward raises as it would.
@@ -276,6 +276,7 @@ class AsyncDoubleBufferGroupOffloadHandler(OffloadHandler):
             if r.offload_event is not None:
                 self.copier.wait(r.offload_event)
             r.offload_event = None
+            r.check_unmodified()  # a later layer may have written into it while it was copied
             r.parts, r.moved = [None] * len(r.parts), True
         if records:
             self._to_reload[group] = [weakref.ref(r) for r in records]

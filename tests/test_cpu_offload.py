@@ -296,6 +296,20 @@ def test_changed_in_place_after_saving_raises(layers):
         y.sum().backward()
 
 
+def test_changed_in_place_by_a_later_layer_raises():
+    """Layer 0's saved tensor written by layer 1 while its copy runs (its window is layer 1's commit)."""
+    x = torch.randn(8, 8)
+    a = torch.randn(8, 8, requires_grad=True)
+    context, sync, _ = _offload(1, 2)
+    with context:
+        y = sync(x * a)
+    with context:
+        x.add_(1)
+        y = sync(y * 2)
+    with pytest.raises(RuntimeError, match="inplace"):
+        y.sum().backward()
+
+
 def test_parameters_stay():
     """Parameters (and views of them, such as the transposed weight a GEMM saves) never move."""
     w = torch.nn.Parameter(torch.randn(8, 8))
