@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh tests demo                        # the whole suite; the demo on the GPU
 #   bash benchmarks/gpu_session.sh facts bench_layer                  # a Llama-3-8B layer's training step
 #   bash benchmarks/gpu_session.sh facts cuda_graphs                  # make_graphed_callables: tests, graphed step
+#   bash benchmarks/gpu_session.sh facts cpu_offload                  # get_cpu_offload_context: device memory drop
 # Other stages: c_attention, bench_fp8_linear. bench_attention is te_fuser.DotProductAttention on each
 # attention backend against SDPA's flash and cuDNN (benchmarks/bench_attention_cuda.py). The test stages
 # need pytest-xdist and pytest-timeout.
@@ -73,6 +74,11 @@ cuda_graphs() {
     tests/modules/test_graph.py tests/compat/test_graph_state_manager.py
   $PY benchmarks/bench_layer_step.py --batch 1 --seq 2048 --iters 10 --graphed
 }
+# CPU offload: the device bytes held between forward and backward drop by what moved to pinned host memory.
+cpu_offload() {
+  $PY -m pytest -q -p te_fuser.testing.pytest_plugin -p no:cacheprovider --timeout=300 -rs \
+    tests/test_cpu_offload_cuda.py tests/test_cpu_offload.py
+}
 bench_gpu() {
   $PY benchmarks/bench_quantize.py --device cuda
   $PY benchmarks/bench_linear.py --device cuda
@@ -90,7 +96,7 @@ bench_cpu() {
 }
 
 export PY
-export -f bench_fp8_linear bench_layer cuda_graphs facts cuda_tests cpu_tests tests demo c_core c_attention bench_attention bench_gpu bench_cpu
+export -f bench_fp8_linear bench_layer cuda_graphs cpu_offload facts cuda_tests cpu_tests tests demo c_core c_attention bench_attention bench_gpu bench_cpu
 prepare
 for stage in "$@"; do
   case $stage in
@@ -106,6 +112,7 @@ for stage in "$@"; do
     bench_fp8_linear) run_stage bench_fp8_linear 120 bench_fp8_linear ;;
     bench_layer) run_stage bench_layer 240 bench_layer ;;
     cuda_graphs) TAIL=40 run_stage cuda_graphs 240 cuda_graphs ;;
+    cpu_offload) run_stage cpu_offload 180 cpu_offload ;;
     bench_cpu) run_stage bench_cpu 450 bench_cpu ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

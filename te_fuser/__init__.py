@@ -3,6 +3,7 @@
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
 from .attention import DotProductAttention, InferenceParams, RotaryPositionEmbedding
+from .cpu_offload import get_cpu_offload_context
 from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker
 from .graph import make_graphed_callables
@@ -40,6 +41,7 @@ __all__ = [
     "fp8",
     "fp8_autocast",
     "fp8_model_init",
+    "get_cpu_offload_context",
     "graph",
     "memory",
     "ops",

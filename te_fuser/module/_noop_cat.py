@@ -14,6 +14,7 @@ class _NoopCat(torch.autograd.Function):
         first = tensors[0]
         out = first.new_empty(0)
         out.set_(first.untyped_storage(), first.storage_offset(), full_shape, first.stride())
+        out.activation_offloading = False  # the parameters' own bytes: CPU offload leaves them on the device
         return out
 
     @staticmethod

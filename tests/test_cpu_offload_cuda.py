@@ -1,0 +1,123 @@
+"""te_fuser.get_cpu_offload_context on CUDA: the device memory held between forward and backward drops by
+the bytes moved to pinned host memory, the step's peak drops with it, outputs and gradients equal the run
+without offload, and after backward the device holds what it held before the step while the context
+reaches no tensor. The CPU semantics (what moves, when, and the lifetime controls) are in
+tests/test_cpu_offload.py."""
+
+import copy
+
+import pytest
+import torch
+
+import te_fuser
+from te_fuser import recipe
+from te_fuser.quantization import check_fp8_support
+
+from _reachable import describe, reachable_storages
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+
+LAYERS, TOKENS, HIDDEN = 6, 8192, 1024
+ACTIVATION_BYTES = TOKENS * HIDDEN * 2  # one layer's bf16 input
+MiB = 1 << 20
+RECIPES = {"bf16": None, "delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling()}
+MODULES = {
+    "Linear": lambda: te_fuser.Linear(HIDDEN, HIDDEN, params_dtype=torch.bfloat16, device="cuda"),
+    "TransformerLayer": lambda: te_fuser.TransformerLayer(HIDDEN, 4 * HIDDEN, 8, hidden_dropout=0.0,
+                                                          attention_dropout=0.0, params_dtype=torch.bfloat16,
+                                                          device="cuda"),
+}
+
+
+def _needs(fp8):
+    if RECIPES[fp8] is not None and not check_fp8_support()[0]:
+        pytest.skip("FP8 GEMMs need compute capability 8.9+")
+
+
+def _step(models, fp8_recipe, offload, shape=(TOKENS, HIDDEN)):
+    """One forward and backward. Returns (output, parameter grads, bytes allocated between forward and
+    backward, the step's peak, host bytes the context reached between forward and backward)."""
+    context, sync = (te_fuser.get_cpu_offload_context(True, len(models) - 1, len(models)) if offload
+                     else (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), lambda t: t))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    # The input is not kept here: once offloaded, the device copy of every offloaded activation is free.
+    h = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
+    for model in models:
+        with te_fuser.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe), context:
+            h = model(h)
+        h = sync(h)
+    torch.cuda.synchronize()
+    between = torch.cuda.memory_allocated() - start
+    host = sum(t.untyped_storage().nbytes() for _, t in reachable_storages(context, follow_weakrefs=True)
+               if t.device.type == "cpu")
+    h.backward(torch.ones_like(h))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    return h.detach(), [p.grad.clone() for m in models for p in m.parameters()], between, peak, host
+
+
+@pytest.mark.parametrize("fp8", RECIPES)
+def test_device_memory_drops_by_the_offloaded_bytes(fp8):
+    """LAYERS Linears, the first LAYERS-1 offloaded: the bytes allocated between forward and backward drop
+    by the bytes the host holds (each saved tensor here has its own storage), the results are the plain
+    run's, and in bf16 the step's peak drops by the offloaded layers' inputs."""
+    _needs(fp8)
+    torch.manual_seed(0)
+    models = [MODULES["Linear"]() for _ in range(LAYERS)]
+    plain = copy.deepcopy(models)
+    ref_out, ref_grads, ref_between, ref_peak, _ = _step(plain, RECIPES[fp8], offload=False)
+    out, grads, between, peak, host = _step(models, RECIPES[fp8], offload=True)
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    # What left the device is what the host holds: layers 0..LAYERS-2's saved tensors.
+    assert host > 0
+    assert abs((ref_between - between) - host) <= MiB, (ref_between, between, host)
+    if RECIPES[fp8] is None:
+        assert host >= (LAYERS - 1) * ACTIVATION_BYTES
+        # backward holds the saved inputs of the layer it runs and of the one prefetched for the next,
+        # against all LAYERS without offload (a margin of one layer for the gradients it allocates)
+        assert ref_peak - peak >= (LAYERS - 4) * ACTIVATION_BYTES, (ref_peak, peak)
+
+
+@pytest.mark.parametrize("fp8", ["bf16", "delayed"])
+def test_transformer_layers_match_and_drop(fp8):
+    _needs(fp8)
+    """Three TransformerLayers: equal results, and the device holds less between forward and backward, by
+    no more than what moved (a tensor two ops save, such as the attention output its projection reads,
+    moves once per saving op but frees its device bytes once)."""
+    torch.manual_seed(0)
+    models = [MODULES["TransformerLayer"]() for _ in range(3)]
+    ref = _step(copy.deepcopy(models), RECIPES[fp8], offload=False, shape=(512, 2, HIDDEN))
+    out, grads, between, _, host = _step(models, RECIPES[fp8], offload=True, shape=(512, 2, HIDDEN))
+    assert torch.equal(out, ref[0])
+    # the library attention kernels' backward may sum in another order from run to run (atomics)
+    for a, b in zip(grads, ref[1]):
+        assert (a.float() - b.float()).norm() <= 1e-2 * b.float().norm() + 1e-6
+    assert host > 0 and 0 < ref[2] - between <= host + MiB, (ref[2], between, host)
+
+
+def test_nothing_left_after_backward():
+    """With gradients already allocated, a step with offload leaves the device as it found it, and the
+    context reaches no tensor, device or host."""
+    torch.manual_seed(0)
+    models = [MODULES["Linear"]() for _ in range(LAYERS)]
+    context, sync = te_fuser.get_cpu_offload_context(True, LAYERS - 1, LAYERS)
+
+    def step():
+        h = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        for model in models:
+            with context:
+                h = model(h)
+            h = sync(h)
+        h.backward(torch.ones_like(h))
+
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    left = reachable_storages(context, follow_weakrefs=True)
+    assert not left, describe(left)
