@@ -2,7 +2,7 @@
 
 from . import _extension  # noqa: F401  (loads the kernels)
 from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
-from .attention import DotProductAttention, InferenceParams, RotaryPositionEmbedding
+from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .cpu_offload import get_cpu_offload_context
 from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker
@@ -10,8 +10,8 @@ from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
 from .tensor.utils import cast_master_weights_to_fp8
-from .module import (GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
-                     TransformerLayer)
+from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .transformer import TransformerLayer
 from .tensor import (Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, prepare_for_saving,
                      restore_from_saved)
 

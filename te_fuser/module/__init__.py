@@ -5,9 +5,6 @@ from .layernorm import LayerNorm
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
-from .multi_head_attention import MultiheadAttention
 from .rmsnorm import RMSNorm
-from .transformer_layer import TransformerLayer
 
-__all__ = ["GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm",
-           "TransformerLayer"]
+__all__ = ["GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "RMSNorm"]

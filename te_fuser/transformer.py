@@ -5,14 +5,14 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from .. import amp
-from ..attention.masks import check_mask_type
-from ..kernels.bias_grad import add_bias
-from ..ops import _tensor_parallel as tp
-from .layernorm import LayerNorm
-from .layernorm_mlp import LayerNormMLP
-from .multi_head_attention import NORMALIZATIONS, MultiheadAttention, check_unsupported
-from .rmsnorm import RMSNorm
+from . import amp
+from .attention.masks import check_mask_type
+from .attention.multi_head_attention import NORMALIZATIONS, MultiheadAttention, check_unsupported
+from .kernels.bias_grad import add_bias
+from .module.layernorm import LayerNorm
+from .module.layernorm_mlp import LayerNormMLP
+from .module.rmsnorm import RMSNorm
+from .ops import _tensor_parallel as tp
 
 LAYER_TYPES = ("encoder", "decoder")
 

@@ -5,10 +5,10 @@ from typing import Callable, Optional, Tuple, Union
 
 import torch
 
-from ..attention.dot_product_attention import DotProductAttention
-from ..attention.inference import check_inference_params
-from ..attention.kv_cache_rope import apply_step_rotary_pos_emb
-from ..attention.rope import apply_rotary_pos_emb
+from .dot_product_attention import DotProductAttention
+from .inference import check_inference_params
+from .kv_cache_rope import apply_step_rotary_pos_emb
+from .rope import apply_rotary_pos_emb
 from ..distributed import checkpoint as te_checkpoint
 from ..tensor.float8_tensor import Float8Tensor
 from ..quantization import FP8GlobalState
@@ -16,8 +16,8 @@ from ..ops import _tensor_parallel as tp
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..utils import SplitAlongDim
 from ._qk_norm import make_qk_norms
-from .layernorm_linear import LayerNormLinear
-from .linear import Linear
+from ..module.layernorm_linear import LayerNormLinear
+from ..module.linear import Linear
 
 ATTENTION_TYPES = ("self", "cross")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")

@@ -5,8 +5,8 @@ from typing import Optional, Tuple
 import torch
 
 from ..ops.basic.l2normalization import L2Normalization
-from .layernorm import LayerNorm
-from .rmsnorm import RMSNorm
+from ..module.layernorm import LayerNorm
+from ..module.rmsnorm import RMSNorm
 
 QK_NORM_TYPES = ("L2Normalization", "RMSNorm", "LayerNorm")
 
