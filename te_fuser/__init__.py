@@ -1,14 +1,14 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
+from . import distributed, fp8, graph, jit, memory, ops, quantization, recipe, tensor, utils
 from .attention import DotProductAttention, RotaryPositionEmbedding
 from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
 from .tensor.utils import cast_master_weights_to_fp8
-from .module import (GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention, RMSNorm,
-                     TransformerLayer)
+from .module import (Fp8Padding, Fp8Unpadding, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear,
+                     MultiheadAttention, RMSNorm, TransformerLayer)
 from .tensor import (Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, prepare_for_saving,
                      restore_from_saved)
 
@@ -19,6 +19,8 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "FP8GlobalState",
     "FP8GlobalStateManager",
     "GroupedLinear",

@@ -551,6 +551,18 @@ def get_default_fp8_recipe() -> DelayedScaling:
     return DelayedScaling()
 
 
+def get_align_size_for_quantization(recipe) -> int:
+    """The row alignment a GEMM operand needs under `recipe` (later TE's function): 32 for MXFP8 (its
+    block), 128 for NVFP4, 16 for the other FP8 recipes."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a te_fuser.recipe.Recipe, got {type(recipe).__name__}")
+    if recipe.mxfp8():
+        return 32
+    if recipe.nvfp4():
+        return 128
+    return 16
+
+
 def get_fp8_torch_dtype(fp8_recipe, fprop_tensor: bool = True) -> torch.dtype:
     return fp8_recipe.fp8_format.fwd_dtype if fprop_tensor else fp8_recipe.fp8_format.bwd_dtype
 
@@ -755,4 +767,4 @@ class FP8GlobalStateManager:
 
 __all__ = ["FP8GlobalState", "FP8GlobalStateManager", "QuantizationState", "autocast", "check_fp8_block_scaling_support",
            "check_fp8_support", "check_mxfp8_support", "check_nvfp4_support", "checkpoint", "fp8_autocast",
-           "fp8_model_init", "get_default_fp8_recipe", "get_fp8_max", "get_fp8_torch_dtype", "quantized_model_init"]
+           "fp8_model_init", "get_align_size_for_quantization", "get_default_fp8_recipe", "get_fp8_max", "get_fp8_torch_dtype", "quantized_model_init"]

@@ -1,5 +1,7 @@
 """Drop-in replacements for TransformerEngine's PyTorch modules."""
 
+from .fp8_padding import Fp8Padding
+from .fp8_unpadding import Fp8Unpadding
 from .grouped_linear import GroupedLinear
 from .layernorm import LayerNorm
 from .layernorm_linear import LayerNormLinear
@@ -9,5 +11,5 @@ from .multi_head_attention import MultiheadAttention
 from .rmsnorm import RMSNorm
 from .transformer_layer import TransformerLayer
 
-__all__ = ["GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm",
+__all__ = ["Fp8Padding", "Fp8Unpadding", "GroupedLinear", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "MultiheadAttention", "RMSNorm",
            "TransformerLayer"]
