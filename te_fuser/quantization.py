@@ -529,8 +529,9 @@ def check_fp8_support() -> Tuple[bool, str]:
 
 
 def _block_scaling_support(name: str) -> Tuple[bool, str]:
-    """te_fuser's block-scaled kernels run on the CPU; on a CUDA machine the modules' tensors are on the GPU."""
-    if torch.cuda.is_available():
+    """te_fuser's block-scaled kernels run on the CPU; on a CUDA machine the modules' tensors are on the GPU.
+    A torch built without CUDA makes no CUDA tensors, whatever torch.cuda is made to answer."""
+    if torch.cuda.is_available() and torch.backends.cuda.is_built():
         return False, f"te_fuser runs {name} on the CPU only (no CUDA kernels for it yet)"
     return True, ""
 
