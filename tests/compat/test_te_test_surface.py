@@ -40,6 +40,15 @@ def alias():
     ("transformer_engine.pytorch.module", "Fp8Unpadding", "te_fuser.module.fp8_unpadding.Fp8Unpadding"),
     ("transformer_engine.pytorch.quantization", "get_align_size_for_quantization",
      "te_fuser.quantization.get_align_size_for_quantization"),
+    ("transformer_engine.pytorch.optimizers", "MultiTensorApply", "te_fuser.optimizers.MultiTensorApply"),
+    ("transformer_engine.pytorch.optimizers.multi_tensor_apply", "multi_tensor_applier",
+     "te_fuser.optimizers.multi_tensor_applier"),
+    ("transformer_engine_torch", "multi_tensor_scale", "te_fuser.kernels.multi_tensor.multi_tensor_scale"),
+    ("transformer_engine_torch", "multi_tensor_l2norm", "te_fuser.kernels.multi_tensor.multi_tensor_l2norm"),
+    ("transformer_engine_torch", "multi_tensor_unscale_l2norm",
+     "te_fuser.kernels.multi_tensor.multi_tensor_unscale_l2norm"),
+    ("transformer_engine_torch", "multi_tensor_compute_scale_and_scale_inv",
+     "te_fuser.kernels.multi_tensor.multi_tensor_compute_scale_and_scale_inv"),
 ])
 def test_alias_paths(alias, module, name, target):
     target_module, target_name = target.rsplit(".", 1)
