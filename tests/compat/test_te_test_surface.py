@@ -41,6 +41,8 @@ def alias():
     ("transformer_engine.pytorch.quantization", "get_align_size_for_quantization",
      "te_fuser.quantization.get_align_size_for_quantization"),
     ("transformer_engine.pytorch.optimizers", "MultiTensorApply", "te_fuser.optimizers.MultiTensorApply"),
+    ("transformer_engine.pytorch.optimizers", "multi_tensor_l2norm", "te_fuser.tex.multi_tensor_l2norm"),
+    ("transformer_engine.pytorch.transformer", "TransformerLayer", "te_fuser.TransformerLayer"),
     ("transformer_engine.pytorch.optimizers.multi_tensor_apply", "multi_tensor_applier",
      "te_fuser.optimizers.multi_tensor_applier"),
     ("transformer_engine_torch", "multi_tensor_scale", "te_fuser.kernels.multi_tensor.multi_tensor_scale"),
