@@ -152,3 +152,24 @@ def test_block_make_empty_then_update_quantized_equals_quantize(block_dim, fp8_d
         q.make_empty(())
     with pytest.raises(ValueError, match="fp8_dtype"):
         Float8BlockQuantizer(DType.kBFloat16, rowwise=True, columnwise=True)
+
+
+@pytest.mark.parametrize("block_dim", [1, 2])
+def test_block_view_keeping_the_last_dim_stays_quantized(block_dim):
+    """A view or reshape that keeps the last dimension is a Float8BlockwiseQTensor viewing the same bytes, with
+    the same scales, and both usages read back as the original's values reshaped; another view dequantizes."""
+    q = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=block_dim)
+    x = torch.randn(2, 200, 300, dtype=torch.bfloat16) * 20
+    t = q(x)
+    for viewed in (t.view(400, 300), t.reshape(4, 100, 300), t.view(-1, 300), t.view(2, 200, 300)):
+        assert type(viewed) is Float8BlockwiseQTensor and viewed.dtype == torch.bfloat16
+        assert viewed._rowwise_data.data_ptr() == t._rowwise_data.data_ptr()
+        assert viewed._columnwise_data.data_ptr() == t._columnwise_data.data_ptr()
+        assert viewed._rowwise_scale_inv is t._rowwise_scale_inv
+        assert torch.equal(viewed.dequantize(), t.dequantize().reshape(viewed.shape))
+        assert torch.equal(viewed.columnwise_dequantize(), t.columnwise_dequantize().reshape(viewed.shape))
+    other = t.view(2, 300, 200)
+    assert not isinstance(other, QuantizedTensor)
+    assert torch.equal(other, t.dequantize().view(2, 300, 200))
+    w = q(x).requires_grad_()
+    assert w.view(400, 300).grad_fn is not None  # autograd records the view as for any tensor

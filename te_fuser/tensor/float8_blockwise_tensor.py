@@ -11,12 +11,15 @@ import math
 from typing import Tuple
 
 import torch
+from torch._prims_common import infer_size
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..kernels import fp8_block as kernels
 from ..te_dtype import fp8_torch_dtype
 from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor
 
 BLOCK_LEN = kernels.BLOCK_LEN
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 class Float8BlockwiseQTensor(BlockScaledTensor):
@@ -28,6 +31,27 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
 
     def _meta(self) -> dict:
         return {"is_2D_scaled": self._is_2D_scaled}
+
+    @classmethod
+    def _handled_op(cls, func, args, kwargs):
+        if func in _VIEWS and isinstance(args[0], Float8BlockwiseQTensor):
+            viewed = args[0]._live()._viewed(args[1])
+            if viewed is not None:
+                return return_and_correct_aliasing(func, args, kwargs, viewed)
+        return super()._handled_op(func, args, kwargs)
+
+    def _viewed(self, shape):
+        """This tensor viewed as `shape`, its buffers viewed with it, when the last dimension stays (the
+        scales follow the (rows, last dim) matrix, which such a view leaves as it is); else None."""
+        shape = tuple(infer_size(tuple(shape), self.numel()))
+        if not shape or not self.dim() or shape[-1] != self.shape[-1]:
+            return None
+        data, data_t = self._rowwise_data, self._columnwise_data
+        return Float8BlockwiseQTensor(
+            shape, self.dtype, fp8_dtype=self._fp8_dtype, quantizer=self._quantizer, is_2D_scaled=self._is_2D_scaled,
+            rowwise_data=None if data is None else data.view(shape), rowwise_scale_inv=self._rowwise_scale_inv,
+            columnwise_data=None if data_t is None else data_t.view((shape[-1], *shape[:-1])),
+            columnwise_scale_inv=self._columnwise_scale_inv)
 
     def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
         block = (BLOCK_LEN, BLOCK_LEN) if self._is_2D_scaled else (1, BLOCK_LEN)
