@@ -1,7 +1,7 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import distributed, fp8, graph, memory, ops, quantization, recipe, tensor, utils
+from . import distributed, fp8, graph, jit, memory, ops, quantization, recipe, tensor, utils
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .cpu_offload import get_cpu_offload_context
 from .cross_entropy import parallel_cross_entropy
@@ -10,7 +10,7 @@ from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
 from .tensor.utils import cast_master_weights_to_fp8
-from .module import GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .module import Fp8Padding, Fp8Unpadding, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .transformer import TransformerLayer
 from .tensor import (Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, prepare_for_saving,
                      restore_from_saved)
@@ -23,6 +23,8 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Quantizer",
     "Float8Tensor",
+    "Fp8Padding",
+    "Fp8Unpadding",
     "FP8GlobalState",
     "FP8GlobalStateManager",
     "GroupedLinear",

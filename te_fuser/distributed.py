@@ -9,6 +9,8 @@
   masks match) and the forward's FP8 scales (te_fuser.checkpoint's replay).
 - activation_recompute_forward and its two flags, get_all_rng_states,
   prepare_te_modules_for_fsdp.
+- fp8_autocast: TE's module imports it from its fp8 module, and TE's tests
+  import it from here; the same object as te_fuser.fp8_autocast.
 """
 
 import contextlib
@@ -18,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.utils.checkpoint
 
-from .quantization import FP8GlobalState, _replay, _snapshot
+from .quantization import FP8GlobalState, _replay, _snapshot, fp8_autocast  # noqa: F401 (TE's import path)
 
 __all__ = ["CudaRNGStatesTracker", "activation_recompute_forward", "checkpoint", "get_all_rng_states",
            "in_fp8_activation_recompute_phase", "is_fp8_activation_recompute_enabled", "prepare_te_modules_for_fsdp",

@@ -556,8 +556,9 @@ def check_fp8_support() -> Tuple[bool, str]:
 
 
 def _block_scaling_support(name: str) -> Tuple[bool, str]:
-    """te_fuser's block-scaled kernels run on the CPU; on a CUDA machine the modules' tensors are on the GPU."""
-    if torch.cuda.is_available():
+    """te_fuser's block-scaled kernels run on the CPU; on a CUDA machine the modules' tensors are on the GPU.
+    A torch built without CUDA makes no CUDA tensors, whatever torch.cuda is made to answer."""
+    if torch.cuda.is_available() and torch.backends.cuda.is_built():
         return False, f"te_fuser runs {name} on the CPU only (no CUDA kernels for it yet)"
     return True, ""
 
@@ -576,6 +577,18 @@ def check_nvfp4_support() -> Tuple[bool, str]:
 
 def get_default_fp8_recipe() -> DelayedScaling:
     return DelayedScaling()
+
+
+def get_align_size_for_quantization(recipe) -> int:
+    """The row alignment a GEMM operand needs under `recipe` (later TE's function): 32 for MXFP8 (its
+    block), 128 for NVFP4, 16 for the other FP8 recipes."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a te_fuser.recipe.Recipe, got {type(recipe).__name__}")
+    if recipe.mxfp8():
+        return 32
+    if recipe.nvfp4():
+        return 128
+    return 16
 
 
 def get_fp8_torch_dtype(fp8_recipe, fprop_tensor: bool = True) -> torch.dtype:
@@ -782,4 +795,4 @@ class FP8GlobalStateManager:
 
 __all__ = ["FP8GlobalState", "FP8GlobalStateManager", "QuantizationState", "autocast", "check_fp8_block_scaling_support",
            "check_fp8_support", "check_mxfp8_support", "check_nvfp4_support", "checkpoint", "fp8_autocast",
-           "fp8_model_init", "get_default_fp8_recipe", "get_fp8_max", "get_fp8_torch_dtype", "quantized_model_init"]
+           "fp8_model_init", "get_align_size_for_quantization", "get_default_fp8_recipe", "get_fp8_max", "get_fp8_torch_dtype", "quantized_model_init"]

@@ -1,8 +1,9 @@
 """What te_fuser provides of `transformer_engine_torch`, TransformerEngine's compiled module (which TE
 code imports as `tex`); te_fuser.compat's alias resolves that name to this module.
 
-Only what te_fuser honours with its own kernels is here; any other name of TE's module (its GEMMs,
-userbuffers, multi-tensor kernels, ...) raises an AttributeError under the alias that names it.
+Only what te_fuser honours with its own kernels is here (the multi-tensor ones in torch:
+kernels/multi_tensor.py); any other name of TE's module (its GEMMs, userbuffers, the fused optimizers'
+kernels, ...) raises an AttributeError under the alias that names it.
 """
 
 import enum
@@ -11,6 +12,8 @@ from typing import Optional
 import torch
 
 from .kernels import fp8 as fp8_kernels
+from .kernels.multi_tensor import (multi_tensor_compute_scale_and_scale_inv, multi_tensor_l2norm, multi_tensor_scale,
+                                   multi_tensor_unscale_l2norm)
 from .kernels.validate import FLOAT_DTYPES
 from .te_dtype import TORCH_DTYPE, DType, fp8_torch_dtype
 from .tensor.quantized_tensor import QuantizedTensor
@@ -108,4 +111,5 @@ def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer: Optional[
 
 
 __all__ = ["DType", "FP8BwdTensors", "FP8FwdTensors", "FP8TensorMeta", "dequantize",
-           "fused_amax_and_scale_update_after_reduction", "quantize"]
+           "fused_amax_and_scale_update_after_reduction", "multi_tensor_compute_scale_and_scale_inv",
+           "multi_tensor_l2norm", "multi_tensor_scale", "multi_tensor_unscale_l2norm", "quantize"]

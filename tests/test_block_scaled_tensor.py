@@ -127,3 +127,49 @@ def test_quantizer_fields_and_errors():
     with pytest.raises(ValueError, match="data and its scale_inv"):
         MXFP8Tensor((4, 32), torch.float32, rowwise_data=torch.zeros(4, 32, dtype=torch.float8_e4m3fn))
     assert isinstance(Float8BlockwiseQTensor((1, 1), torch.float32), QuantizedTensor)
+
+
+@pytest.mark.parametrize("block_dim,fp8_dtype", [(1, "kFloat8E4M3"), (2, "kFloat8E5M2")])
+@pytest.mark.parametrize("rowwise,columnwise", [(True, True), (True, False), (False, True)])
+def test_block_make_empty_then_update_quantized_equals_quantize(block_dim, fp8_dtype, rowwise, columnwise):
+    """TE's make_empty + update_quantized: the same bytes and scales as quantize, with TE's DType accepted."""
+    from te_fuser.te_dtype import DType
+
+    q = Float8BlockQuantizer(getattr(DType, fp8_dtype), rowwise=rowwise, columnwise=columnwise,
+                             block_scaling_dim=block_dim)
+    x = torch.randn(2, 130, 300, dtype=torch.bfloat16) * 50
+    empty = q.make_empty(x.shape, dtype=x.dtype, requires_grad=True)
+    assert isinstance(empty, Float8BlockwiseQTensor) and empty.shape == x.shape and empty.dtype == x.dtype
+    assert empty.requires_grad and empty._is_2D_scaled == (block_dim == 2)
+    assert (empty._rowwise_data is None) != rowwise and (empty._columnwise_data is None) != columnwise
+    filled = q.update_quantized(x, empty)
+    expected = q.quantize(x)
+    for got, want in zip(filled._buffers(), expected._buffers()):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="shape"):
+        q.make_empty(())
+    with pytest.raises(ValueError, match="fp8_dtype"):
+        Float8BlockQuantizer(DType.kBFloat16, rowwise=True, columnwise=True)
+
+
+@pytest.mark.parametrize("block_dim", [1, 2])
+def test_block_view_keeping_the_last_dim_stays_quantized(block_dim):
+    """A view or reshape that keeps the last dimension is a Float8BlockwiseQTensor viewing the same bytes, with
+    the same scales, and both usages read back as the original's values reshaped; another view dequantizes."""
+    q = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=block_dim)
+    x = torch.randn(2, 200, 300, dtype=torch.bfloat16) * 20
+    t = q(x)
+    for viewed in (t.view(400, 300), t.reshape(4, 100, 300), t.view(-1, 300), t.view(2, 200, 300)):
+        assert type(viewed) is Float8BlockwiseQTensor and viewed.dtype == torch.bfloat16
+        assert viewed._rowwise_data.data_ptr() == t._rowwise_data.data_ptr()
+        assert viewed._columnwise_data.data_ptr() == t._columnwise_data.data_ptr()
+        assert viewed._rowwise_scale_inv is t._rowwise_scale_inv
+        assert torch.equal(viewed.dequantize(), t.dequantize().reshape(viewed.shape))
+        assert torch.equal(viewed.columnwise_dequantize(), t.columnwise_dequantize().reshape(viewed.shape))
+    other = t.view(2, 300, 200)
+    assert not isinstance(other, QuantizedTensor)
+    assert torch.equal(other, t.dequantize().view(2, 300, 200))
+    w = q(x).requires_grad_()
+    assert w.view(400, 300).grad_fn is not None  # autograd records the view as for any tensor

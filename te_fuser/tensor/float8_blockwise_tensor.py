@@ -11,12 +11,15 @@ import math
 from typing import Tuple
 
 import torch
+from torch._prims_common import infer_size
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..kernels import fp8_block as kernels
-from ..kernels.validate import check_fp8_dtype
+from ..te_dtype import fp8_torch_dtype
 from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor
 
 BLOCK_LEN = kernels.BLOCK_LEN
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 class Float8BlockwiseQTensor(BlockScaledTensor):
@@ -28,6 +31,27 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
 
     def _meta(self) -> dict:
         return {"is_2D_scaled": self._is_2D_scaled}
+
+    @classmethod
+    def _handled_op(cls, func, args, kwargs):
+        if func in _VIEWS and isinstance(args[0], Float8BlockwiseQTensor):
+            viewed = args[0]._live()._viewed(args[1])
+            if viewed is not None:
+                return return_and_correct_aliasing(func, args, kwargs, viewed)
+        return super()._handled_op(func, args, kwargs)
+
+    def _viewed(self, shape):
+        """This tensor viewed as `shape`, its buffers viewed with it, when the last dimension stays (the
+        scales follow the (rows, last dim) matrix, which such a view leaves as it is); else None."""
+        shape = tuple(infer_size(tuple(shape), self.numel()))
+        if not shape or not self.dim() or shape[-1] != self.shape[-1]:
+            return None
+        data, data_t = self._rowwise_data, self._columnwise_data
+        return Float8BlockwiseQTensor(
+            shape, self.dtype, fp8_dtype=self._fp8_dtype, quantizer=self._quantizer, is_2D_scaled=self._is_2D_scaled,
+            rowwise_data=None if data is None else data.view(shape), rowwise_scale_inv=self._rowwise_scale_inv,
+            columnwise_data=None if data_t is None else data_t.view((shape[-1], *shape[:-1])),
+            columnwise_scale_inv=self._columnwise_scale_inv)
 
     def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
         block = (BLOCK_LEN, BLOCK_LEN) if self._is_2D_scaled else (1, BLOCK_LEN)
@@ -45,11 +69,12 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
 class Float8BlockQuantizer(BlockScaledQuantizer):
     """Quantizes a high-precision tensor with Float8 block scaling (TE's Float8BlockQuantizer):
     block_scaling_dim 1 (1x128 tiles) or 2 (128x128 blocks); amax_epsilon floors each block's amax;
-    force_pow_2_scales rounds each scale down to a power of two."""
+    force_pow_2_scales rounds each scale down to a power of two. fp8_dtype: a torch float8 dtype or TE's
+    DType.kFloat8E4M3 / kFloat8E5M2."""
 
-    def __init__(self, fp8_dtype: torch.dtype, *, rowwise: bool, columnwise: bool, amax_epsilon: float = 0.0,
+    def __init__(self, fp8_dtype, *, rowwise: bool, columnwise: bool, amax_epsilon: float = 0.0,
                  force_pow_2_scales: bool = True, block_scaling_dim: int = 2):
-        check_fp8_dtype(fp8_dtype)
+        fp8_dtype = fp8_torch_dtype(fp8_dtype)
         if block_scaling_dim not in (1, 2):
             raise ValueError(f"block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
         if not 0.0 <= amax_epsilon < math.inf:
@@ -70,6 +95,25 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
         return Float8BlockwiseQTensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=s_inv,
                                       columnwise_data=data_t, columnwise_scale_inv=s_inv_t, fp8_dtype=self.dtype,
                                       quantizer=self, is_2D_scaled=self.block_scaling_dim == 2)
+
+    def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None,
+                   requires_grad: bool = False) -> Float8BlockwiseQTensor:
+        """An uninitialized Float8BlockwiseQTensor of `shape` with this quantizer's usages, for
+        update_quantized to fill."""
+        shape = tuple(int(n) for n in shape)
+        if not shape:
+            raise ValueError("shape must have at least 1 dimension to be quantized with block scaling")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        buffers = {}
+        for usage, data_shape, columnwise in (("rowwise", shape, False),
+                                              ("columnwise", self.get_columnwise_shape(shape), True)):
+            if getattr(self, usage):
+                buffers[f"{usage}_data"] = torch.empty(data_shape, dtype=self.dtype, device=device)
+                buffers[f"{usage}_scale_inv"] = torch.empty(self.get_scale_shape(shape, columnwise),
+                                                            dtype=torch.float32, device=device)
+        return Float8BlockwiseQTensor(shape, dtype, fp8_dtype=self.dtype, quantizer=self,
+                                      is_2D_scaled=self.block_scaling_dim == 2, requires_grad=requires_grad,
+                                      **buffers)
 
     def get_scale_shape(self, shape, columnwise: bool) -> Tuple[int, int]:
         return kernels.fp8_block_scale_shape(tuple(shape), self.block_scaling_dim, columnwise)

@@ -47,6 +47,16 @@ def test_fp8_availability_on_this_machine():
         assert available == (not torch.cuda.is_available()) and ("CPU only" in reason) == torch.cuda.is_available()
 
 
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="a torch built without CUDA")
+def test_block_scaling_available_when_cuda_is_only_claimed(monkeypatch):
+    """A torch built without CUDA makes only CPU tensors, so the block-scaled recipes stay available even when
+    torch.cuda claims a device (as TE's test suite's CUDA-to-CPU shim makes it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for check in (FP8GlobalStateManager.is_mxfp8_available, FP8GlobalStateManager.is_fp8_block_scaling_available,
+                  FP8GlobalStateManager.is_nvfp4_available):
+        assert check() == (True, "")
+
+
 def test_reduce_and_update_updates_only_the_asked_direction():
     layer = te_fuser.Linear(32, 32, device="cpu")
     recipe = DelayedScaling(amax_history_len=2)

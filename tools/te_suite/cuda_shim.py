@@ -4,7 +4,8 @@ It installs te_fuser's `transformer_engine` alias, then makes the CUDA the tests
 - every torch call given a CUDA device (factories, `.to`, `.cuda()`, `Module.cuda()`) gets the CPU instead,
   through a TorchFunctionMode and two patched methods;
 - `torch.cuda` answers the queries the tests make as one Hopper device would (available, one device,
-  capability 9.0), and its RNG, stream, event and synchronization calls act on the CPU or do nothing.
+  capability 9.0), and its RNG, stream, event and synchronization calls act on the CPU or do nothing;
+  `torch.version.cuda` reads 12.8 (a CPU build has None, which the tests pass to float()).
 
 Nothing of TransformerEngine is provided here: a name the tests import either comes from te_fuser or
 fails, as it would for a user. Load it with `-p cuda_shim` (tools/te_suite/run.py does).
@@ -86,6 +87,9 @@ class _Stream:
         return event
 
 
+_CUDA_VERSION = "12.8"  # TE 2.6 runs all of its FP8 block-scaling tests from CUDA 12.8 on
+
+
 class _Properties:
     name = "te_fuser CPU shim"
     major, minor = 9, 0
@@ -132,6 +136,7 @@ def _install_cuda_answers():
     }
     for name, value in answers.items():
         _patch(name, value)
+    torch.version.cuda = _CUDA_VERSION
     torch.Tensor.cuda = lambda self, device=None, non_blocking=False, **kwargs: self
     torch.nn.Module.cuda = lambda self, device=None: self
 
