@@ -99,8 +99,8 @@ def _run(fmt, mask, seq_q, seq_kv, kv_heads, dtype, dropout):
         kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), cu_seqlens_q_padded=cu.clone(),
                       cu_seqlens_kv_padded=cu.clone())
     elif "padding" in mask:
-        kwargs = dict(attention_mask=torch.arange(seq_q)[None, None, None, :] >= torch.tensor([seq_q, 9])[:, None,
-                                                                                                         None, None])
+        masked = torch.arange(seq_q)[None, :] >= torch.tensor([seq_q, 9])[:, None]  # lengths seq_q and 9
+        kwargs = dict(attention_mask=masked[:, None, None, :])
     module = te_fuser.DotProductAttention(HEADS, DIM, num_gqa_groups=kv_heads, attention_dropout=dropout,
                                           qkv_format=fmt, attn_mask_type=mask,
                                           attention_type="self" if seq_q == seq_kv else "cross")
@@ -143,7 +143,8 @@ def test_fused_attn_backend_has_te_values():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("environment", ENVIRONMENTS, ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()) or "default")
+@pytest.mark.parametrize("environment", ENVIRONMENTS,
+                         ids=lambda e: ",".join(f"{k}={v}" for k, v in e.items()) or "default")
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_dot_product_attention_runs_the_family_get_attention_backend_names(case, environment, isa, monkeypatch):
     case = case[1:]
