@@ -147,8 +147,7 @@ def test_lse_is_the_natural_log_sum_exp(backend, causal, generator):
 # Overrides ---------------------------------------------------------------------------------------------------
 
 def setenv(monkeypatch, name, value):
-    """Sets a variable the selection reads, and makes it read again (it reads the environment once per
-    kind of problem, as TE does)."""
+    """Sets a variable the selection reads, and forgets the choices made (so that they are logged again)."""
     monkeypatch.setenv(name, value)
     clear_cache()
 
@@ -197,7 +196,8 @@ def test_multihead_attention_passes_its_backend_on():
 @pytest.mark.parametrize("isa, preferred", [("portable", "cpu_flash"), (cpu_kernels.detected_isa(), None)])
 def test_te_switches_take_backends_out_of_the_automatic_choice(isa, preferred, monkeypatch):
     """NVTE_FLASH_ATTN=0 takes torch's CPU flash kernel out (the portable tier's first choice);
-    NVTE_UNFUSED_ATTN=0 the math path; te_fuser's kernels have no TE switch."""
+    NVTE_UNFUSED_ATTN=0 the math path; NVTE_FUSED_ATTN=0 te_fuser's kernels (TE's FusedAttention family:
+    test_attention_te_backend_query.py)."""
     module = te_fuser.DotProductAttention(2, 16, qkv_format="bshd")
     with cpu_kernels.isa(isa):
         row = selection.preference_for(describe(*_qkv()[:2], Lengths(), True, "none", 0.25))

@@ -10,6 +10,7 @@ import torch
 
 import te_fuser
 from te_fuser.attention.backends import clear_cache, cudnn, flash
+from te_fuser.attention.dot_product_attention import dot_product_attention as dpa_module
 
 META = torch.device("meta")
 B, S, H, HKV, D = 2, 96, 4, 2, 64
@@ -108,7 +109,7 @@ def test_flash_dense_forward_and_backward(fmt, dropout, monkeypatch):
     own (seed, offset) is not drawn (the default generator does not move on meta, nothing may call it)."""
     aten = Recorder()
     monkeypatch.setattr(flash, "_aten", aten)
-    monkeypatch.setattr(te_fuser.attention.dot_product_attention, "_dropout_seed", None)  # would raise if called
+    monkeypatch.setattr(dpa_module, "_dropout_seed", None)  # would raise if called
     q, k, v = _meta_qkv(fmt)
     module = te_fuser.DotProductAttention(H, D, num_gqa_groups=HKV, qkv_format=fmt, attention_dropout=dropout,
                                           softmax_scale=0.11, attn_mask_type="causal", attention_backend="flash")

@@ -258,8 +258,7 @@ def backend_for(q, k, v=None, *, cu_seqlens_q=None, cu_seqlens_kv=None, seqlens_
     dropout_p > 0 is dropout drawn from torch's generator at call time, as DotProductAttention draws it;
     seeded_dropout=True is dropout from a given (seed, offset) (attention_fwd's, which only te_fuser's kernels
     can draw). backend names one backend as a module's attention_backend does. The environment
-    (TE_FUSER_ATTENTION_BACKEND, NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN) counts as it did when
-    the calls first met this kind of problem (te_fuser.attention.backends.clear_cache() re-reads it).
+    (TE_FUSER_ATTENTION_BACKEND, NVTE_FLASH_ATTN, NVTE_FUSED_ATTN, NVTE_UNFUSED_ATTN) counts as it is now.
     Raises what the call would raise when no backend (or not the one named) can run the problem.
     """
     from ..attention.backends import Lengths, choose, describe

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import te_fuser
-from te_fuser.attention import dot_product_attention as dpa_module
+from te_fuser.attention.dot_product_attention import dot_product_attention as dpa_module
 from te_fuser.attention import function as attention_function
 from te_fuser.attention.function import FusedAttentionFunction
 from te_fuser.examples.gpt import GPT, GPTConfig

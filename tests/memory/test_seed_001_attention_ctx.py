@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import te_fuser
-from te_fuser.attention import dot_product_attention as dpa_module
+from te_fuser.attention.dot_product_attention import dot_product_attention as dpa_module
 from te_fuser.attention.backends import clear_cache, cudnn, flash
 from te_fuser.attention.function import FusedAttentionFunction
 from te_fuser.memory import MemoryTracker, audit_autograd

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "memory"))
 
 from _fuser_ctx_walk import allowed_storages, reachable_tensors, retained_cpu_bytes  # noqa: E402
 
-from te_fuser.attention import dot_product_attention as dpa_module  # noqa: E402
+from te_fuser.attention.dot_product_attention import dot_product_attention as dpa_module  # noqa: E402
 from te_fuser.attention.function import FusedAttentionFunction  # noqa: E402
 from te_fuser.ops import fuser as fuser_module  # noqa: E402
 from te_fuser.tensor.quantized_tensor import restore_from_saved  # noqa: E402

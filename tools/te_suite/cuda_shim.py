@@ -121,6 +121,7 @@ def _install_cuda_answers():
         "manual_seed_all": seed,
         "seed": lambda: None,
         "seed_all": lambda: None,
+        "default_generators": (torch.default_generator,),
         "get_rng_state": lambda device="cuda": cpu_rng.get_rng_state(),
         "set_rng_state": lambda state, device="cuda": cpu_rng.set_rng_state(state),
         "memory_allocated": lambda device=None: 0,

@@ -4,16 +4,18 @@ Order of decision:
 1. A backend named explicitly -- a module's `attention_backend`, else the environment variable
    TE_FUSER_ATTENTION_BACKEND -- is the only candidate; when it cannot run the problem, the call fails
    with its reason.
-2. Otherwise TE's variables remove backends: NVTE_FLASH_ATTN=0 (FlashAttention and torch's CPU flash
-   kernel), NVTE_FUSED_ATTN=0 (cuDNN), NVTE_UNFUSED_ATTN=0 (the unfused math path). te_fuser's own kernels
-   have no TE variable.
+2. Otherwise TE's variables remove backends, each te_fuser backend standing in for one of TE's three
+   (TE_FAMILIES): NVTE_FLASH_ATTN=0 removes TE's FlashAttention (torch's FlashAttention kernel on CUDA,
+   torch's CPU flash kernel), NVTE_FUSED_ATTN=0 TE's FusedAttention (cuDNN, and te_fuser's own fused
+   kernels, C on the CPU and CUDA C), NVTE_UNFUSED_ATTN=0 TE's UnfusedDotProductAttention (the unfused math
+   path).
 3. The first backend of the device's row in PREFERENCES that supports the problem runs it.
 
 NVTE_DEBUG=1 with NVTE_DEBUG_LEVEL=1 logs each choice (logger "te_fuser.attention", to stderr), level 2
 also why each other backend was passed over, as TE does.
 
-A choice is made once per kind of problem (a Problem) and named backend, and kept: the environment is read
-then, as TE reads its variables once (clear_cache() makes the next calls read it again).
+A choice is made once per kind of problem (a Problem), named backend and value of these variables, and
+kept (clear_cache() forgets the choices, so that the next ones are logged again).
 """
 
 import logging
@@ -35,6 +37,9 @@ BACKENDS: Dict[str, Backend] = {b.name: b for b in (TeFuserKernels(), CudnnAtten
                                                     TorchCpuFlash(), Unfused())}
 ENV_BACKEND = "TE_FUSER_ATTENTION_BACKEND"
 TE_SWITCHES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+# TE's name of the backend family each switch turns off (TE's get_attention_backend answers per family).
+TE_FAMILIES = {"NVTE_FLASH_ATTN": "FlashAttention", "NVTE_FUSED_ATTN": "FusedAttention",
+               "NVTE_UNFUSED_ATTN": "UnfusedDotProductAttention"}
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
@@ -96,6 +101,7 @@ class Choice:
     passed_over: Dict[str, str]
     problem: Problem
     source: str
+    runnable: Tuple[str, ...] = ()   # the backends that could run it (the chosen one first)
 
     def __str__(self):
         lines = [f"{self.backend} runs it ({self.source})"]
@@ -127,11 +133,12 @@ def _environment():
 
 def choose(problem: Problem, backend: Optional[str] = None) -> Choice:
     """The Choice for problem; backend names one explicitly (a module's attention_backend)."""
-    key = (problem, backend)
+    environment = _environment()
+    key = (problem, backend, environment)
     compiling = torch.compiler.is_compiling()
     choice = None if compiling else _cache.get(key)
     if choice is None:
-        choice = _choose(problem, backend, _environment())
+        choice = _choose(problem, backend, environment)
         if not compiling:
             _cache[key] = choice
             _log(choice)
@@ -149,6 +156,7 @@ def _choose(problem, backend, environment) -> Choice:
     row = preference_for(problem)
     passed_over = {}
     chosen = None
+    runnable = []
     for name in row.order + tuple(n for n in BACKENDS if n not in row.order):
         impl = BACKENDS[name]
         if named is not None and name != named:
@@ -158,6 +166,8 @@ def _choose(problem, backend, environment) -> Choice:
             passed_over[name] = f"{impl.te_switch}=0"
             continue
         ok, reason = impl.supports(problem)
+        if ok:
+            runnable.append(name)
         if ok and chosen is None:
             chosen = name
         elif ok:
@@ -170,7 +180,7 @@ def _choose(problem, backend, environment) -> Choice:
         details = "; ".join(f"{n}: {r}" for n, r in passed_over.items())
         raise RuntimeError(f"no attention backend can run this problem ({details})")
     source = why_named if named is not None else row.source
-    return Choice(chosen, passed_over, problem, source)
+    return Choice(chosen, passed_over, problem, source, tuple(runnable))
 
 
 def _debug_level() -> int:
@@ -194,7 +204,13 @@ def _log(choice: Choice) -> None:
         logger.debug("Disabling %s: %s", name, reason)
 
 
+def te_family(backend: str) -> str:
+    """TE's name of the backend family a te_fuser backend stands for (FlashAttention, FusedAttention or
+    UnfusedDotProductAttention): the one whose NVTE_* switch turns it off."""
+    return TE_FAMILIES[BACKENDS[backend].te_switch]
+
+
 def clear_cache() -> None:
-    """Forget the choices made (they are kept per problem and named backend): the next calls read the
-    environment again."""
+    """Forget the choices made (they are kept per problem, named backend and environment): the next ones are
+    made, and logged, again."""
     _cache.clear()

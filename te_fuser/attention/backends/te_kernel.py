@@ -12,6 +12,7 @@ class TeFuserKernels(Backend):
     kernels are built for."""
 
     name = "te_fuser"
+    te_switch = "NVTE_FUSED_ATTN"  # fused kernels: TE's FusedAttention on both devices
 
     def supports(self, problem):
         if problem.device != "cuda":

@@ -6,18 +6,39 @@ from typing import Optional
 
 import torch
 
-from .. import amp
-from ..quantization import DelayedScalingState, FP8GlobalState, make_recipe_state, runs_while_tracing
-from ..kernels.validate import FLOAT_DTYPES
-from ..ops._fp8_io import dequantized_with_grad
-from .backends import Lengths
-from .backends.selection import check_backend_name
-from .function import FusedAttentionFunction, attention_forward, choose_backend
-from .inference import check_inference_params
-from .kv_cache_attention import cached_attention
-from .masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
+from ... import amp
+from ...quantization import DelayedScalingState, FP8GlobalState, make_recipe_state, runs_while_tracing
+from ...kernels.validate import FLOAT_DTYPES
+from ...ops._fp8_io import dequantized_with_grad
+from ..backends import Lengths
+from ..backends.selection import check_backend_name, clear_cache
+from ..function import FusedAttentionFunction, attention_forward, choose_backend
+from ..inference import check_inference_params
+from ..kv_cache_attention import cached_attention
+from ..masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
+from .utils import te_view
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
+
+# TE's record of the last backend choice, with TE's keys. Setting backend_selection_requires_update (TE's
+# tests do, after changing NVTE_* variables) makes the next forward forget te_fuser's choices, which are
+# then made and logged again; every forward writes TE's view of its choice here. te_fuser's choices are
+# kept per problem, so attention_params is only ever what a caller stores.
+_attention_backends = {
+    "attention_params": None,
+    "use_flash_attention": None,
+    "flash_attention_backend": None,
+    "use_fused_attention": None,
+    "fused_attention_backend": None,
+    "use_unfused_attention": None,
+    "backend_selection_requires_update": False,
+}
+
+
+def _record_choice(backend: str, fp8: bool) -> None:
+    keys = ("use_flash_attention", "flash_attention_backend", "use_fused_attention", "fused_attention_backend",
+            "use_unfused_attention")
+    _attention_backends.update(zip(keys, te_view(backend, fp8)))
 ATTENTION_TYPES = ("self", "cross")
 
 
@@ -25,6 +46,17 @@ def _check_format(qkv_format: str) -> str:
     if qkv_format not in QKV_FORMATS:
         raise NotImplementedError(f"qkv_format={qkv_format!r} is not supported; use one of {', '.join(QKV_FORMATS)}")
     return qkv_format
+
+
+def _check_no_padding_between(cu_seqlens, cu_seqlens_padded, name: str) -> None:
+    """TE's cu_seqlens_*_padded place the packed (thd) sequences with padding between them; te_fuser's
+    kernels take sequences back to back, i.e. offsets equal to cu_seqlens (TE's value when there is no
+    padding). In bshd / sbhd they place nothing, and are ignored, as in TE."""
+    if cu_seqlens_padded is None or cu_seqlens is None:
+        return
+    if cu_seqlens_padded.shape != cu_seqlens.shape or not torch.equal(cu_seqlens_padded, cu_seqlens):
+        raise NotImplementedError(f"{name}_padded differing from {name}: padding between packed sequences "
+                                  "(TE's pad_between_seqs) is not supported by te_fuser")
 
 
 def _distinct(*tensors):
@@ -214,11 +246,11 @@ class DotProductAttention(torch.nn.Module):
     def get_extra_state(self) -> torch.Tensor:
         """TE's `_extra_state`: the q, k, v delayed-scaling state (see te_fuser/attention/extra_state.py)."""
         # Imported here: the TE format lives in te_fuser.module, whose MultiheadAttention imports this module.
-        from .extra_state import dpa_extra_state
+        from ..extra_state import dpa_extra_state
         return dpa_extra_state(self._fp8_state, self._fp8_output_state)
 
     def set_extra_state(self, state) -> None:
-        from .extra_state import load_dpa_extra_state, load_dpa_output_state
+        from ..extra_state import load_dpa_extra_state, load_dpa_output_state
         loaded = load_dpa_extra_state(state, torch.device("cpu"))
         if loaded is not None:
             self._fp8_state, self._fp8_recipe, self._fp8_device = loaded, loaded.recipe, torch.device("cpu")
@@ -286,8 +318,6 @@ class DotProductAttention(torch.nn.Module):
         """Attention output: [s, b, h*d] (sbhd), [b, s, h*d] (bshd) or [t, h*d] (thd)."""
         del fast_zero_fill  # rows outside every sequence are always 0
         unsupported = {
-            "cu_seqlens_q_padded": cu_seqlens_q_padded is not None,
-            "cu_seqlens_kv_padded": cu_seqlens_kv_padded is not None,
             "checkpoint_core_attention": bool(checkpoint_core_attention),
             "core_attention_bias_type": core_attention_bias_type != "no_bias" or core_attention_bias is not None,
             "alibi_slopes": alibi_slopes is not None,
@@ -297,6 +327,9 @@ class DotProductAttention(torch.nn.Module):
             if used:
                 raise NotImplementedError(f"DotProductAttention option {option} is not supported by te_fuser")
         qkv_format = _check_format(qkv_format or self.qkv_format)
+        if qkv_format == "thd" and pad_between_seqs is None:
+            _check_no_padding_between(cu_seqlens_q, cu_seqlens_q_padded, "cu_seqlens_q")
+            _check_no_padding_between(cu_seqlens_kv, cu_seqlens_kv_padded, "cu_seqlens_kv")
         mask_type = check_mask_type(attn_mask_type or self.attn_mask_type)
         check_window_size(window_size if window_size is not None else self.window_size, mask_type)
         self._check_inputs(query_layer, key_layer, value_layer, qkv_format)
@@ -321,9 +354,15 @@ class DotProductAttention(torch.nn.Module):
         if quantizers is not None and (fp8_output or getattr(FP8GlobalState.get_recipe(), "fp8_mha", False)):
             output_quantizer = self._fp8_output_quantizer(query_layer.device)
         causal = "causal" in mask_type
+        compiling = torch.compiler.is_compiling()
+        if not compiling and _attention_backends["backend_selection_requires_update"]:
+            clear_cache()
+            _attention_backends["backend_selection_requires_update"] = False
         backend = choose_backend(query_layer, key_layer, qkv_format, Lengths(cu_q, cu_kv, lens_q, lens_kv),
                                  self.softmax_scale, causal, "generator" if dropout_p > 0.0 else "none",
                                  quantizers is not None, self._attention_backend)
+        if not compiling:
+            _record_choice(backend, quantizers is not None)
         query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv = _distinct(
             query_layer, key_layer, value_layer, cu_q, cu_kv, lens_q, lens_kv)
         tracker = self.get_rng_state_tracker if dropout_p > 0.0 else None
