@@ -14,3 +14,14 @@ def fake_te(tmp_path, monkeypatch):
 
     yield recipe
     drop_transformer_engine_modules()
+
+
+@pytest.fixture
+def alias():
+    """te_fuser's `transformer_engine` alias installed for the test's duration."""
+    from te_fuser import compat
+
+    drop_transformer_engine_modules()
+    compat.install_transformer_engine()
+    yield
+    compat.uninstall_transformer_engine()

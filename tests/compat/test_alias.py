@@ -32,14 +32,6 @@ SURFACE = {"activation_recompute_forward", "FP8GlobalStateManager", "QuantizedTe
            "quantized_model_init", "CudaRNGStatesTracker"}
 
 
-@pytest.fixture
-def alias():
-    drop_transformer_engine_modules()
-    compat.install_transformer_engine()
-    yield
-    compat.uninstall_transformer_engine()
-
-
 def test_issue_names_resolve_to_te_fuser_or_fail_naming_themselves(alias):
     from te_fuser import distributed, fp8, tensor
 

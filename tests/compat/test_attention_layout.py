@@ -7,8 +7,6 @@ import importlib
 import pytest
 
 import te_fuser
-import te_fuser.compat as compat
-from fake_te import drop_transformer_engine_modules
 
 DPA = "transformer_engine.pytorch.attention.dot_product_attention"
 # (TE 2.6 module, name, te_fuser module holding it)
@@ -27,14 +25,6 @@ TE_NAMES = [
     ("transformer_engine.pytorch.cpp_extensions.fused_attn", "FusedAttnBackend", "te_fuser.cpp_extensions"),
     ("transformer_engine.pytorch.cpp_extensions", "FusedAttnBackend", "te_fuser.cpp_extensions.fused_attn"),
 ]
-
-
-@pytest.fixture
-def alias():
-    drop_transformer_engine_modules()
-    compat.install_transformer_engine()
-    yield
-    compat.uninstall_transformer_engine()
 
 
 @pytest.mark.parametrize("module, name, owner", TE_NAMES, ids=[f"{m.rsplit('.', 1)[-1]}.{n}" for m, n, _ in TE_NAMES])

@@ -6,11 +6,9 @@ import pytest
 import torch
 
 import te_fuser
-import te_fuser.compat as compat
 from te_fuser.fp8 import FP8GlobalStateManager
 from te_fuser.quantization import FP8GlobalState
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling
-from fake_te import drop_transformer_engine_modules
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -163,14 +161,6 @@ def test_fp8_graph_capturing_during_make_graphed_callables():
     assert not FP8GlobalStateManager.quantization_state.fp8_graph_capturing
     probe(x)
     assert seen == [True, True, False]
-
-
-@pytest.fixture
-def alias():
-    drop_transformer_engine_modules()
-    compat.install_transformer_engine()
-    yield
-    compat.uninstall_transformer_engine()
 
 
 def test_graph_module_under_the_alias(alias):

@@ -5,16 +5,6 @@ import importlib
 import pytest
 
 import te_fuser
-import te_fuser.compat as compat
-from fake_te import drop_transformer_engine_modules
-
-
-@pytest.fixture
-def alias():
-    drop_transformer_engine_modules()
-    compat.install_transformer_engine()
-    yield
-    compat.uninstall_transformer_engine()
 
 
 def test_inference_params_under_te_names(alias):

@@ -8,18 +8,8 @@ import pytest
 import torch
 
 import te_fuser
-import te_fuser.compat as compat
 from te_fuser import utils
 from te_fuser.module import base
-from fake_te import drop_transformer_engine_modules
-
-
-@pytest.fixture
-def alias():
-    drop_transformer_engine_modules()
-    compat.install_transformer_engine()
-    yield
-    compat.uninstall_transformer_engine()
 
 
 @pytest.mark.parametrize("module,name,target", [

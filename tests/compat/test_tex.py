@@ -17,14 +17,6 @@ TE_MEMBERS = {"kByte": 0, "kInt32": 2, "kFloat32": 4, "kFloat16": 5, "kBFloat16"
               "kFloat4E2M1": 10}
 
 
-@pytest.fixture
-def alias():
-    drop_transformer_engine_modules()
-    compat.install_transformer_engine()
-    yield
-    compat.uninstall_transformer_engine()
-
-
 def test_dtype_members_and_numbers():
     assert {m.name: int(m) for m in DType} == TE_MEMBERS
     assert str(DType.kFloat8E4M3) == "DType.kFloat8E4M3"
