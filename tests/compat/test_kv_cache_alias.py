@@ -2,8 +2,6 @@
 
 import importlib
 
-import pytest
-
 import te_fuser
 
 
