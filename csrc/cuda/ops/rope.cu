@@ -1,32 +1,18 @@
 // Rotary position embedding, forward and backward, on CUDA. See rope_cuda.h and csrc/ops/rope.h.
-#include <cuda_runtime.h>
-#include <math.h>
-#include <stdint.h>
+#include "ops_cuda_common.cuh"
 
 #include "rope_cuda.h"
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 65535;
+using tf_ops_cuda::kMaxBlocks;
+using tf_ops_cuda::kThreads;
+using tf_ops_cuda::load;
+using tf_ops_cuda::store;
 
 struct View {
   int64_t s, b, h, d;  // element strides, (s or t, b, h, d)
 };
-
-__device__ __forceinline__ float load(const void *p, tf_dtype dtype, int64_t i) {
-  if (dtype == TF_FLOAT32) return static_cast<const float *>(p)[i];
-  const uint16_t h = static_cast<const uint16_t *>(p)[i];
-  return dtype == TF_BFLOAT16 ? tf_bf16_to_f32(h) : tf_f16_to_f32(h);
-}
-
-__device__ __forceinline__ void store(void *p, tf_dtype dtype, int64_t i, float v) {
-  if (dtype == TF_FLOAT32) {
-    static_cast<float *>(p)[i] = v;
-  } else {
-    static_cast<uint16_t *>(p)[i] = dtype == TF_BFLOAT16 ? tf_f32_to_bf16(v) : tf_f32_to_f16(v);
-  }
-}
 
 // The channel copied bit for bit.
 __device__ __forceinline__ void copy(const void *x, int64_t xi, void *y, int64_t yi, tf_dtype dtype) {
