@@ -108,10 +108,11 @@ _BLOCK_SCALED_RECIPES = (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScalin
 _AUTOCAST_RECIPES = (DelayedScaling, Float8CurrentScaling) + _BLOCK_SCALED_RECIPES
 
 
-# One recipe object per distinct recipe, for torch.compile: what makes recipe states runs as Python while dynamo
-# traces (runs_while_tracing), and dynamo guards the recipe it is given by identity, so an equal recipe made
-# anew each step would compile the graph again each step. A recipe made inside a compiled region exists, while
-# dynamo traces it, only as a record of its fields: an equal one made outside the graph stands in for it.
+# One recipe object per distinct recipe, for torch.compile (canonical_recipe): what makes recipe states runs as
+# Python while dynamo traces (runs_while_tracing), and dynamo guards the recipe it is given by identity, so an
+# equal recipe made anew each step would compile the graph again each step. A recipe made inside a compiled
+# region exists, while dynamo traces it, only as a record of its fields: an equal one made outside the graph
+# stands in for it.
 # Callables (amax_compute_algo, scaling_factor_compute_algo) cannot be handed to such a function: a recipe
 # with them stays as it is, and make_recipe_state refuses it if it was made in the compiled region.
 _CANONICAL_RECIPES: dict = {}
@@ -136,15 +137,23 @@ def _recipe_key(recipe):
     return key
 
 
-def _canonical_recipe(recipe):
-    """The first recipe seen equal to this one, or this one (recipes are frozen: equal stays equal)."""
-    key = _recipe_key(recipe)
-    if key is None:
-        return recipe
+def canonical_recipe(recipe):
+    """The recipe object the state-making code receives for `recipe`: one per distinct recipe (recipes are
+    frozen, equal stays equal), so that dynamo, which guards those functions' arguments by identity, compiles
+    once for equal recipes made anew. fp8_autocast keeps the user's own object (TE's get_fp8_recipe())."""
     if torch.compiler.is_compiling():
+        key = _recipe_key(recipe)
+        if key is None:
+            return recipe
         _make_recipe(key)
         return _CANONICAL_RECIPES[key]
-    return _CANONICAL_RECIPES.setdefault(key, recipe)
+    try:
+        return _EAGER_CANONICAL_RECIPES.setdefault(recipe, recipe)
+    except TypeError:  # a field that cannot be hashed
+        return recipe
+
+
+_EAGER_CANONICAL_RECIPES: dict = {}
 
 
 @contextlib.contextmanager
@@ -163,7 +172,8 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     if not isinstance(recipe, _AUTOCAST_RECIPES):
         raise TypeError(f"fp8_recipe must be DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
                         f"Float8BlockScaling or NVFP4BlockScaling, got {type(recipe).__name__}")
-    recipe = _canonical_recipe(recipe)
+    if torch.compiler.is_compiling():  # a recipe made in the graph is a record of its fields while tracing
+        recipe = canonical_recipe(recipe)
     if not FP8GlobalState._stack:
         FP8GlobalState.is_first_module = True
     FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))

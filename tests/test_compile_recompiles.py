@@ -9,7 +9,7 @@ import torch
 
 import te_fuser
 from te_fuser.attention.backends import schema
-from te_fuser.quantization import FP8GlobalState
+from te_fuser.quantization import FP8GlobalState, canonical_recipe
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling
 
 from _torch_support import compiles_te_fuser_modules
@@ -32,12 +32,12 @@ def test_a_new_equal_recipe_each_step_does_not_recompile(make_recipe):
         out.sum().backward()
 
 
-def test_equal_recipes_run_as_one_object_and_others_as_themselves():
+def test_autocast_keeps_the_users_recipe_and_the_modules_run_one_object_per_recipe():
     first = DelayedScaling(amax_history_len=7, margin=5)  # fields no other test uses
-    with te_fuser.fp8_autocast(fp8_recipe=first):
-        assert FP8GlobalState.get_recipe() is first
-    with te_fuser.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=7, margin=5)):
-        assert FP8GlobalState.get_recipe() is first
+    second = DelayedScaling(amax_history_len=7, margin=5)
     other = DelayedScaling(amax_history_len=7, margin=4)
-    with te_fuser.fp8_autocast(fp8_recipe=other):
-        assert FP8GlobalState.get_recipe() is other
+    for recipe in (first, second, other):
+        with te_fuser.fp8_autocast(fp8_recipe=recipe):
+            assert FP8GlobalState.get_recipe() is recipe  # TE's get_fp8_recipe(): the object given
+    assert canonical_recipe(first) is canonical_recipe(second) is first
+    assert canonical_recipe(other) is other

@@ -42,7 +42,7 @@ import torch
 
 from .. import amp
 from ..tensor.float8_tensor import Float8Tensor
-from ..quantization import FP8GlobalState, runs_while_tracing
+from ..quantization import FP8GlobalState, canonical_recipe, runs_while_tracing
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from ._fp8_io import high_precision
 from .basic.activation import _BiasActivation
@@ -341,7 +341,7 @@ class OperationFuser:
         params_per_op = [op.op_params(**kw) for op, kw in zip(self.basic_ops, kwargs_list)]
         params = [p for ps in params_per_op for p in ps]
         fp8 = FP8GlobalState.is_enabled()
-        recipe = FP8GlobalState.get_recipe() if fp8 else None
+        recipe = canonical_recipe(FP8GlobalState.get_recipe()) if fp8 else None
         grad = torch.is_grad_enabled()
         params_rg = tuple([grad and p.requires_grad for p in params])
         extras_rg = tuple([grad and t.requires_grad for t in extra_inputs])

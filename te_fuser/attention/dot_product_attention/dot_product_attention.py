@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from ... import amp
-from ...quantization import DelayedScalingState, FP8GlobalState, make_recipe_state, runs_while_tracing
+from ...quantization import (DelayedScalingState, FP8GlobalState, canonical_recipe, make_recipe_state,
+                             runs_while_tracing)
 from ...kernels.validate import FLOAT_DTYPES
 from ...ops._fp8_io import dequantized_with_grad
 from ..backends import Lengths
@@ -210,7 +211,7 @@ class DotProductAttention(torch.nn.Module):
         """The q, k, v quantizers when fp8_autocast runs a recipe with fp8_dpa=True, else None."""
         if not FP8GlobalState.is_enabled() or FP8GlobalState.is_calibrating():
             return None
-        recipe = FP8GlobalState.get_recipe()
+        recipe = canonical_recipe(FP8GlobalState.get_recipe())
         if not (getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)):
             return None
         if recipe.fp8_format.fwd_dtype != torch.float8_e4m3fn:
