@@ -29,4 +29,18 @@ def get_workspace() -> torch.Tensor:
     return workspace
 
 
-__all__ = ["get_cublas_workspace_size_bytes", "get_workspace"]
+NUM_CUBLAS_STREAMS = 4  # TE's default number of cuBLAS streams for grouped GEMMs
+
+
+def get_multi_stream_cublas_workspace() -> list:
+    """One get_workspace()-sized buffer per cuBLAS stream of TE's grouped GEMMs (the same list after the first
+    call); te_fuser's grouped GEMMs take none either."""
+    device = get_workspace().device
+    key = ("multi", device)
+    if key not in _WORKSPACE:
+        _WORKSPACE[key] = [torch.empty(get_cublas_workspace_size_bytes(), dtype=torch.uint8, device=device)
+                           for _ in range(NUM_CUBLAS_STREAMS)]
+    return _WORKSPACE[key]
+
+
+__all__ = ["get_cublas_workspace_size_bytes", "get_multi_stream_cublas_workspace", "get_workspace"]

@@ -26,6 +26,11 @@ from te_fuser.module import base
     ("transformer_engine.pytorch.jit", "dgelu_fused_", "te_fuser.jit.dgelu_fused_"),
     ("transformer_engine.pytorch.jit", "l2normalization_backward_fused", "te_fuser.jit.l2normalization_backward_fused"),
     ("transformer_engine.pytorch.module.base", "get_workspace", "te_fuser.module.base.get_workspace"),
+    ("transformer_engine.pytorch.module.base", "get_multi_stream_cublas_workspace",
+     "te_fuser.module.base.get_multi_stream_cublas_workspace"),
+    ("transformer_engine.pytorch.cpp_extensions", "general_gemm", "te_fuser.cpp_extensions.gemm.general_gemm"),
+    ("transformer_engine.pytorch.cpp_extensions", "general_grouped_gemm",
+     "te_fuser.cpp_extensions.gemm.general_grouped_gemm"),
     ("transformer_engine.pytorch", "Fp8Padding", "te_fuser.module.fp8_padding.Fp8Padding"),
     ("transformer_engine.pytorch.module", "Fp8Unpadding", "te_fuser.module.fp8_unpadding.Fp8Unpadding"),
     ("transformer_engine.pytorch.quantization", "get_align_size_for_quantization",
@@ -93,6 +98,9 @@ def test_workspace_is_allocated_once():
     first = base.get_workspace()
     assert first.dtype == torch.uint8 and first.numel() == base.get_cublas_workspace_size_bytes()
     assert base.get_workspace() is first
+    streams = base.get_multi_stream_cublas_workspace()
+    assert len(streams) == base.NUM_CUBLAS_STREAMS and all(w.numel() == first.numel() for w in streams)
+    assert base.get_multi_stream_cublas_workspace() is streams
 
 
 @pytest.mark.parametrize("make,std", [(lambda: utils.init_method_normal(0.5), 0.5),
