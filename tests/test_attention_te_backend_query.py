@@ -22,7 +22,7 @@ import torch
 import te_fuser
 from te_fuser.attention.backends import clear_cache, selection
 from te_fuser.attention.dot_product_attention import _attention_backends
-from te_fuser.attention.dot_product_attention.utils import (AttentionParams, check_set_window_size,
+from te_fuser.attention.dot_product_attention.utils import (AttentionParams, check_set_window_size, problem_of,
                                                              get_attention_backend)
 from te_fuser.cpp_extensions.fused_attn import FusedAttnBackend
 from te_fuser.kernels import cpu as cpu_kernels
@@ -195,11 +195,22 @@ def test_fp8_attention_is_fused_fp8():
 @pytest.mark.parametrize("field, value", [
     ("core_attention_bias_type", "post_scale_bias"), ("alibi_slopes_shape", [HEADS]), ("pad_between_seqs", True),
     ("context_parallel", True), ("head_dim_v", 32), ("attn_mask_type", "arbitrary"), ("window_size", (4, 4)),
-    ("qkv_dtype", torch.float64), ("inference_params", object()),
+    ("qkv_dtype", torch.float64),
 ])
 def test_what_te_fusers_module_refuses_has_no_backend(field, value):
     params = dataclasses.replace(_params("bshd", "no_mask", 24, 24, 4, torch.float32, 0.0), **{field: value})
     assert get_attention_backend(params) == (False, None, False, None, False, [False, False, False])
+
+
+def test_a_kv_cache_step_is_a_padded_problem():
+    """With inference_params, DotProductAttention runs each decoding step on padded sequences (te_fuser's KV
+    cache): the answer is that problem's, so a family is never reported that cannot run it (on the CPU, the
+    dense-only CPU flash kernel)."""
+    dense = _params("bshd", "no_mask", 24, 24, 4, torch.float32, 0.0)
+    step = dataclasses.replace(dense, inference_params=object())
+    assert problem_of(step).layout == "padded" and problem_of(dense).layout == "dense"
+    flash, _, fused, _, unfused, available = get_attention_backend(step)
+    assert available[1] and available[2] and fused and not flash
 
 
 def test_selection_requires_update_makes_the_choice_again(monkeypatch, caplog):

@@ -170,7 +170,6 @@ def _unsupported(params: AttentionParams) -> Optional[str]:
          f"core_attention_bias_type={params.core_attention_bias_type!r}"),
         (params.pad_between_seqs, "pad_between_seqs"),
         (params.context_parallel, "context parallelism"),
-        (params.inference_params is not None, "inference_params"),
     )
     return next((what for refused, what in reasons if refused), None)
 
@@ -186,7 +185,7 @@ def problem_of(params: AttentionParams, device: Optional[torch.device] = None) -
     device = _attention_device() if device is None else torch.device(device)
     if _qkv_format(params.qkv_layout) == "thd":
         layout, square = "packed", False
-    elif "padding" in params.attn_mask_type:
+    elif "padding" in params.attn_mask_type or params.inference_params is not None:  # a KV-cache step: padded
         layout, square = "padded", False
     else:
         layout, square = "dense", params.max_seqlen_q == params.max_seqlen_kv
