@@ -82,6 +82,11 @@ cpu_offload() {
 bench_gpu() {
   $PY benchmarks/bench_quantize.py --device cuda
   $PY benchmarks/bench_linear.py --device cuda
+  # issue 29's LLM shapes at 8192 tokens: Llama-3-8B's q/o, up, down and GQA k/v projections.
+  local shape
+  for shape in 4096:4096 4096:14336 14336:4096 4096:1024; do
+    $PY benchmarks/bench_linear.py --device cuda --tokens 8192 --in-features "${shape%%:*}" --out-features "${shape##*:}"
+  done
 }
 
 # The issue's shapes on two cores of this host, pinned, so the figures compare with the 2-core machine.
