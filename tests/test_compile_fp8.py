@@ -9,7 +9,7 @@ import torch
 import te_fuser
 from te_fuser.kernels import fp8 as k
 
-from _torch_support import compiles_te_fuser_modules
+from _torch_support import compiles_fp8_modules_bitwise, compiles_te_fuser_modules
 
 
 def test_compile_quantize_dequantize(generator):
@@ -39,6 +39,7 @@ def test_compile_current_scaling_quantizer_and_cast_transpose(generator):
 
 
 @compiles_te_fuser_modules
+@compiles_fp8_modules_bitwise
 @pytest.mark.parametrize("make_recipe", [te_fuser.recipe.DelayedScaling, te_fuser.recipe.Float8CurrentScaling],
                          ids=["delayed", "current"])
 def test_compiled_steps_on_fp8_weights_match_eager(make_recipe, generator):

@@ -22,7 +22,9 @@ import te_fuser
 from te_fuser import ops
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling
 
-from _torch_support import compiles_te_fuser_modules
+from _torch_support import compiles_fp8_modules_bitwise, compiles_te_fuser_modules
+
+pytestmark = compiles_fp8_modules_bitwise
 
 HIDDEN, FFN, HEADS, SEQ, BATCH = 32, 64, 2, 16, 2
 

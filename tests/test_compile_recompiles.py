@@ -12,9 +12,9 @@ from te_fuser.attention.backends import schema
 from te_fuser.quantization import FP8GlobalState, canonical_recipe
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling
 
-from _torch_support import compiles_te_fuser_modules
+from _torch_support import compiles_fp8_modules_bitwise, compiles_te_fuser_modules
 
-pytestmark = pytest.mark.skipif(not compiles_te_fuser_modules(), reason="this torch cannot compile te_fuser modules")
+pytestmark = [compiles_te_fuser_modules, compiles_fp8_modules_bitwise]
 
 
 @pytest.mark.parametrize("make_recipe", [DelayedScaling, Float8CurrentScaling], ids=["delayed", "current"])
