@@ -13,7 +13,7 @@ import torch
 
 from ...kernels.attention import in_order_of
 from .base import NO_DESCALES, Backend, refuse_unless
-from .flash import square_when_causal
+from .flash import sixteen_bit_inputs, square_when_causal
 from .schema import schema_problem
 
 _aten = torch.ops.aten
@@ -30,8 +30,6 @@ EXPECTED_SCHEMAS = {
         "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, *, "
         "float? scale=None) -> (Tensor, Tensor, Tensor)",
 }
-
-_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def cudnn_version():
@@ -64,9 +62,7 @@ class CudnnAttention(Backend):
     def supports(self, problem):
         ok, reason = refuse_unless(
             _on_hardware(problem),
-            (problem.dtype in _DTYPES, f"it takes bfloat16 and float16 q/k/v, not {problem.dtype}"
-                                       + (" (FP8 attention runs on te_fuser's FP8 kernels)"
-                                          if problem.dtype.itemsize == 1 else "")),
+            sixteen_bit_inputs(problem),
             (problem.head_dim % 8 == 0 and problem.head_dim <= _max_head_dim(problem),
              f"head dim {problem.head_dim}: it takes multiples of 8 up to {_max_head_dim(problem)} here"),
             (problem.layout == "dense", f"torch's entry point takes dense batches only, not {problem.layout} ones"),

@@ -71,9 +71,7 @@ class FlashAttention(Backend):
     def supports(self, problem):
         ok, reason = refuse_unless(
             _on_hardware(problem),
-            (problem.dtype in _DTYPES, f"it takes bfloat16 and float16 q/k/v, not {problem.dtype}"
-                                       + (" (FP8 attention runs on te_fuser's FP8 kernels)"
-                                          if problem.dtype.itemsize == 1 else "")),
+            sixteen_bit_inputs(problem),
             (problem.head_dim % 8 == 0 and problem.head_dim <= MAX_HEAD_DIM,
              f"head dim {problem.head_dim}: it takes multiples of 8 up to {MAX_HEAD_DIM}"),
             (problem.layout != "padded", "padded batches (seqlens): use thd, or te_fuser's kernels"),
@@ -134,6 +132,12 @@ class FlashAttention(Backend):
         return (dq.masked_fill_(outside_q[:, None, None], 0.0)[None],
                 dk.masked_fill_(outside_kv[:, None, None], 0.0)[None],
                 dv.masked_fill_(outside_kv[:, None, None], 0.0)[None])
+
+
+def sixteen_bit_inputs(problem):
+    """The (condition, reason) of the library kernels that take bf16 and fp16 q/k/v only."""
+    return (problem.dtype in _DTYPES, f"it takes bfloat16 and float16 q/k/v, not {problem.dtype}"
+            + (" (FP8 attention runs on te_fuser's FP8 kernels)" if problem.dtype.itemsize == 1 else ""))
 
 
 def square_when_causal(problem) -> bool:
