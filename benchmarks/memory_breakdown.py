@@ -1,21 +1,24 @@
-"""Memory of the example GPT in bf16 and FP8: what is saved for backward, tensor by tensor, and a step's peak.
+"""Memory of the example GPT under each recipe: what is saved for backward, tensor by tensor, and a step's peak.
 
     python benchmarks/memory_breakdown.py [--layers 1] [--no-tensors]
 
 The model is te_fuser.examples.gpt.GPT (h=512, ffn 2048, 8 heads, s=256, b=8, bf16 params, CPU).
-Three configurations:
-  bf16               no FP8, torch's bf16 GEMMs (on a CPU without bf16 dot products te_fuser widens 16-bit
-                     GEMMs to float32 by default; that peak is printed apart)
+Configurations:
+  bf16               no quantization, torch's bf16 GEMMs (on a CPU without bf16 dot products te_fuser
+                     widens 16-bit GEMMs to float32 by default; that peak is printed apart)
   FP8                fp8_autocast(DelayedScaling(fp8_dpa=True, fp8_mha=True))
-  FP8 + FP8 weights  the same, the model built under te_fuser.quantized_model_init(enabled=True)
-                     ("not available" while that raises NotImplementedError)
+  MXFP8, FP8 block,  fp8_autocast(MXFP8BlockScaling(E4M3)), (Float8BlockScaling()), (NVFP4BlockScaling())
+  NVFP4
+  "+ weights"        the same, the model built under te_fuser.quantized_model_init(enabled=True) with the
+                     recipe ("not available" while that raises NotImplementedError)
 For each: every storage autograd saves for backward in one forward (te_fuser.memory.saved_for_backward:
 saved_tensors_hooks, each storage once) other than the parameters' own storages (held by the step anyway),
-grouped by the op that saved it (graph node, and the basic op
-inside te_fuser's op fuser); the parameter bytes; and the peak of one training step (forward, backward,
+grouped by the op that saved it (graph node, and the basic op inside te_fuser's op fuser); the parameter
+bytes (a quantized parameter: every buffer it holds); and the peak of one training step (forward, backward,
 AdamW on float32 master weights, the weights copied back) over the bytes held before it, from
 te_fuser.memory.MemoryTracker("cpu"), measured on the second step (the first creates AdamW's state).
-Ratios are against bf16 in the same run. Issue 15's target: saved for backward under FP8 <= 0.6x bf16.
+Ratios are against bf16 in the same run. Targets: saved for backward FP8 and MXFP8 <= 0.6x bf16, NVFP4
+<= 0.4x; parameters under NVFP4 weights <= 0.35x.
 """
 
 import argparse
@@ -36,31 +39,38 @@ MIB = 2**20
 SEQ, BATCH = 256, 8
 
 
-def fp8_recipe():
-    try:
-        return te_fuser.recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True)
-    except (TypeError, ValueError, NotImplementedError):
-        return te_fuser.recipe.DelayedScaling(fp8_dpa=True)
+RECIPES = {
+    "FP8": lambda: te_fuser.recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True),
+    "MXFP8": lambda: te_fuser.recipe.MXFP8BlockScaling(fp8_format=te_fuser.recipe.Format.E4M3),
+    "FP8 block": lambda: te_fuser.recipe.Float8BlockScaling(),
+    "NVFP4": lambda: te_fuser.recipe.NVFP4BlockScaling(),
+}
+TARGETS = {"FP8": 0.6, "MXFP8": 0.6, "NVFP4": 0.4}  # saved for backward, over bf16
+PARAM_TARGETS = {"NVFP4 + weights": 0.35}
 
 
-def build(layers: int, fp8_weights: bool):
+def build(layers: int, recipe):
     cfg = GPTConfig(vocab_size=256, seq_len=SEQ, hidden_size=512, num_heads=8, num_layers=layers,
                     ffn_hidden_size=2048)
     torch.manual_seed(0)
-    if not fp8_weights:
+    if recipe is None:
         return GPT(cfg, dtype=torch.bfloat16)
-    with te_fuser.quantized_model_init(enabled=True, recipe=fp8_recipe()):
+    with te_fuser.quantized_model_init(enabled=True, recipe=recipe):
         return GPT(cfg, dtype=torch.bfloat16)
 
 
 def param_storages(model) -> dict:
-    """{data_ptr: nbytes} of the parameters' storages, each once (an FP8 parameter: its data, transpose and
-    scale)."""
+    """{data_ptr: nbytes} of the parameters' storages, each once (a quantized parameter: every buffer it holds,
+    as its __tensor_flatten__ names them)."""
     seen = {}
     for p in model.parameters():
-        parts = [getattr(p, name, None) for name in ("_data", "_transpose", "_scale_inv")]
-        for t in [t for t in parts if isinstance(t, torch.Tensor)] or [p]:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        parts = [p]
+        if hasattr(type(p), "__tensor_flatten__"):
+            names, _ = p.__tensor_flatten__()
+            parts = [getattr(p, name) for name in names]
+        for t in parts:
+            if t is not None and t.untyped_storage().nbytes():
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return seen
 
 
@@ -97,13 +107,12 @@ def step_peak(model, tokens, recipe) -> int:
     return tracker.peak_bytes
 
 
-def measure(layers: int, fp8: bool, fp8_weights: bool):
-    model = build(layers, fp8_weights)
-    recipe = fp8_recipe() if fp8 else None
+def measure(layers: int, recipe, quantized_weights: bool = False):
+    model = build(layers, recipe if quantized_weights else None)
     tokens = torch.randint(0, 256, (SEQ, BATCH), generator=torch.Generator().manual_seed(1))
 
     def forward():
-        with te_fuser.fp8_autocast(enabled=fp8, fp8_recipe=recipe):
+        with te_fuser.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
             return model(tokens)
 
     forward()  # FP8 scaling state created outside the measurement
@@ -135,44 +144,41 @@ def main():
     # without them te_fuser widens 16-bit GEMMs to float32 (te_fuser/ops/gemm.py), whose transient
     # float32 copies are reported apart.
     gemm.WIDEN_16BIT_ON_CPU = False
-    columns = {"bf16": measure(args.layers, False, False)}
+    columns = {"bf16": measure(args.layers, None)}
     gemm.WIDEN_16BIT_ON_CPU = True
     probe = torch.ones(1, 1, dtype=torch.bfloat16)
-    widened_peak = measure(args.layers, False, False)["peak"] if gemm.widens_to_float32(probe, probe) else None
-    columns["FP8"] = measure(args.layers, True, False)
-    try:
-        columns["FP8 + FP8 weights"] = measure(args.layers, True, True)
-    except NotImplementedError as err:
-        columns["FP8 + FP8 weights"] = None
-        unavailable = str(err).splitlines()[0]
-    recipe = fp8_recipe()
+    widened_peak = measure(args.layers, None)["peak"] if gemm.widens_to_float32(probe, probe) else None
+    unavailable = {}
+    for name, make in RECIPES.items():
+        columns[name] = measure(args.layers, make())
+        try:
+            columns[f"{name} + weights"] = measure(args.layers, make(), quantized_weights=True)
+        except NotImplementedError as err:
+            unavailable[f"{name} + weights"] = str(err).splitlines()[0]
     print(f"example GPT: h=512, ffn=2048, 8 heads, s={SEQ}, b={BATCH}, {args.layers} layer(s), bf16 params, CPU; "
-          f"FP8 recipe: DelayedScaling(fp8_dpa={recipe.fp8_dpa}, fp8_mha={recipe.fp8_mha})")
+          f"recipes: " + "; ".join(f"{name} {make()!r}" for name, make in RECIPES.items()))
     if not args.no_tensors:
         for name, col in columns.items():
-            if col is not None:
-                print_saved(name, col["saved"])
+            print_saved(name, col["saved"])
 
     base = columns["bf16"]
     rows = (("saved for backward", lambda c: c["saved"].total_bytes),
             ("parameters", lambda c: c["params"]),
             ("training step peak", lambda c: c["peak"]))
-    print(f"\n{'':22s}" + "".join(f"{name:>26s}" for name in columns))
-    for label, get in rows:
-        cells = []
-        for col in columns.values():
-            if col is None:
-                cells.append(f"{'not available':>26s}")
-            else:
-                value = get(col)
-                cells.append(f"{value / MIB:>12.2f} MiB ({value / get(base):.2f}x)")
-        print(f"{label:22s}" + "".join(f"{c:>26s}" for c in cells))
-    if columns["FP8 + FP8 weights"] is None:
-        print(f"\nFP8 + FP8 weights: not available (quantized_model_init(enabled=True): {unavailable})")
+    print(f"\n{'':20s}" + "".join(f"{label:>28s}" for label, _ in rows))
+    for name, col in columns.items():
+        cells = [f"{get(col) / MIB:>12.2f} MiB ({get(col) / get(base):.2f}x)" for _, get in rows]
+        print(f"{name:20s}" + "".join(f"{c:>28s}" for c in cells))
+    for name, why in unavailable.items():
+        print(f"{name}: not available (quantized_model_init(enabled=True): {why})")
     if widened_peak is not None:
         print(f"bf16 training step peak with this CPU's float32-widened 16-bit GEMMs: {widened_peak / MIB:.2f} MiB")
-    ratio = columns["FP8"]["saved"].total_bytes / base["saved"].total_bytes
-    print(f"saved for backward, FP8 / bf16 = {ratio:.3f} (issue 15 target <= 0.6)")
+    for name, target in TARGETS.items():
+        ratio = columns[name]["saved"].total_bytes / base["saved"].total_bytes
+        print(f"saved for backward, {name} / bf16 = {ratio:.3f} (target <= {target})")
+    for name, target in PARAM_TARGETS.items():
+        if name in columns:
+            print(f"parameters, {name} / bf16 = {columns[name]['params'] / base['params']:.3f} (target <= {target})")
 
 
 if __name__ == "__main__":

@@ -24,3 +24,16 @@ def test_parameters_own_storages_are_not_counted_as_saved():
     assert weight in {e.tensor.untyped_storage().data_ptr() for e in saved}  # the control: it was saved
     assert weight not in {e.tensor.untyped_storage().data_ptr() for e in kept}
     assert kept.total_bytes == saved.total_bytes - model.weight.untyped_storage().nbytes() > 0
+
+
+def test_a_quantized_parameter_counts_every_buffer_it_holds():
+    import te_fuser
+
+    with te_fuser.quantized_model_init(enabled=True, recipe=te_fuser.recipe.DelayedScaling()):
+        model = te_fuser.Linear(64, 32, params_dtype=torch.bfloat16)
+    weight = model.weight
+    buffers = [weight._data, weight._scale_inv] + ([weight._transpose] if weight._transpose is not None else [])
+    expected = sum(t.untyped_storage().nbytes() for t in buffers) + model.bias.untyped_storage().nbytes()
+    counted = memory_breakdown.param_storages(model)
+    assert sum(counted.values()) == expected
+    assert weight._data.untyped_storage().data_ptr() in counted  # the FP8 bytes, not the wrapper's empty storage

@@ -32,7 +32,8 @@ from te_fuser.examples.gpt import GPT, GPTConfig, Parallel
 from te_fuser.examples.master_weights import MasterWeights
 from te_fuser.examples.plot import plot_history
 from te_fuser.memory import LossLog, MemoryTracker
-from te_fuser.recipe import DelayedScaling, Float8CurrentScaling, Format
+from te_fuser.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
+                             NVFP4BlockScaling)
 
 
 def parse_args(argv=None):
@@ -47,7 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--no-fp8", action="store_true", help="train in high precision")
-    p.add_argument("--recipe", choices=["delayed", "current"], default="delayed")
+    p.add_argument("--recipe", choices=list(RECIPES), default="delayed",
+                   help="delayed / current: FP8 per-tensor scaling; mxfp8, block (Float8BlockScaling), nvfp4: "
+                        "TE's block-scaled recipes")
     p.add_argument("--fp8-weights", action="store_true",
                    help="build the model under te_fuser.quantized_model_init (FP8 linear weights); AdamW "
                         "steps float32 master copies, cast back to FP8 after each step")
@@ -82,10 +85,18 @@ def init_distributed(args, device):
     return dist.get_rank(), world
 
 
+RECIPES = {
+    "delayed": lambda: DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
+    "current": lambda: Float8CurrentScaling(fp8_format=Format.HYBRID),
+    # E4M3 everywhere: HYBRID's E5M2 gradients in 32-element blocks diverge (TE's users found it).
+    "mxfp8": lambda: MXFP8BlockScaling(fp8_format=Format.E4M3),
+    "block": lambda: Float8BlockScaling(),
+    "nvfp4": lambda: NVFP4BlockScaling(),
+}
+
+
 def make_recipe(args):
-    if args.recipe == "current":
-        return Float8CurrentScaling(fp8_format=Format.HYBRID)
-    return DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+    return RECIPES[args.recipe]()
 
 
 def shard_from_full(model, full, rank, tp_size):
@@ -156,7 +167,7 @@ def train(args, device, rank, world):
     # Tensor parallel: the same initial weights as one process would draw, sharded.
     full = GPT(cfg, device=device, dtype=dtype) if par.tp_size > 1 else None
     recipe = make_recipe(args)
-    with te.quantized_model_init(enabled=args.fp8_weights, recipe=recipe,
+    with te.quantized_model_init(enabled=args.fp8_weights, recipe=recipe if args.fp8_weights else None,
                                  preserve_high_precision_init_val=True):
         model = GPT(cfg, par, device=device, dtype=dtype, checkpoint_blocks=args.checkpoint_activations)
     if full is not None:
