@@ -5,7 +5,8 @@ Computed from the format's definition: the E2M1 grid as a list of values, round 
 (a product of float32 values, or a correctly rounded quotient), E4M3 codes by
 block_scaling_reference.fp8_encode, the Hadamard matrix by Sylvester's construction, the stochastic
 rounding stream by SplitMix64 in numpy's wrapping uint64 arithmetic. No te_fuser code is used. Inputs
-are 2-D (rows, cols) tensors, both multiples of 16.
+are 2-D (rows, cols) tensors of any sizes: sizes that are not multiples of 16 quantize x zero-padded to
+multiples of 16, of which the data keeps x's rows (the last block partial, its padding stored).
 """
 
 import numpy as np
@@ -123,11 +124,20 @@ def _block_amax(v, block_2d):
     return v.abs().reshape(rows, cols // BLOCK, BLOCK).amax(dim=2)
 
 
+def _up16(n: int) -> int:
+    return -(-n // BLOCK) * BLOCK
+
+
 def quantize(x, columnwise=False, block_2d=False, rht=False, seed=None):
     """(codes (n, m) unpacked, scale codes (n, m / 16), amax) of x's rowwise data (n, m = rows, cols) or of
     its columnwise data (the transposed matrix, Hadamard-transformed when rht); stochastic rounding with
-    the stream `seed` when it is given (rowwise counters r * cols + c, columnwise rows * cols + c * rows + r)."""
-    x64 = x.to(torch.float64)
+    the stream `seed` when it is given (rowwise counters r * cols + c, columnwise rows * cols + c * rows + r).
+    Sizes not multiples of 16: those of x zero-padded to (rows_p, cols_p), multiples of 16, n then x's rows
+    or columns and m rounded up to 16 (counters r * cols_p + c and rows_p * cols_p + c * rows_p + r)."""
+    rows, cols = x.shape
+    x64 = torch.zeros(_up16(rows), _up16(cols), dtype=torch.float64)
+    x64[:rows, :cols] = x.to(torch.float64)
+    kept = cols if columnwise else rows
     rows, cols = x64.shape
     v = x64.t() if columnwise else x64
     if rht:
@@ -142,7 +152,7 @@ def quantize(x, columnwise=False, block_2d=False, rht=False, seed=None):
         n, m = v.shape
         counters = torch.arange(n * m, dtype=torch.int64).reshape(n, m) + (rows * cols if columnwise else 0)
         codes = e2m1_encode_sr(scaled, random24(seed, counters.numpy()).reshape(n, m))
-    return codes, codes_s, amax
+    return codes[:kept], codes_s[:kept], amax
 
 
 def pack(codes):
@@ -168,7 +178,7 @@ def dequantize(codes, scale_codes, amax: float, dtype):
 
 
 def values(x, columnwise=False, block_2d=False, rht=False, seed=None):
-    """float64 values a usage's data stands for in the data's own layout (transposed for columnwise):
-    each code times its block's decode factor, exactly."""
+    """float64 values a usage's data stands for in the data's own layout (transposed for columnwise, each
+    row with its padding to a multiple of 16): each code times its block's decode factor, exactly."""
     codes, scale_codes, amax = quantize(x, columnwise, block_2d, rht, seed)
     return e2m1_decode(codes) * decode_factors(scale_codes, amax).repeat_interleave(BLOCK, 1)

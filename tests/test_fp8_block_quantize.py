@@ -16,7 +16,7 @@ from te_fuser.kernels import cpu
 from te_fuser.kernels import fp8_block as k
 
 ISA_PATHS = [tier for tier in ("portable", "avx2", "avx512") if tier in cpu.available_isa()]
-SHAPES = [(1, 1), (31, 33), (33, 100), (129, 300), (2, 3, 160)]
+SHAPES = [(1, 1), (31, 33), (33, 100), (129, 300), (2, 3, 160), (17, 15), (200, 127)]
 
 
 @pytest.fixture(autouse=True, params=ISA_PATHS)

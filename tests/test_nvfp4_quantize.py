@@ -22,7 +22,8 @@ from te_fuser.kernels import nvfp4 as k
 from te_fuser.tensor import NVFP4Quantizer
 
 ISA_PATHS = [tier for tier in ("portable", "avx2", "avx512") if tier in cpu.available_isa()]
-SHAPES = [(16, 16), (48, 528), (2, 32, 160), (128, 64)]
+SHAPES = [(16, 16), (48, 528), (2, 32, 160), (128, 64),
+          (1, 1), (1, 15), (17, 33), (31, 129), (3, 5, 127), (200, 17)]  # ragged: zero-padded to 16s
 MODES = {  # block_2d, rht, stochastic
     "1d": (False, False, False), "2d": (True, False, False), "rht": (False, True, False),
     "sr": (False, False, True), "rht_sr": (False, True, True), "2d_sr": (True, False, True),
@@ -44,7 +45,7 @@ def edge_input(shape, dtype, generator):
     x[1::5, :16] *= 1e20 if dtype != torch.float16 else 1e3
     x[2::7, :16] *= 1e-20 if dtype != torch.float16 else 1e-3
     x[:, 7::13] = -0.0
-    x[3] = 0.0
+    x[3:4] = 0.0
     return x.to(dtype).reshape(shape)
 
 
@@ -59,7 +60,8 @@ def check_against_reference(x, block_2d, rht, stochastic, seed=12345):
     rows, cols = x2.shape
     data, scale, amax, col_data, col_scale, col_amax = k.nvfp4_quantize(x, True, True, block_2d, rht, stochastic,
                                                                         seed)
-    assert data.shape == (*x.shape[:-1], cols // 2) and col_data.shape == (cols, rows // 2)
+    rows_p, cols_p = -(-rows // 16) * 16, -(-cols // 16) * 16
+    assert data.shape == (*x.shape[:-1], cols_p // 2) and col_data.shape == (cols, rows_p // 2)
     assert tuple(scale.shape) == k.nvfp4_scale_shape(x.shape, False) and scale.dtype == torch.uint8
     assert tuple(col_scale.shape) == k.nvfp4_scale_shape(x.shape, True)
     usages = ((data, scale, amax, False), (col_data, col_scale, col_amax, True))
@@ -221,10 +223,8 @@ def test_fake_kernels_and_opcheck():
 
 def test_bad_arguments_name_themselves():
     x = torch.randn(32, 64)
-    with pytest.raises(ValueError, match=r"x of shape \(20, 64\).*multiples of 16"):
-        k.nvfp4_quantize(torch.randn(20, 64))
-    with pytest.raises(ValueError, match=r"x of shape \(32, 40\)"):
-        k.nvfp4_quantize(torch.randn(32, 40))
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        k.nvfp4_quantize(torch.tensor(1.0))
     with pytest.raises(TypeError, match="x must have dtype"):
         k.nvfp4_quantize(x.double())
     with pytest.raises(ValueError, match="x must be contiguous"):

@@ -25,7 +25,8 @@ Tensor zeroed_bytes(const Tensor& like, std::vector<int64_t> sizes) {
 
 Tensor nothing(const Tensor& like) { return new_empty(like, {0}, ScalarType::Byte); }
 
-// fn(row_begin, row_end) -> tf_status over bands of whole multiples of 16 rows on the thread pool.
+// fn(row_begin, row_end) -> tf_status over bands of whole multiples of 16 rows (the last one up to rows) on the
+// thread pool.
 template <class F>
 void parallel_row_bands(int64_t rows, int64_t cols, const char* what, const F& fn) {
   const int64_t unit = TF_NVFP4_BLOCK;
@@ -76,20 +77,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cpu(Te
   for (int64_t d = 0; d + 1 < input.dim(); ++d)
     STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), "input's leading dims overflow int64");
   const int64_t cols = input.size(input.dim() - 1);
-  STD_TORCH_CHECK(cols % TF_NVFP4_BLOCK == 0 && rows % TF_NVFP4_BLOCK == 0,
-                  "input must be a matrix of rows and columns that are multiples of 16 (NVFP4's blocks), got ",
-                  rows, " x ", cols);
+  // Sizes not multiples of 16 quantize the zero-padded matrix (nvfp4.h): the packed rows hold cols_p values.
+  const int64_t rows_p = round_up(rows, TF_NVFP4_BLOCK), cols_p = round_up(cols, TF_NVFP4_BLOCK);
   const void* x = input.const_data_ptr();
   const float amax = band_amax(x, dtype, rows, cols, 0);
   const float amax_t = columnwise && rht ? band_amax(x, dtype, rows, cols, 1) : amax;
   STD_TORCH_CHECK(amax <= 3.4028234663852886e38f && amax_t <= 3.4028234663852886e38f,
                   "input holds Inf or NaN, which NVFP4 cannot represent");
-  const int64_t ld_scale = round_up(cols / TF_NVFP4_BLOCK, 4), ld_scale_t = round_up(rows / TF_NVFP4_BLOCK, 4);
+  const int64_t ld_scale = round_up(cols_p / TF_NVFP4_BLOCK, 4), ld_scale_t = round_up(rows_p / TF_NVFP4_BLOCK, 4);
   std::vector<int64_t> data_shape(input.sizes().begin(), input.sizes().end());
-  data_shape.back() = cols / 2;
+  data_shape.back() = cols_p / 2;
   Tensor y = rowwise ? new_empty(input, data_shape, ScalarType::Byte) : nothing(input);
   Tensor s = rowwise ? zeroed_bytes(input, {round_up(rows, 128), ld_scale}) : nothing(input);
-  Tensor yt = columnwise ? new_empty(input, {cols, rows / 2}, ScalarType::Byte) : nothing(input);
+  Tensor yt = columnwise ? new_empty(input, {cols, rows_p / 2}, ScalarType::Byte) : nothing(input);
   Tensor st = columnwise ? zeroed_bytes(input, {round_up(cols, 128), ld_scale_t}) : nothing(input);
   auto bytes = [](Tensor& t, bool used) { return used ? static_cast<uint8_t*>(t.mutable_data_ptr()) : nullptr; };
   uint8_t *py = bytes(y, rowwise), *ps = bytes(s, rowwise), *pyt = bytes(yt, columnwise), *pst = bytes(st, columnwise);

@@ -12,6 +12,7 @@ enum { TILE_COLS = 512, DEQUANTIZE_CHUNK = 1024 };
 #define BLOCK TF_NVFP4_BLOCK
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t round_up16(int64_t a) { return (a + BLOCK - 1) / BLOCK * BLOCK; }
 
 /* f[i] = float(x[offset + i]) for i in [0, n). */
 TF_ISA_INLINE void load_f32(const void *x, tf_dtype dtype, int64_t offset, int64_t n, float *restrict f) {
@@ -24,6 +25,17 @@ TF_ISA_INLINE void load_f32(const void *x, tf_dtype dtype, int64_t offset, int64
   } else {
     const uint16_t *restrict p = (const uint16_t *)x + offset;
     for (int64_t i = 0; i < n; ++i) f[i] = tf_f16_to_f32(p[i]);
+  }
+}
+
+/* The tile of rows [g, g + 16) and columns [c0, c0 + nc) of x, zero beyond the rows (< rows) and the
+ * columns (nc) that exist, up to ncp = nc rounded up to 16: a partial block is a zero-padded one. */
+TF_ISA_INLINE void load_tile(const void *x, tf_dtype dtype, int64_t ld_x, int64_t rows, int64_t g, int64_t c0,
+                             int64_t nc, int64_t ncp, float tile[BLOCK][TILE_COLS]) {
+  for (int r = 0; r < BLOCK; ++r) {
+    const int64_t n = g + r < rows ? nc : 0;
+    if (n) load_f32(x, dtype, (g + r) * ld_x + c0, n, tile[r]);
+    for (int64_t c = n; c < ncp; ++c) tile[r][c] = 0.0f;
   }
 }
 
@@ -81,7 +93,7 @@ TF_ISA_INLINE void encode16(const float *restrict v, float multiplier, int stoch
 typedef struct amax_args {
   const void *x;
   tf_dtype dtype;
-  int64_t cols, ld_x;
+  int64_t rows, cols, ld_x;
   int rht;
 } amax_args;
 
@@ -93,7 +105,7 @@ TF_ISA_INLINE void amax_band_body(const amax_args *a, int64_t row_begin, int64_t
   for (int64_t g = row_begin; g < row_end; g += BLOCK) {
     for (int64_t c0 = 0; c0 < a->cols; c0 += TILE_COLS) {
       const int64_t nc = min64(TILE_COLS, a->cols - c0);
-      for (int r = 0; r < BLOCK; ++r) load_f32(a->x, a->dtype, (g + r) * a->ld_x + c0, nc, tile[r]);
+      load_tile(a->x, a->dtype, a->ld_x, a->rows, g, c0, nc, nc, tile);
       if (!a->rht) {
         for (int r = 0; r < BLOCK; ++r) best = abs_bits_max(tile[r], nc, best);
         continue;
@@ -114,12 +126,16 @@ static int dtype_ok(tf_dtype dtype) {
   return dtype == TF_FLOAT32 || dtype == TF_BFLOAT16 || dtype == TF_FLOAT16;
 }
 
-/* The checks every entry point shares: the sizes (multiples of 16), the band (on 16-row bounds) and
- * the index products (x's, and the stochastic-rounding counters up to 2 * rows * cols). */
+/* The checks every entry point shares: the sizes, the band (starting on a 16-row bound, ending on one or
+ * at rows) and the index products of the sizes rounded up to 16 (the padded data's, and the
+ * stochastic-rounding counters up to 2 * rows_p * cols_p). */
 static tf_status check_matrix(int64_t rows, int64_t cols, int64_t row_begin, int64_t row_end) {
-  if (rows < 0 || cols < 0 || rows % BLOCK || cols % BLOCK) return TF_ERR_BAD_SIZE;
-  if (!tf_range_ok(row_begin, row_end, rows) || row_begin % BLOCK || row_end % BLOCK) return TF_ERR_BAD_SIZE;
-  if (!tf_mul_fits(rows, cols) || !tf_mul_fits(rows * cols, 4)) return TF_ERR_OVERFLOW;
+  if (rows < 0 || cols < 0) return TF_ERR_BAD_SIZE;
+  if (!tf_range_ok(row_begin, row_end, rows) || row_begin % BLOCK || (row_end % BLOCK && row_end != rows))
+    return TF_ERR_BAD_SIZE;
+  if (rows > INT64_MAX - BLOCK || cols > INT64_MAX - BLOCK) return TF_ERR_OVERFLOW;
+  const int64_t rows_p = round_up16(rows), cols_p = round_up16(cols);
+  if (!tf_mul_fits(rows_p, cols_p) || !tf_mul_fits(rows_p * cols_p, 4)) return TF_ERR_OVERFLOW;
   return TF_OK;
 }
 
@@ -142,7 +158,7 @@ tf_status tf_nvfp4_amax(const void *x, tf_dtype dtype, int64_t rows, int64_t col
   if (!amax) return TF_ERR_NULL_POINTER;
   int32_t bits = 0;
   if (row_end > row_begin && cols > 0) {
-    const amax_args a = {x, dtype, cols, ld_x, rht};
+    const amax_args a = {x, dtype, rows, cols, ld_x, rht};
     amax_band(&a, row_begin, row_end, &bits);
   }
   *amax = amax_of(bits);
@@ -154,7 +170,7 @@ tf_status tf_nvfp4_amax(const void *x, tf_dtype dtype, int64_t rows, int64_t col
 typedef struct quantize_args {
   const void *x;
   tf_dtype dtype;
-  int64_t rows, cols, ld_x;
+  int64_t rows, cols, ld_x, rows_p, cols_p; /* _p: rounded up to 16, the padded data's sizes */
   int block_2d, rht_t, stochastic;
   uint64_t seed;
   float s_enc, s_enc_t;
@@ -168,29 +184,31 @@ TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin,
   float tile[BLOCK][TILE_COLS];
   float m[BLOCK][BLOCK], col[BLOCK];
   uint8_t codes_2d[TILE_COLS / BLOCK];
-  const uint64_t t_base = (uint64_t)a->rows * (uint64_t)a->cols;
+  const uint64_t t_base = (uint64_t)a->rows_p * (uint64_t)a->cols_p;
+  const int64_t ld_y = a->cols_p / 2, ld_y_t = a->rows_p / 2;
   rht_matrix(m);
   for (int64_t g = row_begin; g < row_end; g += BLOCK) {
+    const int64_t nr = min64(BLOCK, a->rows - g);
     for (int64_t c0 = 0; c0 < a->cols; c0 += TILE_COLS) {
-      const int64_t nc = min64(TILE_COLS, a->cols - c0);
-      for (int r = 0; r < BLOCK; ++r) load_f32(a->x, a->dtype, (g + r) * a->ld_x + c0, nc, tile[r]);
+      const int64_t nc = min64(TILE_COLS, a->cols - c0), ncp = round_up16(nc);
+      load_tile(a->x, a->dtype, a->ld_x, a->rows, g, c0, nc, ncp, tile);
       if (a->block_2d) {
-        for (int64_t b = 0; b < nc; b += BLOCK) {
+        for (int64_t b = 0; b < ncp; b += BLOCK) {
           int32_t bits = 0;
           for (int r = 0; r < BLOCK; ++r) bits = abs_bits_max(tile[r] + b, BLOCK, bits);
           codes_2d[b / BLOCK] = tf_nvfp4_block_scale(amax_of(bits), a->s_enc);
         }
       }
       if (a->y) {
-        for (int r = 0; r < BLOCK; ++r) {
-          for (int64_t b = 0; b < nc; b += BLOCK) {
+        for (int64_t r = 0; r < nr; ++r) {
+          for (int64_t b = 0; b < ncp; b += BLOCK) {
             const float *v = tile[r] + b;
             const uint8_t code = a->block_2d ? codes_2d[b / BLOCK]
                                              : tf_nvfp4_block_scale(amax_of(abs_bits_max(v, BLOCK, 0)), a->s_enc);
             const int64_t c = c0 + b;
             a->scale[(g + r) * a->ld_scale + c / BLOCK] = code;
             encode16(v, tf_nvfp4_encode_multiplier(code, a->s_enc), a->stochastic, a->seed,
-                     (uint64_t)((g + r) * a->cols + c), a->y + ((g + r) * a->cols + c) / 2);
+                     (uint64_t)((g + r) * a->cols_p + c), a->y + (g + r) * ld_y + c / 2);
           }
         }
       }
@@ -202,7 +220,7 @@ TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin,
           const int64_t c = c0 + k;
           a->scale_t[c * a->ld_scale_t + g / BLOCK] = code;
           encode16(col, tf_nvfp4_encode_multiplier(code, a->s_enc_t), a->stochastic, a->seed,
-                   t_base + (uint64_t)(c * a->rows + g), a->y_t + (c * a->rows + g) / 2);
+                   t_base + (uint64_t)(c * a->rows_p + g), a->y_t + c * ld_y_t + g / 2);
         }
       }
     }
@@ -227,10 +245,11 @@ tf_status tf_nvfp4_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t
   if (block_2d && (rht_t || amax_t != amax)) return TF_ERR_BAD_ARGUMENT; /* 2D blocks: one scale for both */
   if (!amax_ok(amax) || !amax_ok(amax_t)) return TF_ERR_BAD_ARGUMENT;
   if (!pair_ok(y, scale) || !pair_ok(y_t, scale_t)) return TF_ERR_NULL_POINTER;
-  if ((y && ld_scale < cols / BLOCK) || (y_t && ld_scale_t < rows / BLOCK)) return TF_ERR_BAD_SIZE;
+  const int64_t rows_p = round_up16(rows), cols_p = round_up16(cols);
+  if ((y && ld_scale < cols_p / BLOCK) || (y_t && ld_scale_t < rows_p / BLOCK)) return TF_ERR_BAD_SIZE;
   if ((y && !tf_mul_fits(rows, ld_scale)) || (y_t && !tf_mul_fits(cols, ld_scale_t))) return TF_ERR_OVERFLOW;
   if (row_end == row_begin || cols == 0 || (!y && !y_t)) return TF_OK;
-  const quantize_args a = {x,     dtype, rows, cols, ld_x, block_2d, rht_t, stochastic, seed,
+  const quantize_args a = {x,     dtype, rows, cols, ld_x, rows_p, cols_p, block_2d, rht_t, stochastic, seed,
                            tf_nvfp4_global_scale(amax), tf_nvfp4_global_scale(amax_t), y, scale, ld_scale,
                            y_t,   scale_t, ld_scale_t};
   quantize_band(&a, row_begin, row_end);

@@ -2,13 +2,16 @@
  * NVFP4 quantizers on the CPU, with TransformerEngine's semantics (docs/block_scaling.md, "NVFP4";
  * the scalar arithmetic in nvfp4_format.h).
  *
- * x is a rows x cols matrix (row stride ld_x elements), rows and cols multiples of 16. Each call
- * works on the rows [row_begin, row_end), a band that starts and ends on a multiple of 16, so
- * callers can split a matrix over threads. Outputs are contiguous:
- *   rowwise     y   (rows x cols / 2 bytes), 1x16 blocks along cols, scale[r * ld_scale + c / 16];
- *   columnwise  y_t (cols x rows / 2 bytes), the transposed data, 16x1 blocks of x along rows,
+ * x is a rows x cols matrix (row stride ld_x elements) of any size. Each call works on the rows
+ * [row_begin, row_end), a band that starts on a multiple of 16 and ends on one or at rows, so callers
+ * can split a matrix over threads. A matrix whose sizes are not multiples of 16 is quantized as its
+ * zero-padding to rows_p x cols_p (both rounded up to 16), of which the outputs (contiguous) keep:
+ *   rowwise     y   (rows x cols_p / 2 bytes), 1x16 blocks along cols, scale[r * ld_scale + c / 16];
+ *   columnwise  y_t (cols x rows_p / 2 bytes), the transposed data, 16x1 blocks of x along rows,
  *               scale_t[c * ld_scale_t + r / 16].
- * Scales are E4M3 codes. Either usage's pointers may both be NULL to skip it.
+ * So a partial block's scale comes from the elements present and its padding holds code 0 (but the
+ * Hadamard transform of a partial group spreads over all 16). Scales are E4M3 codes. Either usage's
+ * pointers may both be NULL to skip it.
  *
  * Built per x86-64 level (tf_isa_clones.h) and chosen per call; every build gives the same bytes.
  */
@@ -35,8 +38,8 @@ tf_status tf_nvfp4_amax(const void *x, tf_dtype dtype, int64_t rows, int64_t col
  * and columnwise values (tf_nvfp4_amax). block_2d: one scale per 16x16 block, shared by both usages
  * (written into each row's, or each transposed row's, slots). rht_t: the columnwise values are the
  * Hadamard-transformed ones (not with block_2d). stochastic: stochastic rounding with the random
- * stream `seed`, element (r, c) of y drawing counter r * cols + c and element (c, r) of y_t drawing
- * rows * cols + c * rows + r; else round to nearest even.
+ * stream `seed`, element (r, c) of y drawing counter r * cols_p + c and element (c, r) of y_t
+ * drawing rows_p * cols_p + c * rows_p + r; else round to nearest even.
  */
 tf_status tf_nvfp4_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t cols, int64_t ld_x,
                             int64_t row_begin, int64_t row_end, int block_2d, int rht_t, int stochastic,

@@ -2,7 +2,8 @@
 
 The kernels are torch.ops.te_fuser.{nvfp4_quantize, nvfp4_dequantize} (C on CPU; docs/block_scaling.md,
 "NVFP4", gives their semantics and layouts). A tensor is viewed as a matrix of prod(shape[:-1]) rows by
-shape[-1] columns, both multiples of 16.
+shape[-1] columns, of any sizes: one whose sizes are not multiples of 16 is quantized as its zero-padding
+to multiples of 16, whose packed data keeps the matrix's rows (TE's quantizer takes only multiples of 16).
 """
 
 import math
@@ -26,34 +27,31 @@ def _matrix(shape) -> Tuple[int, int]:
 
 
 def nvfp4_scale_shape(shape, columnwise: bool) -> Tuple[int, int]:
-    """TE's NVFP4 scale shape (uint8 E4M3 codes): (roundup(rows, 128), roundup(cols / 16, 4)) rowwise,
-    (roundup(cols, 128), roundup(rows / 16, 4)) columnwise (the transposed data's rows)."""
+    """TE's NVFP4 scale shape (uint8 E4M3 codes): (roundup(rows, 128), roundup(ceil(cols / 16), 4)) rowwise,
+    (roundup(cols, 128), roundup(ceil(rows / 16), 4)) columnwise (the transposed data's rows)."""
     rows, cols = _matrix(shape)
     if columnwise:
         rows, cols = cols, rows
     return _round_up(rows, 128), _round_up(-(-cols // NVFP4_BLOCK), 4)
 
 
+def padded_len(n: int) -> int:
+    """How many values a packed row of n values holds: n rounded up to the block (16)."""
+    return _round_up(n, NVFP4_BLOCK)
+
+
 def nvfp4_data_shape(shape, columnwise: bool) -> Tuple[int, ...]:
-    """Packed uint8 data (two values a byte): (*shape[:-1], cols / 2) rowwise, (cols, rows / 2) columnwise."""
+    """Packed uint8 data (two values a byte): (*shape[:-1], padded_len(cols) / 2) rowwise,
+    (cols, padded_len(rows) / 2) columnwise (TE's (.., cols / 2) and (cols, rows / 2) for multiples of 16)."""
     rows, cols = _matrix(shape)
-    return (cols, rows // 2) if columnwise else (*shape[:-1], cols // 2)
-
-
-def check_nvfp4_shape(shape, name: str = "x") -> None:
-    """Both matrix dimensions multiples of 16 (TE's NVFP4 quantizer asks the same)."""
-    if len(shape) < 1:
-        raise ValueError(f"{name} must have at least 1 dimension to be quantized to NVFP4")
-    rows, cols = _matrix(shape)
-    if rows % NVFP4_BLOCK or cols % NVFP4_BLOCK:
-        raise ValueError(f"{name} of shape {tuple(shape)} is a {rows} x {cols} matrix: NVFP4 needs both the last "
-                         f"dimension and the product of the others to be multiples of {NVFP4_BLOCK}")
+    return (cols, padded_len(rows) // 2) if columnwise else (*shape[:-1], padded_len(cols) // 2)
 
 
 def _check_quantize_args(x, rowwise, columnwise, block_2d, rht):
     check_dtype(x, "x")
     check_contiguous(x, "x")
-    check_nvfp4_shape(x.shape)
+    if x.dim() < 1:
+        raise ValueError("x must have at least 1 dimension to be quantized to NVFP4")
     if not (rowwise or columnwise):
         raise ValueError("at least one of rowwise and columnwise must be True")
     if block_2d and rht:
@@ -66,6 +64,7 @@ def _check_quantize_args(x, rowwise, columnwise, block_2d, rht):
 def nvfp4_quantize(x: torch.Tensor, rowwise: bool = True, columnwise: bool = True, block_2d: bool = False,
                    rht: bool = False, stochastic: bool = False, seed: int = 0):
     """(data, scale, amax, columnwise data, columnwise scale, columnwise amax); an unused usage's are None.
+    Data and scales in nvfp4_data_shape's and nvfp4_scale_shape's layouts.
 
     block_2d: one scale per 16x16 block (both usages); rht: the columnwise data quantizes the random
     Hadamard transform of each 16 consecutive values along the rows; stochastic: stochastic rounding

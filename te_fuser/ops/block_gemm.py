@@ -14,6 +14,11 @@ each product and each addition rounded to float32, the bias added in float32 and
 once to the output dtype. This is split accumulation, as TE requires for these recipes: each block is
 summed apart and scaled before it joins the total.
 
+K need not be a multiple of the block (TE's quantizers want multiples; te_fuser's take any size): the
+last block is then partial, its scale from the amax of the elements present (what zero padding gives)
+and its sum shorter. NVFP4 operands are padded with zeros to a multiple of 16 instead (their packed
+rows hold 16-value blocks), which sums the same.
+
 NVFP4's E2M1 values are all E4M3 values, so its operands run through the same FP8 GEMM; a block's
 scale is its dequantization factor float32(float32(e4m3 scale * amax) * float32(1 / 2688)).
 Blackwell instead multiplies by the E4M3 scales inside the MMA and by the two amaxes' factor
@@ -54,10 +59,15 @@ def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes == 255, torch.nan, values)
 
 
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
 def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a block-scaled tensor as a GEMM operand: codes (rows, K) row-major FP8 with K
-    the reduction dimension, scales (rows, K / block) float32. Rowwise: the tensor as a matrix (the
-    reduction runs along its last dimension); columnwise: its transpose (along the leading ones)."""
+    the reduction dimension, scales (rows, ceil(K / block)) float32. Rowwise: the tensor as a matrix (the
+    reduction runs along its last dimension); columnwise: its transpose (along the leading ones).
+    NVFP4's K is rounded up to 16 (its zero padding)."""
     cols = t.shape[-1]
     rows = t.numel() // cols
     block = block_of(t)
@@ -65,9 +75,10 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         return t._codes_and_factors(columnwise)
     if isinstance(t, MXFP8Tensor):
         if not columnwise:
-            return t._rowwise_data.reshape(rows, cols), e8m0_values(t._rowwise_scale_inv[:rows, : cols // block])
+            return (t._rowwise_data.reshape(rows, cols),
+                    e8m0_values(t._rowwise_scale_inv[:rows, : _blocks(cols, block)]))
         codes = t._columnwise_data.reshape(rows, cols).t().contiguous()
-        return codes, e8m0_values(t._columnwise_scale_inv[: rows // block, :cols]).t()
+        return codes, e8m0_values(t._columnwise_scale_inv[: _blocks(rows, block), :cols]).t()
     if not isinstance(t, Float8BlockwiseQTensor):
         raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor, an NVFP4Tensor or a "
                         f"Float8BlockwiseQTensor, got {type(t).__name__}")
@@ -76,8 +87,8 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     else:
         codes, scale, n, k = t._rowwise_data.reshape(rows, cols), t._rowwise_scale_inv, rows, cols
     if t._is_2D_scaled:  # one scale per 128x128 block: repeated over its 128 rows
-        return codes, scale[: -(-n // block), : k // block].repeat_interleave(block, dim=0)[:n]
-    return codes, scale[: k // block, :n].t()
+        return codes, scale[: _blocks(n, block), : _blocks(k, block)].repeat_interleave(block, dim=0)[:n]
+    return codes, scale[: _blocks(k, block), :n].t()
 
 
 def block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
@@ -87,7 +98,7 @@ def block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tenso
     n = b.shape[0]
     one = torch.ones(1, dtype=torch.float32)
     out = torch.zeros(m, n, dtype=torch.float32)
-    for kb in range(k // block):
+    for kb in range(_blocks(k, block)):  # the last block may be partial
         cols = slice(kb * block, (kb + 1) * block)
         partial = gemm_kernels.fp8_gemm(a[:, cols].contiguous(), one, b[:, cols].contiguous(), one, torch.float32)
         out += partial * (a_scales[:, kb, None] * b_scales[None, :, kb])
@@ -95,12 +106,3 @@ def block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tenso
         out += bias.float()
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
-
-def check_block_gemm_dims(block: int, **dims: int) -> None:
-    """Every GEMM dimension a multiple of the block: each is the reduction dimension of one of the three
-    GEMMs (TE's quantizers take only such sizes)."""
-    for name, value in dims.items():
-        if value % block:
-            raise ValueError(f"te_fuser block-scaled GEMM: {name} = {value} is not divisible by the block size "
-                             f"{block}; MXFP8 needs multiples of 32, Float8 block scaling of 128 and NVFP4 of 16 "
-                             "(pad it, or run this layer under another recipe)")

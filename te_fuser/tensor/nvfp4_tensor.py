@@ -8,6 +8,10 @@ with_2d_quantization one scale covers each 16x16 block, for both usages; with wi
 data holds the random Hadamard transform of each 16 values (the weight-gradient GEMM's operands, whose
 transforms cancel in the product). Scales are uint8 E4M3 codes in TE's padded shapes; the float32
 amaxes `_amax_rowwise` / `_amax_columnwise` (after the transform) set each usage's global scale.
+
+A matrix dimension that is not a multiple of 16 (TE refuses those) is quantized as the zero-padded
+tensor: each packed row holds its values rounded up to 16 (the padding code 0, or under with_rht the
+transform's spread of a partial group), so a last partial block's scale comes from the values present.
 """
 
 import math
@@ -73,15 +77,16 @@ class NVFP4Tensor(BlockScaledTensor):
     def _codes_and_factors(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         """A usage's values as (E4M3 codes (n, m) of its E2M1 values, float32 decode factors (n, m / 16),
         float32(float32(scale * amax) * float32(1 / 2688))), n x m the data's matrix: (rows, cols)
-        rowwise, (cols, rows) columnwise. Each value is exactly code * factor."""
+        rowwise, (cols, rows) columnwise, m rounded up to 16 (the padding's codes 0 unless with_rht).
+        Each value is exactly code * factor."""
         cols = self.shape[-1]
         rows = self.numel() // cols
         if columnwise:
             data, scale, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
-            n, m = cols, rows
+            n, m = cols, kernels.padded_len(rows)
         else:
             data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
-            n, m = rows, cols
+            n, m = rows, kernels.padded_len(cols)
         packed = data.reshape(n, m // 2).to(torch.int64)
         nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n, m)
         codes = _E2M1_AS_E4M3.to(data.device)[nibbles].view(torch.float8_e4m3fn)
@@ -89,14 +94,18 @@ class NVFP4Tensor(BlockScaledTensor):
         return codes, block_scales * amax.reshape(()) * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
 
     def _stored_values(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
-        """A usage's values as its data holds them: (rows, cols) rowwise, (cols, rows) columnwise, the
-        Hadamard-transformed values when _columnwise_rht."""
+        """A usage's values as its data holds them: (rows, cols) rowwise, (cols, rows) columnwise (the
+        padding dropped), the Hadamard-transformed values when _columnwise_rht."""
+        cols = self.shape[-1]
         if columnwise:
             data, scale, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
+            m = self.numel() // cols
         else:
             data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
-        return kernels.nvfp4_dequantize(data.reshape(data.shape[0] if columnwise else -1, data.shape[-1]), scale,
-                                        amax, dtype)
+            m = cols
+        values = kernels.nvfp4_dequantize(data.reshape(data.shape[0] if columnwise else -1, data.shape[-1]), scale,
+                                          amax, dtype)
+        return values if values.shape[1] == m else values[:, :m]
 
     def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
         if not columnwise:
@@ -106,8 +115,9 @@ class NVFP4Tensor(BlockScaledTensor):
         # The exact values (code * factor), then the inverse transform (M.T), exact in float64 too: a block's
         # 16 values share one float32 factor. One rounding to float32 at the end.
         codes, factors = self._codes_and_factors(True)
+        cols = self.shape[-1]
         groups = codes.double().reshape(codes.shape[0], -1, NVFP4_BLOCK_SCALING_SIZE) * factors.double()[..., None]
-        values = (groups @ get_rht_matrix(codes.device).double().t()).reshape(codes.shape)
+        values = (groups @ get_rht_matrix(codes.device).double().t()).reshape(codes.shape)[:, :self.numel() // cols]
         return values.to(torch.float32).to(dtype).t().reshape(self.shape)
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -177,11 +187,12 @@ class NVFP4Quantizer(BlockScaledQuantizer):
 
     @staticmethod
     def convert_shape_for_fp4(shape) -> Tuple[int, ...]:
-        """A shape with its last dimension halved: the packed data's."""
-        return (*tuple(shape)[:-1], shape[-1] // 2)
+        """A shape with its last dimension halved: the packed data's (rounded up to 16 values first)."""
+        return (*tuple(shape)[:-1], kernels.padded_len(shape[-1]) // 2)
 
     def is_quantizable(self, inp: torch.Tensor) -> bool:
-        """TE's test: at least 2-D, both matrix dimensions multiples of 16 (te_fuser's kernels ask the same)."""
+        """TE's test: at least 2-D, both matrix dimensions multiples of 16 (te_fuser's kernels also take other
+        sizes, as the zero-padded tensor)."""
         return inp.dim() >= 2 and inp.shape[-1] % NVFP4_BLOCK_SCALING_SIZE == 0 and \
             math.prod(inp.shape[:-1]) % NVFP4_BLOCK_SCALING_SIZE == 0
 

@@ -166,14 +166,22 @@ static void *make_input(tf_dtype d, int64_t rows, int64_t ld) {
   return x;
 }
 
-/* The columnwise value (c, r) of x: x itself, or the transform of its column's 16-row group. */
-static float ref_column_value(const void *x, tf_dtype d, int64_t ld, int64_t r, int64_t c, int rht) {
-  if (!rht) return widen(x, d, r * ld + c);
+static int64_t up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+/* Element (r, c) of the rows x cols matrix x zero-padded: 0 outside it. */
+static float padded(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_t cols, int64_t r, int64_t c) {
+  return r < rows && c < cols ? widen(x, d, r * ld + c) : 0.0f;
+}
+
+/* The columnwise value (c, r) of x zero-padded: x itself, or the transform of its column's 16-row group. */
+static float ref_column_value(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_t cols, int64_t r,
+                              int64_t c, int rht) {
+  if (!rht) return padded(x, d, ld, rows, cols, r, c);
   const int64_t g = r / 16 * 16;
   float acc = 0.0f;
   for (int j = 0; j < 16; ++j) {
     const float m = (((__builtin_popcount((unsigned)(j & (r - g))) & 1) ^ ((0xD7E8 >> j) & 1)) ? -0.25f : 0.25f);
-    acc = (float)((double)acc + (double)(float)((double)widen(x, d, (g + j) * ld + c) * m));
+    acc = (float)((double)acc + (double)(float)((double)padded(x, d, ld, rows, cols, g + j, c) * m));
   }
   return acc;
 }
@@ -183,10 +191,11 @@ typedef struct mode {
 } mode;
 
 /* Quantizes element (i, j) of a matrix whose value is value(i, j), with 16-element blocks along j
- * (or 16x16 blocks), as docs/block_scaling.md says. */
+ * (or 16x16 blocks), as docs/block_scaling.md says: the matrix zero-padded to multiples of 16, of which
+ * the data keeps its n_rows rows, each of n_cols rounded up to 16 values (a partial block is a padded one). */
 static int ref_check(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_t cols, mode md, int columnwise,
                      uint64_t seed, float amax, const uint8_t *y, const uint8_t *s, int64_t ld_s) {
-  const int64_t n_rows = columnwise ? cols : rows, n_cols = columnwise ? rows : cols;
+  const int64_t n_rows = columnwise ? cols : rows, n_cols = up16(columnwise ? rows : cols);
   const float s_enc = ref_global_scale(amax);
   int bad = 0;
   for (int64_t i = 0; i < n_rows; ++i)
@@ -195,7 +204,8 @@ static int ref_check(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_
       const int64_t i0 = md.block_2d ? i / 16 * 16 : i, i1 = md.block_2d ? i0 + 16 : i + 1;
       for (int64_t ii = i0; ii < i1; ++ii)
         for (int64_t j = b; j < b + 16; ++j) {
-          const float v = columnwise ? ref_column_value(x, d, ld, j, ii, md.rht_t) : widen(x, d, ii * ld + j);
+          const float v = columnwise ? ref_column_value(x, d, ld, rows, cols, j, ii, md.rht_t)
+                                     : padded(x, d, ld, rows, cols, ii, j);
           bamax = fabs(v) > bamax ? fabs(v) : bamax;
         }
       const float multiplier = (float)((double)s_enc * (double)(float)(1.0 / 6.0));
@@ -206,9 +216,10 @@ static int ref_check(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_
       double enc = (double)(float)(1.0 / (double)(float)((double)tf_fp8_e4m3_decode(code) * s_dec));
       const float e = isinf(enc) ? FLT_MAX : (float)enc;
       for (int64_t j = b; j < b + 16; ++j) {
-        const float v = columnwise ? ref_column_value(x, d, ld, j, i, md.rht_t) : widen(x, d, i * ld + j);
+        const float v = columnwise ? ref_column_value(x, d, ld, rows, cols, j, i, md.rht_t)
+                                   : padded(x, d, ld, rows, cols, i, j);
         const float scaled = (float)((double)v * e);
-        const uint64_t counter = (uint64_t)(columnwise ? rows * cols : 0) + (uint64_t)(i * n_cols + j);
+        const uint64_t counter = (uint64_t)(columnwise ? up16(rows) * up16(cols) : 0) + (uint64_t)(i * n_cols + j);
         const uint8_t want = md.stochastic ? tf_e2m1_encode_sr(scaled, tf_nvfp4_random24(seed, counter))
                                            : (uint8_t)ref_rn_code(scaled);
         const uint8_t byte = y[(i * n_cols + j) / 2];
@@ -219,15 +230,15 @@ static int ref_check(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_
 }
 
 static void test_kernels(void) {
-  const int64_t sizes_r[] = {16, 48}, sizes_c[] = {16, 64, 528};
+  const int64_t sizes_r[] = {16, 48, 1, 33}, sizes_c[] = {16, 64, 528, 15, 529};
   const mode modes[] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {0, 1, 1}};
   int bad = 0, band_bad = 0, amax_bad = 0, runs = 0;
   for (int t = 0; t < 3; ++t) {
     if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
     CHECK(tf_set_cpu_isa_cap(ISA_CAPS[t]) == TF_OK, "set cap");
     for (int di = 0; di < 3; ++di)
-      for (int ri = 0; ri < 2; ++ri)
-        for (int ci = 0; ci < 3; ++ci)
+      for (int ri = 0; ri < 4; ++ri)
+        for (int ci = 0; ci < 5; ++ci)
           for (int mi = 0; mi < 5; ++mi) {
             const int64_t rows = sizes_r[ri], cols = sizes_c[ci], ld = cols + 16;
             const tf_dtype d = DTYPES[di];
@@ -237,17 +248,19 @@ static void test_kernels(void) {
             CHECK(tf_nvfp4_amax(x, d, rows, cols, ld, 0, rows, 0, &amax) == TF_OK, "amax");
             CHECK(tf_nvfp4_amax(x, d, rows, cols, ld, 0, rows, md.rht_t, &amax_t) == TF_OK, "amax_t");
             double want = 0.0, want_t = 0.0;
-            for (int64_t r = 0; r < rows; ++r)
+            const int64_t rows_p = up16(rows), cols_p = up16(cols);
+            for (int64_t r = 0; r < rows_p; ++r)
               for (int64_t c = 0; c < cols; ++c) {
-                want = fmax(want, fabs(widen(x, d, r * ld + c)));
-                want_t = fmax(want_t, fabs(ref_column_value(x, d, ld, r, c, md.rht_t)));
+                want = fmax(want, fabs(padded(x, d, ld, rows, cols, r, c)));
+                want_t = fmax(want_t, fabs(ref_column_value(x, d, ld, rows, cols, r, c, md.rht_t)));
               }
             amax_bad += amax != (float)want || amax_t != (float)want_t;
-            const int64_t ls = cols / 16, lst = rows / 16;
-            uint8_t *y = malloc((size_t)(rows * cols / 2)), *s = malloc((size_t)(rows * ls));
-            uint8_t *yt = malloc((size_t)(rows * cols / 2)), *st = malloc((size_t)(cols * lst));
-            uint8_t *y2 = malloc((size_t)(rows * cols / 2)), *s2 = malloc((size_t)(rows * ls));
-            uint8_t *yt2 = malloc((size_t)(rows * cols / 2)), *st2 = malloc((size_t)(cols * lst));
+            const int64_t ls = cols_p / 16, lst = rows_p / 16;
+            const size_t ny = (size_t)(rows * cols_p / 2), nyt = (size_t)(cols * rows_p / 2);
+            uint8_t *y = malloc(ny), *s = malloc((size_t)(rows * ls));
+            uint8_t *yt = malloc(nyt), *st = malloc((size_t)(cols * lst));
+            uint8_t *y2 = malloc(ny), *s2 = malloc((size_t)(rows * ls));
+            uint8_t *yt2 = malloc(nyt), *st2 = malloc((size_t)(cols * lst));
             const uint64_t seed = 0x1234567ull + (uint64_t)runs;
             CHECK(tf_nvfp4_quantize(x, d, rows, cols, ld, 0, rows, md.block_2d, md.rht_t, md.stochastic, seed, amax,
                                     md.block_2d ? amax : amax_t, y, s, ls, yt, st, lst) == TF_OK,
@@ -255,12 +268,12 @@ static void test_kernels(void) {
             bad += ref_check(x, d, ld, rows, cols, md, 0, seed, amax, y, s, ls);
             bad += ref_check(x, d, ld, rows, cols, md, 1, seed, md.block_2d ? amax : amax_t, yt, st, lst);
             /* The same bytes from 16-row bands, last band first. */
-            for (int64_t r0 = rows - 16; r0 >= 0; r0 -= 16)
-              CHECK(tf_nvfp4_quantize(x, d, rows, cols, ld, r0, r0 + 16, md.block_2d, md.rht_t, md.stochastic, seed,
+            for (int64_t r0 = (rows - 1) / 16 * 16; r0 >= 0; r0 -= 16)
+              CHECK(tf_nvfp4_quantize(x, d, rows, cols, ld, r0, r0 + 16 < rows ? r0 + 16 : rows, md.block_2d, md.rht_t, md.stochastic, seed,
                                       amax, md.block_2d ? amax : amax_t, y2, s2, ls, yt2, st2, lst) == TF_OK,
                     "band");
-            band_bad += memcmp(y, y2, (size_t)(rows * cols / 2)) || memcmp(s, s2, (size_t)(rows * ls)) ||
-                        memcmp(yt, yt2, (size_t)(rows * cols / 2)) || memcmp(st, st2, (size_t)(cols * lst));
+            band_bad += memcmp(y, y2, ny) || memcmp(s, s2, (size_t)(rows * ls)) || memcmp(yt, yt2, nyt) ||
+                        memcmp(st, st2, (size_t)(cols * lst));
             ++runs;
             free(x), free(y), free(s), free(yt), free(st), free(y2), free(s2), free(yt2), free(st2);
           }
@@ -320,8 +333,10 @@ static void test_checks(void) {
   float out[64 * 64];
   CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 1, 1, 5, 1.0f, 2.0f, y, s, 4, yt, st, 4) == TF_OK, "ok");
   CHECK(tf_nvfp4_quantize(x, (tf_dtype)7, 64, 64, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_DTYPE, "dtype");
-  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 40, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "cols not a multiple of 16");
-  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 40, 64, 64, 0, 32, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "rows not a multiple of 16");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 40, 40, 64, 32, 40, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 3, yt, st, 3) == TF_OK, "ragged last band");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 40, 33, 64, 0, 40, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 2, 0, 0, 0) == TF_ERR_BAD_SIZE, "ld_scale < ceil(cols / 16)");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 33, 40, 64, 0, 33, 0, 0, 0, 0, 1.0f, 1.0f, 0, 0, 0, yt, st, 2) == TF_ERR_BAD_SIZE, "ld_scale_t < ceil(rows / 16)");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 40, 64, 64, 16, 24, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "band ends off a 16-row bound, before rows");
   CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 8, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "band not a multiple of 16");
   CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 64, 0, 80, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "band past rows");
   CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 64, 64, 48, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_BAD_SIZE, "ld_x < cols");
@@ -337,11 +352,15 @@ static void test_checks(void) {
   CHECK(tf_nvfp4_quantize(0, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_ERR_NULL_POINTER, "x NULL");
   CHECK(tf_nvfp4_quantize(0, TF_FLOAT32, 64, 64, 64, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 4, 0, 0, 0) == TF_OK, "empty band");
   CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, INT64_MAX / 32 * 16, 16, 16, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 1, 0, 0, 0) == TF_ERR_OVERFLOW, "rows * cols overflows");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, INT64_MAX - 3, 1, 1, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 1, 0, 0, 0) == TF_ERR_OVERFLOW, "rows rounded up to 16 overflows");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 1, INT64_MAX - 3, INT64_MAX, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, INT64_MAX, 0, 0, 0) == TF_ERR_OVERFLOW, "cols rounded up to 16 overflows");
+  CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, (INT64_MAX / 64 + 1) / 16 * 16 + 1, 15, 15, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, 1, 0, 0, 0) == TF_ERR_OVERFLOW, "padded rows * cols * 4 overflows");
   CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 1 << 20, 16, 16, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, y, s, INT64_MAX / 4, 0, 0, 0) == TF_ERR_OVERFLOW, "rows * ld_scale overflows");
   CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, 1 << 20, 16, 16, 0, 0, 0, 0, 0, 0, 1.0f, 1.0f, 0, 0, 0, yt, st, INT64_MAX / 4) == TF_ERR_OVERFLOW, "cols * ld_scale_t overflows");
   CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 64, 64, 64, 0, 64, 2, &amax) == TF_ERR_BAD_ARGUMENT, "amax rht 2");
   CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 64, 64, 64, 0, 64, 0, 0) == TF_ERR_NULL_POINTER, "amax NULL");
-  CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 64, 24, 64, 0, 64, 0, &amax) == TF_ERR_BAD_SIZE, "amax cols not a multiple of 16");
+  CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 64, 24, 64, 0, 64, 0, &amax) == TF_OK, "amax of ragged cols");
+  CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 64, 64, 63, 0, 64, 0, &amax) == TF_ERR_BAD_SIZE, "amax ld_x < cols");
   CHECK(tf_nvfp4_dequantize(y, 64, 64, 0, 64, s, 4, 1.0f, out, TF_FLOAT32) == TF_OK, "dequantize ok");
   CHECK(tf_nvfp4_dequantize(y, 64, 64, 0, 64, s, 3, 1.0f, out, TF_FLOAT32) == TF_ERR_BAD_SIZE, "dequantize ld_scale");
   CHECK(tf_nvfp4_dequantize(y, 64, 40, 0, 64, s, 4, 1.0f, out, TF_FLOAT32) == TF_ERR_BAD_SIZE, "dequantize cols not a multiple of 16");

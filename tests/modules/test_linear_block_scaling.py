@@ -3,8 +3,11 @@ float64 reference of the quantized math: each operand quantized by the independe
 block_scaling_reference.py (x, W, dy rowwise; W, dy, x columnwise for the gradients), multiplied
 and summed in float64. The one allowed difference is te_fuser's float32 summation
 (ops/block_gemm.py): within a block, then block by block, each step rounded, bounded by
-(block + K / block + 4) * 2^-24 * sum |a||b| (plus the output rounding of 16-bit outputs). A wrong
+(block + ceil(K / block) + 4) * 2^-24 * sum |a||b| (plus the output rounding of 16-bit outputs). A wrong
 code or scale moves a result by about an FP8 step of one term, far beyond that bound.
+
+Sizes that are not multiples of the block (TE's quantizers refuse them) run too: the last block is
+partial, its scale from the elements present, as the references' zero padding gives.
 """
 
 import warnings
@@ -19,6 +22,10 @@ from te_fuser.recipe import Float8BlockScaling, Format, MXFP8BlockScaling, QPara
 
 IN, OUT = 256, 128
 SHAPE = (2, 64, IN)  # 128 tokens
+SIZES = {  # (leading dims, in_features, out_features)
+    "aligned": ((2, 64), IN, OUT),
+    "ragged": ((3, 11), 200, 33),  # 33 tokens; every dimension a partial last block of 32 and of 128
+}
 
 
 def _hybrid_mxfp8():
@@ -58,15 +65,21 @@ def assert_within(got, want, magnitude, steps, dtype, what):
     assert bool((err <= bound).all()), f"{what}: max excess {(err - bound).max().item():.3g}"
 
 
+def blocks(n, block):
+    return -(-n // block)
+
+
+@pytest.mark.parametrize("sizes", sorted(SIZES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_linear_matches_the_quantized_math_in_float64(name, dtype, generator):
+def test_linear_matches_the_quantized_math_in_float64(name, dtype, sizes, generator):
     recipe = RECIPES[name]()
     block = 32 if isinstance(recipe, MXFP8BlockScaling) else 128
+    lead, IN, OUT = SIZES[sizes]
     layer = te_fuser.Linear(IN, OUT, bias=True, params_dtype=dtype)
     with torch.no_grad():
         layer.bias.normal_(generator=generator)
-    x = (torch.randn(SHAPE, generator=generator) * torch.logspace(-3, 3, IN)).to(dtype).requires_grad_()
+    x = (torch.randn(*lead, IN, generator=generator) * torch.logspace(-3, 3, IN)).to(dtype).requires_grad_()
     with te_fuser.fp8_autocast(fp8_recipe=recipe):
         y = layer(x)
     dy = torch.randn(y.shape, generator=generator).to(dtype)
@@ -76,16 +89,19 @@ def test_linear_matches_the_quantized_math_in_float64(name, dtype, generator):
     xq, wq = quantized(recipe, "input", x2, False), quantized(recipe, "weight", w, False)
     b = layer.bias.detach().double()
     y_ref = xq @ wq.t() + b
-    assert_within(y.reshape(-1, OUT), y_ref, xq.abs() @ wq.abs().t() + b.abs(), block + IN // block + 4, dtype, "y")
+    assert_within(y.reshape(-1, OUT), y_ref, xq.abs() @ wq.abs().t() + b.abs(), block + blocks(IN, block) + 4, dtype,
+                  "y")
 
     gq, wq_col = quantized(recipe, "grad", g, False), quantized(recipe, "weight", w, True)
     dx_ref = gq @ wq_col
-    assert_within(x.grad.reshape(-1, IN), dx_ref, gq.abs() @ wq_col.abs(), block + OUT // block + 4, dtype, "dx")
+    assert_within(x.grad.reshape(-1, IN), dx_ref, gq.abs() @ wq_col.abs(), block + blocks(OUT, block) + 4, dtype,
+                  "dx")
 
     gq_col, xq_col = quantized(recipe, "grad", g, True), quantized(recipe, "input", x2, True)
     dw_ref = gq_col.t() @ xq_col
     rows = g.shape[0]
-    assert_within(layer.weight.grad, dw_ref, gq_col.abs().t() @ xq_col.abs(), block + rows // block + 4, dtype, "dW")
+    assert_within(layer.weight.grad, dw_ref, gq_col.abs().t() @ xq_col.abs(), block + blocks(rows, block) + 4,
+                  dtype, "dW")
     torch.testing.assert_close(layer.bias.grad.double(), g.double().sum(0), rtol=2e-2 if dtype != torch.float32 else 1e-5,
                                atol=1e-4)
 
@@ -119,15 +135,49 @@ def test_gemm_order_is_the_stated_one(name, generator):
     assert torch.equal(y, want)
 
 
+def copy_params(pairs):
+    with torch.no_grad():
+        for dst, src in pairs:
+            dst.copy_(src)
+
+
+def layernorm_modules_check(recipe, x, tolerance):
+    """LayerNormLinear is LayerNorm then Linear bit for bit (output and dx); LayerNormMLP's output is
+    LayerNorm, fc1, te_fuser's GELU op, fc2 bit for bit, and its output and dx stay within `tolerance`
+    (relative) of the unquantized module's."""
+    k = x.shape[-1]
+    lnl, ln, lin = te_fuser.LayerNormLinear(k, 33), te_fuser.LayerNorm(k), te_fuser.Linear(k, 33)
+    mlp, mlp_ln, fc1, fc2 = te_fuser.LayerNormMLP(k, 72), te_fuser.LayerNorm(k), te_fuser.Linear(k, 72), \
+        te_fuser.Linear(72, k)
+    copy_params([(ln.weight, lnl.layer_norm_weight), (ln.bias, lnl.layer_norm_bias), (lin.weight, lnl.weight),
+                 (lin.bias, lnl.bias), (mlp_ln.weight, mlp.layer_norm_weight), (mlp_ln.bias, mlp.layer_norm_bias),
+                 (fc1.weight, mlp.fc1_weight), (fc1.bias, mlp.fc1_bias), (fc2.weight, mlp.fc2_weight),
+                 (fc2.bias, mlp.fc2_bias)])
+
+    def run(f, quantized=True):
+        xi = x.clone().requires_grad_()
+        torch.manual_seed(5)  # the same stochastic-rounding seeds for each run
+        with te_fuser.fp8_autocast(enabled=quantized, fp8_recipe=recipe):
+            y = f(xi)
+        y.backward(torch.ones_like(y))
+        return y, xi.grad
+
+    for a, b in zip(run(lnl), run(lambda t: lin(ln(t)))):
+        assert torch.equal(a, b)
+    y, dx = run(mlp)
+    gelu = te_fuser.ops.GELU()
+    assert torch.equal(y, run(lambda t: fc2(gelu(fc1(mlp_ln(t)))))[0])
+    for got, exact in zip((y, dx), run(mlp, quantized=False)):
+        assert ((got - exact).norm() / exact.norm()).item() < tolerance
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "block"])
+def test_layernorm_modules_at_ragged_sizes(name, generator):
+    lead, k, _ = SIZES["ragged"]
+    layernorm_modules_check(RECIPES[name](), torch.randn(*lead, k, generator=generator), 0.1)
+
+
 def test_refusals_name_what_they_refuse():
-    layer = te_fuser.Linear(IN, 96)  # 96 out_features: not a multiple of 128
-    with pytest.raises(ValueError, match="out_features"):
-        with te_fuser.fp8_autocast(fp8_recipe=Float8BlockScaling()):
-            layer(torch.randn(128, IN))
-    grouped = te_fuser.GroupedLinear(2, 64, 64)
-    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling"):
-        with te_fuser.fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
-            grouped(torch.randn(64, 64), [32, 32])
     with pytest.raises(NotImplementedError, match="quantized_model_init"):
         with te_fuser.quantized_model_init(recipe=MXFP8BlockScaling()):
             pass

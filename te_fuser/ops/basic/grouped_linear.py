@@ -6,6 +6,10 @@ forward (input_i, weight_i) at indices 2i, 2i + 1, backward grad_output_i at i.
 The weights, biases and split sizes are passed to each forward as keywords
 (`weights`, `biases`, `m_splits`), so the module keeps TransformerEngine's
 parameter names weight0..weight{n-1}, bias0..bias{n-1}.
+
+Under the block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) each group runs
+BasicLinear's block-scaled GEMMs (ops/block_gemm.py), any group size (a ragged last block), and saves
+only the columnwise usages the gradients read, as BasicLinear does.
 """
 
 from typing import List, Optional, Sequence
@@ -14,16 +18,22 @@ import torch
 
 from ... import amp
 from ...kernels.bias_grad import bias_grad
+from ...quantization import is_block_scaled
+from ...tensor.quantized_tensor import QuantizedTensor
 from ...tensor.float8_tensor import Float8Tensor, fp8_data, fp8_data_transpose
 from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from ..op import BasicOperation
-from .linear import fp8_wgrad, high_precision_wgrad, saved_weight, sync_weight_quantizer, transposed_data
+from ..block_gemm import block_scaled_gemm_nt, gemm_operand, recipe_block
+from .linear import (_block_scaled_wgrad, _columnwise_only, fp8_wgrad, high_precision_wgrad, saved_weight,
+                     sync_weight_quantizer, transposed_data)
 
 
 class GroupedBasicLinear(BasicOperation):
     """num_gemms linear maps over consecutive row groups; in/out features are local (already sharded)."""
+
+    supports_block_scaling = True
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, *, use_bias: bool,
                  accumulate_into_main_grad: bool = False):
@@ -54,6 +64,9 @@ class GroupedBasicLinear(BasicOperation):
     def _quantized_weight(self, i: int, weight: torch.Tensor, is_first_microbatch: Optional[bool]) -> Float8Tensor:
         """As BasicLinear: True quantizes and caches, False reuses the cache, None never caches.
         An FP8 weight (quantized_model_init) is used as it is."""
+        if isinstance(weight, QuantizedTensor) and is_block_scaled(self._fp8_recipe):
+            raise NotImplementedError(f"te_fuser does not run quantized weights (quantized_model_init) in a "
+                                      f"GroupedLinear under {type(self._fp8_recipe).__name__}")
         if isinstance(weight, Float8Tensor):
             sync_weight_quantizer(weight, self._forward_quantizers[2 * i + 1])
             return weight
@@ -85,9 +98,10 @@ class GroupedBasicLinear(BasicOperation):
         xs = x.split(list(m_splits))
         weight_requires_grad = weights[0].requires_grad
         fp8 = self._fp8_enabled
+        block = recipe_block(self._fp8_recipe) if fp8 and is_block_scaled(self._fp8_recipe) else None
         dtype = ctx.autocast_dtype  # torch.autocast: as BasicLinear, W cast for 16 bits, quantized as it is
         out_dtype = weights[0].dtype if dtype is None else dtype
-        if fp8:
+        if fp8 and block is None:
             check_fp8_gemm_dims(**{"in_features": k, "out_features": n})
             check_fp8_gemm_dims(**{f"m_splits[{i}]": m for i, m in enumerate(m_splits)})
         outs, saved = [], []
@@ -99,7 +113,14 @@ class GroupedBasicLinear(BasicOperation):
                 outs.append(x.new_empty(0, n))
                 saved += [None, None]
                 continue
-            if fp8:
+            if block is not None:  # the columnwise usages only are saved, as new tensors (BasicLinear's)
+                xq = self._forward_quantizers[2 * i](xi)
+                wq = self._quantized_weight(i, w, is_first_microbatch)
+                outs.append(block_scaled_gemm_nt(*gemm_operand(xq, False), *gemm_operand(wq, False), block, out_dtype,
+                                                 b))
+                saved += [_columnwise_only(xq) if weight_requires_grad else None,
+                          _columnwise_only(wq) if ctx.input_requires_grad else None]
+            elif fp8:
                 xq = self._forward_quantizers[2 * i](xi)
                 wq = self._quantized_weight(i, w, is_first_microbatch)
                 outs.append(fp8_gemm_nt(fp8_data(xq), xq._scale_inv, fp8_data(wq), wq._scale_inv, out_dtype, b,
@@ -113,6 +134,7 @@ class GroupedBasicLinear(BasicOperation):
                 saved += [xi if weight_requires_grad else None, w_saved if ctx.input_requires_grad else None]
         ctx.save_for_backward(*saved)
         ctx.fp8 = fp8
+        ctx.block = block
         ctx.fp8_weights = [isinstance(w, Float8Tensor) for w in weights]
         ctx.m_splits = tuple(m_splits)
         ctx.lead_shape = tuple(input_.shape[:-1])
@@ -137,7 +159,18 @@ class GroupedBasicLinear(BasicOperation):
                 dbs.append(dy.new_zeros(n) if ctx.bias_requires_grad else None)
                 continue
             dx = None
-            if ctx.fp8:
+            if ctx.block is not None:
+                quantizer = ctx.grad_output_quantizers[i]
+                quantizer.set_usage(rowwise=ctx.input_requires_grad, columnwise=ctx.weight_requires_grad)
+                dyq = quantizer(dy.contiguous())
+                if ctx.input_requires_grad:
+                    dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), ctx.block,
+                                              ctx.dtype)
+                if ctx.weight_requires_grad:
+                    # queued (delay_wgrad_compute): only dy's columnwise buffers, the rowwise ones go now
+                    wgrads.append((_block_scaled_wgrad, (ctx.block, dyq if self.wgrad_queue is None
+                                                         else _columnwise_only(dyq), x_saved)))
+            elif ctx.fp8:
                 dyq = ctx.grad_output_quantizers[i](dy.contiguous())
                 if ctx.input_requires_grad:
                     dx = fp8_gemm_nt(fp8_data(dyq), dyq._scale_inv, transposed_data(w_saved, ctx.fp8_weights[i]),

@@ -14,7 +14,7 @@ from .. import _tensor_parallel as tp
 from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
-from ..block_gemm import block_scaled_gemm_nt, check_block_gemm_dims, gemm_operand, recipe_block
+from ..block_gemm import block_scaled_gemm_nt, gemm_operand, recipe_block
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation, OperationContext
 
@@ -462,10 +462,7 @@ class BasicLinear(BasicOperation):
                                       f"{type(recipe).__name__}")
         if x.dtype != weight.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
-        k, n = self.local_in_features, self.local_out_features
         block = recipe_block(recipe)
-        check_block_gemm_dims(block, **{"the number of input rows (tokens)": x.numel() // k,
-                                        "in_features (local)": k, "out_features (local)": n})
         input_quantizer = self._forward_quantizers[0]
         input_quantizer.set_usage(rowwise=True, columnwise=wgrad_needed and original is None)
         xq = input_quantizer(x)
