@@ -142,16 +142,13 @@ def canonical_recipe(recipe):
     """The recipe object the state-making code receives for `recipe`: one per distinct recipe (recipes are
     frozen, equal stays equal), so that dynamo, which guards those functions' arguments by identity, compiles
     once for equal recipes made anew. fp8_autocast keeps the user's own object (TE's get_fp8_recipe())."""
+    key = _recipe_key(recipe)
+    if key is None:  # callables or unhashable fields: not interned (the table would keep a qfactory alive)
+        return recipe
     if torch.compiler.is_compiling():
-        key = _recipe_key(recipe)
-        if key is None:
-            return recipe
         _make_recipe(key)
         return _CANONICAL_RECIPES[key]
-    try:
-        return _EAGER_CANONICAL_RECIPES.setdefault(recipe, recipe)
-    except TypeError:  # a field that cannot be hashed
-        return recipe
+    return _EAGER_CANONICAL_RECIPES.setdefault(recipe, recipe)
 
 
 _EAGER_CANONICAL_RECIPES: dict = {}
