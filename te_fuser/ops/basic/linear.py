@@ -334,8 +334,9 @@ class BasicLinear(BasicOperation):
         wgrad_needed = weight_requires_grad and bool(ctx.params_require_grad[0])  # False under no_grad
         original = x if self.save_original_input and wgrad_needed and not isinstance(x, Float8Tensor) else None
         if original is not None and self._fp8_enabled and isinstance(self._forward_quantizers[0], Float8Quantizer):
-            raise ValueError("save_original_input does not work with delayed scaling (a Float8Quantizer input "
-                             "quantizer, as in TransformerEngine): its backward could not reproduce the forward's scale")
+            raise ValueError("save_original_input does not work with the DelayedScaling recipe, nor any "
+                             "Float8Quantizer input quantizer (as in TransformerEngine): its backward could not "
+                             "reproduce the forward's scale")
         block = self._gemm_block() if self._fp8_enabled else PER_TENSOR
         block_scaled = block is not PER_TENSOR
         fp8_gather = gather and self._fp8_enabled and not block_scaled and _GATHER_IN_FP8
