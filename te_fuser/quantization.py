@@ -34,8 +34,9 @@ from .te_dtype import DType, te_dtype
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .tensor.mxfp8_tensor import MXFP8Quantizer
 from .tensor.nvfp4_tensor import NVFP4Quantizer
-from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling,
-                     Recipe)
+from .tensor.quantized_tensor import Quantizer
+from .recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                     NVFP4BlockScaling, Recipe)
 
 
 def runs_while_tracing(fn):
@@ -141,16 +142,13 @@ def canonical_recipe(recipe):
     """The recipe object the state-making code receives for `recipe`: one per distinct recipe (recipes are
     frozen, equal stays equal), so that dynamo, which guards those functions' arguments by identity, compiles
     once for equal recipes made anew. fp8_autocast keeps the user's own object (TE's get_fp8_recipe())."""
+    key = _recipe_key(recipe)
+    if key is None:  # callables or unhashable fields: not interned (the table would keep a qfactory alive)
+        return recipe
     if torch.compiler.is_compiling():
-        key = _recipe_key(recipe)
-        if key is None:
-            return recipe
         _make_recipe(key)
         return _CANONICAL_RECIPES[key]
-    try:
-        return _EAGER_CANONICAL_RECIPES.setdefault(recipe, recipe)
-    except TypeError:  # a field that cannot be hashed
-        return recipe
+    return _EAGER_CANONICAL_RECIPES.setdefault(recipe, recipe)
 
 
 _EAGER_CANONICAL_RECIPES: dict = {}
@@ -169,9 +167,9 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     Keep the context around the compiled module for such schedules.
     """
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
-    if not isinstance(recipe, _AUTOCAST_RECIPES):
+    if not isinstance(recipe, _AUTOCAST_RECIPES + (CustomRecipe,)):
         raise TypeError(f"fp8_recipe must be DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
-                        f"Float8BlockScaling or NVFP4BlockScaling, got {type(recipe).__name__}")
+                        f"Float8BlockScaling, NVFP4BlockScaling or CustomRecipe, got {type(recipe).__name__}")
     if torch.compiler.is_compiling():  # a recipe made in the graph is a record of its fields while tracing
         recipe = canonical_recipe(recipe)
     if not FP8GlobalState._stack:
@@ -524,6 +522,72 @@ class BlockScalingState:
         del state
 
 
+class CustomRecipeRole(str):
+    """A tensor role handed to a CustomRecipe's factory: TE 2.9's string ("linear_input", ...), carrying
+    later TE's QuantizerRole fields (module_type, tensor_type, name) for factories written for those."""
+
+    module_type: str
+    tensor_type: str
+    name: str
+
+    def __new__(cls, tensor_type: str):
+        role = super().__new__(cls, f"linear_{tensor_type}")
+        role.module_type, role.tensor_type, role.name = "linear", tensor_type, ""
+        return role
+
+    def __reduce__(self):  # __new__ takes the tensor type, not the string
+        return CustomRecipeRole, (self.tensor_type,)
+
+
+class CustomRecipeState:
+    """The quantizers a CustomRecipe's factory returns, one per slot, asked for once, when the state is
+    made (TE's CustomRecipeState; te_fuser's ops make their states when the recipe changes).
+
+    tensor_types names the slots ("output", "grad_input", ...); by default te_fuser's linear layout:
+    forward slots alternate input, weight; backward slots are grad_output."""
+
+    def __init__(self, recipe: CustomRecipe, *, mode: str, num_quantizers: int = 1, device=None,
+                 tensor_types: Optional[List[str]] = None):
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"mode must be 'forward' or 'backward', got {mode!r}")
+        if tensor_types is None:
+            tensor_types = [("input", "weight")[i % 2] if mode == "forward" else "grad_output"
+                            for i in range(num_quantizers)]
+        if len(tensor_types) != num_quantizers:
+            raise ValueError(f"tensor_types names {len(tensor_types)} slots, num_quantizers is {num_quantizers}")
+        self.recipe = recipe
+        self.mode = mode
+        self.forward = mode == "forward"
+        self.num_quantizers = num_quantizers
+        self.device = device
+        self.roles = [CustomRecipeRole(tensor_type) for tensor_type in tensor_types]
+        self._slots = [self._ask(role) for role in self.roles]
+
+    def _ask(self, role: CustomRecipeRole) -> Quantizer:
+        quantizer = self.recipe.qfactory(role)
+        if not isinstance(quantizer, Quantizer):
+            raise TypeError(f"CustomRecipe's qfactory returned {type(quantizer).__name__} for role {role!r}; "
+                            "it must return a te_fuser quantizer (e.g. Float8CurrentScalingQuantizer)")
+        return quantizer
+
+    def make_quantizers(self) -> list:
+        """TE's method: the slots' quantizers."""
+        return list(self._slots)
+
+    def quantizers(self, group=None) -> list:
+        del group  # the factory's quantizers reduce amaxes themselves, if at all
+        return list(self._slots)
+
+    def quantizer(self, i: int):
+        return self._slots[i]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        del state
+
+
 def recipe_state_tensors() -> List[torch.Tensor]:
     """The tensors of every live FP8 scaling state: delayed scaling's amax history, scale and scale_inv, and
     each current-scaling quantizer's amax and scale. They persist from step to step (a graph that references
@@ -534,8 +598,9 @@ def recipe_state_tensors() -> List[torch.Tensor]:
     return tensors
 
 
-def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=None):
-    """The state type that goes with a recipe."""
+def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=None, tensor_types=None):
+    """The state type that goes with a recipe. tensor_types: what the slots hold ("output", "grad_input",
+    ...), which only a CustomRecipe's factory is told."""
     if isinstance(recipe, Recipe) and dataclasses.is_dataclass(recipe) and any(
             field.name not in vars(recipe) for field in dataclasses.fields(recipe)):
         raise TypeError(f"fp8_recipe: this {type(recipe).__name__} was made inside a torch.compile'd function "
@@ -547,6 +612,9 @@ def make_recipe_state(recipe, num_quantizers: int, forward: bool = True, device=
         return CurrentScalingState(recipe, num_quantizers, forward, device)
     if isinstance(recipe, _BLOCK_SCALED_RECIPES):
         return BlockScalingState(recipe, num_quantizers, forward, device)
+    if isinstance(recipe, CustomRecipe):
+        return CustomRecipeState(recipe, mode="forward" if forward else "backward", num_quantizers=num_quantizers,
+                                 device=device, tensor_types=tensor_types)
     raise TypeError(f"unknown FP8 recipe {type(recipe).__name__}")
 
 

@@ -293,18 +293,32 @@ class Float8BlockScaling(Recipe):
             raise ValueError("FP8 attention (fp8_dpa / fp8_mha) is not supported for Float8BlockScaling (as in TE)")
 
 
-class _UnsupportedRecipe(Recipe):
-    """A TE recipe te_fuser names (so code that refers to it imports) but does not implement."""
+@dataclass(frozen=True)
+class CustomRecipe(Recipe):
+    """Quantizers from a user factory, one per tensor role (TE 2.9's CustomRecipe).
 
-    def __init__(self, *args, **kwargs):
-        del args, kwargs
-        raise NotImplementedError(f"te_fuser does not implement the {type(self).__name__} recipe; use "
-                                  "DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling or "
-                                  "NVFP4BlockScaling")
+    qfactory(role) returns a te_fuser quantizer for each role a linear op quantizes: forward
+    "linear_input", "linear_weight" (and "linear_output" for fp8_output), backward "linear_grad_output"
+    (and "linear_grad_input" for fp8_grad). Each role is a str (TE 2.9's contract) that also carries
+    later TE's QuantizerRole fields: module_type "linear", tensor_type ("input", "weight", "output",
+    "grad_output", "grad_input") and name "". The GEMM follows the kinds of quantizers returned:
+    Float8Quantizer / Float8CurrentScalingQuantizer (per-tensor FP8), MXFP8Quantizer,
+    Float8BlockQuantizer or NVFP4Quantizer, the same kind for every role of a linear op.
 
+    fp8_format is read by nothing that quantizes (the factory decides); HYBRID is later TE's default."""
 
-class CustomRecipe(_UnsupportedRecipe):
-    """TE's recipe built from user quantizer factories: not implemented by te_fuser."""
+    qfactory: Callable
+    fp8_format: Format = Format.HYBRID
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        if not callable(self.qfactory):
+            raise TypeError(f"qfactory must be a callable role -> quantizer, got {self.qfactory!r}")
+        _check_format(self.fp8_format)
+        if self.fp8_dpa or self.fp8_mha:
+            raise NotImplementedError("te_fuser's FP8 attention (fp8_dpa / fp8_mha) runs under DelayedScaling "
+                                      "and Float8CurrentScaling only, not CustomRecipe")
 
 
 # TE reads these when the recipe module is imported.

@@ -35,7 +35,6 @@ import torch
 
 from ..kernels import gemm as gemm_kernels
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from ..recipe import MXFP8BlockScaling, NVFP4BlockScaling
 from ..tensor.mxfp8_tensor import MXFP8Tensor
 from ..tensor.nvfp4_tensor import NVFP4Tensor
 
@@ -44,13 +43,6 @@ MXFP8_BLOCK, FP8_BLOCK, NVFP4_BLOCK = 32, 128, 16
 
 def block_of(t) -> int:
     return MXFP8_BLOCK if isinstance(t, MXFP8Tensor) else NVFP4_BLOCK if isinstance(t, NVFP4Tensor) else FP8_BLOCK
-
-
-def recipe_block(recipe) -> int:
-    """The K block of a block-scaled recipe's GEMMs."""
-    if isinstance(recipe, MXFP8BlockScaling):
-        return MXFP8_BLOCK
-    return NVFP4_BLOCK if isinstance(recipe, NVFP4BlockScaling) else FP8_BLOCK
 
 
 def e8m0_values(codes: torch.Tensor) -> torch.Tensor:

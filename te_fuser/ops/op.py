@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..quantization import is_block_scaled, make_recipe_state, runs_while_tracing
+from ._gemm_kind import require_per_tensor
 
 
 class OperationContext:
@@ -147,6 +148,8 @@ class BasicOperation(FusibleOperation):
         self._ensure_fp8_states(recipe, device)
         attrs["_forward_quantizers"] = self._fp8_states[0].quantizers(group) if self.num_forward_quantizers else []
         attrs["_backward_quantizers"] = self._fp8_states[1].quantizers(group) if self.num_backward_quantizers else []
+        if recipe.custom() and not self.supports_block_scaling:
+            require_per_tensor(type(self).__name__, self._fp8_states)
 
     @runs_while_tracing
     def _ensure_fp8_states(self, recipe, device) -> None:

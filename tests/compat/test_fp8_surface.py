@@ -118,11 +118,18 @@ def test_format_values_are_tes_maxima():
         assert fmt.value == (fmt.max_fwd, fmt.max_bwd)
 
 
-@pytest.mark.parametrize("cls,test", [(CustomRecipe, "custom")])
-def test_unimplemented_recipes_raise_naming_themselves(cls, test):
-    with pytest.raises(NotImplementedError, match=f"the {cls.__name__} recipe"):
-        cls(fp8_format=Format.HYBRID)
-    assert getattr(cls, test)() and not getattr(DelayedScaling, test)()  # TE's class tests still answer
+def test_custom_recipe_takes_tes_fields():
+    """TE 2.9's CustomRecipe(qfactory, fp8_dpa, fp8_mha), with later TE's fp8_format (HYBRID by default);
+    qfactory is required, as in TE (tests/modules/test_custom_recipe.py runs it)."""
+    def factory(role):
+        return te_fuser.Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+
+    recipe = CustomRecipe(qfactory=factory)
+    assert (recipe.qfactory, recipe.fp8_format, recipe.fp8_dpa, recipe.fp8_mha) == (factory, Format.HYBRID, False,
+                                                                                     False)
+    assert recipe.custom() and not recipe.float8_per_tensor_scaling() and not DelayedScaling.custom()
+    with pytest.raises(TypeError, match="qfactory"):
+        CustomRecipe(fp8_format=Format.HYBRID)
 
 
 def test_nvfp4_recipe_takes_tes_fields_and_derives_its_qparams():

@@ -25,7 +25,8 @@ from .._fp8_io import with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from ..op import BasicOperation
-from ..block_gemm import block_scaled_gemm_nt, gemm_operand, recipe_block
+from .._gemm_kind import gemm_block
+from ..block_gemm import block_scaled_gemm_nt, gemm_operand
 from .linear import (_block_scaled_wgrad, _columnwise_only, fp8_wgrad, high_precision_wgrad, saved_weight,
                      sync_weight_quantizer, transposed_data)
 
@@ -98,7 +99,9 @@ class GroupedBasicLinear(BasicOperation):
         xs = x.split(list(m_splits))
         weight_requires_grad = weights[0].requires_grad
         fp8 = self._fp8_enabled
-        block = recipe_block(self._fp8_recipe) if fp8 and is_block_scaled(self._fp8_recipe) else None
+        block = gemm_block(type(self).__name__, [("input", self._forward_quantizers[0]),
+                                                 ("weight", self._forward_quantizers[1]),
+                                                 ("grad_output", self._backward_quantizers[0])]) if fp8 else None
         dtype = ctx.autocast_dtype  # torch.autocast: as BasicLinear, W cast for 16 bits, quantized as it is
         out_dtype = weights[0].dtype if dtype is None else dtype
         if fp8 and block is None:

@@ -8,13 +8,14 @@ import torch
 from ... import amp
 from ...tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_data, fp8_data_transpose, fp8_transpose
 from ...tensor.quantized_tensor import QuantizedTensor
-from ...quantization import FP8GlobalState, current_init, is_block_scaled, make_recipe_state, runs_while_tracing
+from ...quantization import FP8GlobalState, current_init, make_recipe_state, runs_while_tracing
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from .. import _tensor_parallel as tp
 from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
-from ..block_gemm import block_scaled_gemm_nt, gemm_operand, recipe_block
+from .._gemm_kind import PER_TENSOR, gemm_block, quantizer_block
+from ..block_gemm import block_scaled_gemm_nt, gemm_operand
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation, OperationContext
 
@@ -207,6 +208,12 @@ class BasicLinear(BasicOperation):
     def grad_output_quantizer(self):
         return self._backward_quantizers[0] if self._fp8_enabled else None
 
+    def _gemm_block(self):
+        """The K block of this op's FP8 GEMMs (PER_TENSOR: per-tensor FP8), from its quantizers' kinds."""
+        return gemm_block(type(self).__name__, (("linear_input", self._forward_quantizers[0]),
+                                                ("linear_weight", self._forward_quantizers[1]),
+                                                ("linear_grad_output", self._backward_quantizers[0])))
+
     @property
     def gathers_input(self) -> bool:
         """Whether forward all-gathers its input along dim 0 (column-parallel, sequence-parallel)."""
@@ -266,24 +273,30 @@ class BasicLinear(BasicOperation):
             raise ValueError(f"kind must be 'output' or 'grad_input', got {kind!r}")
         if not self._fp8_enabled:
             raise RuntimeError("fp8_io_quantizer() needs FP8 to be set up (inside fp8_autocast)")
-        if is_block_scaled(self._fp8_recipe):
-            raise NotImplementedError(f"te_fuser does not implement fp8_output / fp8_grad under "
-                                      f"{type(self._fp8_recipe).__name__}")
+        if self._gemm_block() is not PER_TENSOR:
+            raise NotImplementedError(f"te_fuser does not implement fp8_output / fp8_grad with block-scaled "
+                                      f"quantizers ({type(self._forward_quantizers[0]).__name__}, under "
+                                      f"{type(self._fp8_recipe).__name__})")
         self._ensure_fp8_io_state(kind, torch.device(device))
-        return self._fp8_io_states[kind].quantizers(FP8GlobalState.get_group())[0]
+        quantizer = self._fp8_io_states[kind].quantizers(FP8GlobalState.get_group())[0]
+        if quantizer_block(f"linear_{kind}", quantizer) is not PER_TENSOR:
+            raise NotImplementedError(f"te_fuser implements fp8_output / fp8_grad in per-tensor FP8 only; "
+                                      f"CustomRecipe's qfactory returned {type(quantizer).__name__} for role "
+                                      f"linear_{kind}")
+        return quantizer
 
     @runs_while_tracing
     def _ensure_fp8_io_state(self, kind: str, device: torch.device) -> None:
         states = self.__dict__.setdefault("_fp8_io_states", {})
         state = states.get(kind)
         if state is None or state.recipe != self._fp8_recipe:
-            states[kind] = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
+            states[kind] = make_recipe_state(self._fp8_recipe, 1, kind == "output", device, [kind])
         elif hasattr(state, "amax") and state.amax.device != device:
             state.to(device)
 
     def load_fp8_io_state(self, kind: str, state: dict, device) -> None:
         """Restore the fp8_io_quantizer(kind) state from `_extra_state` (after load_fp8_extra_state)."""
-        loaded = make_recipe_state(self._fp8_recipe, 1, kind == "output", device)
+        loaded = make_recipe_state(self._fp8_recipe, 1, kind == "output", device, [kind])
         loaded.load_state_dict(state)
         self.__dict__.setdefault("_fp8_io_states", {})[kind] = loaded
 
@@ -321,9 +334,11 @@ class BasicLinear(BasicOperation):
         wgrad_needed = weight_requires_grad and bool(ctx.params_require_grad[0])  # False under no_grad
         original = x if self.save_original_input and wgrad_needed and not isinstance(x, Float8Tensor) else None
         if original is not None and self._fp8_enabled and isinstance(self._forward_quantizers[0], Float8Quantizer):
-            raise ValueError("save_original_input does not work with the DelayedScaling recipe (as in "
-                             "TransformerEngine): its backward could not reproduce the forward's scale")
-        block_scaled = self._fp8_enabled and is_block_scaled(self._fp8_recipe)
+            raise ValueError("save_original_input does not work with the DelayedScaling recipe, nor any "
+                             "Float8Quantizer input quantizer (as in TransformerEngine): its backward could not "
+                             "reproduce the forward's scale")
+        block = self._gemm_block() if self._fp8_enabled else PER_TENSOR
+        block_scaled = block is not PER_TENSOR
         fp8_gather = gather and self._fp8_enabled and not block_scaled and _GATHER_IN_FP8
         # The saved input is this rank's shard, gathered again in backward.
         ctx.regather_input = gather and (original is not None or fp8_gather)
@@ -338,7 +353,7 @@ class BasicLinear(BasicOperation):
         k, n = self.local_in_features, self.local_out_features
         ctx.fp8 = self._fp8_enabled
         if block_scaled:
-            y = self._block_scaled_forward(ctx, high_precision(x), weight, bias, is_first_microbatch, original,
+            y = self._block_scaled_forward(ctx, block, high_precision(x), weight, bias, is_first_microbatch, original,
                                            wgrad_needed)
         elif self._fp8_enabled:
             check_fp8_gemm_dims(**{"the number of input rows (tokens)": math.prod(lead_shape),
@@ -452,7 +467,7 @@ class BasicLinear(BasicOperation):
         return None
 
     # -- block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) -
-    def _block_scaled_forward(self, ctx, x, weight, bias, is_first_microbatch, original, wgrad_needed):
+    def _block_scaled_forward(self, ctx, block, x, weight, bias, is_first_microbatch, original, wgrad_needed):
         """y = x @ W.T on block-scaled operands (ops/block_gemm.py). The backward keeps each operand's
         columnwise usage only (x's for the wgrad, W's for the dgrad), as new tensors; sequence-parallel
         gathers move high-precision values, quantized after the gather."""
@@ -462,7 +477,6 @@ class BasicLinear(BasicOperation):
                                       f"{type(recipe).__name__}")
         if x.dtype != weight.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
-        block = recipe_block(recipe)
         input_quantizer = self._forward_quantizers[0]
         input_quantizer.set_usage(rowwise=True, columnwise=wgrad_needed and original is None)
         xq = input_quantizer(x)
