@@ -36,7 +36,8 @@ def assert_same(gpu_out, cpu_out):
         assert got.device.type == "cuda", f"output {i} is on {got.device}"
         assert got.dtype == want.dtype and got.shape == want.shape, f"output {i}"
         mismatch = (bits(got) != bits(want)).nonzero()
-        assert mismatch.numel() == 0, f"output {i}: {mismatch.shape[0]} elements differ, first at {mismatch[0].tolist()}"
+        assert mismatch.numel() == 0, (f"output {i}: {mismatch.shape[0]} elements differ, first at "
+                                       f"{mismatch[0].tolist()}")
 
 
 def edge_matrix(rows, cols, dtype, generator, block_rows, block_cols, finite=False):
@@ -128,3 +129,38 @@ def test_nvfp4_same_bytes_as_cpu(generator, dtype, mode):
     x[31, 63] = 2688.0  # a global amax of 448 * 6: blocks of amax 6 quantize with multiplier 1
     args = (True, True, block_2d, rht, stochastic, 5)
     assert_same(nk.nvfp4_quantize(x.to(CUDA), *args), nk.nvfp4_quantize(x, *args))
+
+
+@pytest.mark.parametrize("layout", [(1, 32, False), (32, 1, False), (1, 128, True), (128, 128, False)])
+@pytest.mark.parametrize("scale_dtype", [torch.uint8, torch.float32])
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_block_dequantize_same_bytes_as_cpu(generator, dtype, fp8_dtype, scale_dtype, layout):
+    """Every FP8 code under every E8M0 code, or float32 scales with Inf, NaN and subnormals, ragged edges."""
+    block_rows, block_cols, transposed = layout
+    rows, cols = 130, 257
+    data = torch.arange(rows * cols, dtype=torch.int64).remainder(256).to(torch.uint8)
+    data = data[torch.randperm(data.numel(), generator=generator)].view(fp8_dtype).reshape(rows, cols)
+    shape = (-(-rows // block_rows), -(-cols // block_cols))
+    shape = shape[::-1] if transposed else shape
+    n = shape[0] * shape[1]
+    if scale_dtype == torch.uint8:
+        scale = torch.arange(n, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(shape)
+    else:
+        scale = random_decades(n, torch.float32, generator, low=-44, high=38).reshape(shape)
+        scale.view(-1)[::17] = torch.tensor([float("inf"), float("nan"), 0.0, 1e-45])[torch.arange(n)[::17] % 4]
+    args = (block_rows, block_cols, transposed, dtype)
+    gpu = fk.block_dequantize(data.to(CUDA), scale.to(CUDA), *args)
+    assert_same((gpu,), (fk.block_dequantize(data, scale, *args),))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_nvfp4_dequantize_same_bytes_as_cpu(generator, dtype):
+    rows, cols = 48, 272
+    data = torch.randint(0, 256, (rows, cols // 2), generator=generator, dtype=torch.int64).to(torch.uint8)
+    scale = torch.randint(0, 256, nk.nvfp4_scale_shape((rows, cols), False), generator=generator).to(torch.uint8)
+    scale[(scale & 0x7F) == 0x7F] ^= 1  # no NaN block scale: the quantizer never writes one
+    for amax in (0.0, 1.0, 2688.0, 3e-30, 1e30):
+        amax = torch.tensor([amax])
+        gpu = nk.nvfp4_dequantize(data.to(CUDA), scale.to(CUDA), amax.to(CUDA), dtype)
+        assert_same((gpu,), (nk.nvfp4_dequantize(data, scale, amax, dtype),))

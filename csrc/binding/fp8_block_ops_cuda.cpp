@@ -1,4 +1,4 @@
-// CUDA implementations of the block-scaled FP8 quantizer ops (schemas and CPU versions in
+// CUDA implementations of the block-scaled FP8 quantizer and dequantizer ops (schemas and CPU versions in
 // fp8_block_ops.cpp): the same argument checks and TE's output shapes, then the launchers of
 // csrc/cuda/block on the current stream of the input's device. Scale tensors are zeroed on the device
 // first, so their padding matches the CPU's.
@@ -100,10 +100,34 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fp8_block_quantize_cuda(Tensor input,
   return std::make_tuple(y, s, yt, st);
 }
 
+Tensor block_dequantize_cuda(Tensor data, Tensor scale, int64_t block_rows, int64_t block_cols, bool scale_transposed,
+                             ScalarType out_dtype) {
+  check_contiguous(data, "data");
+  check_contiguous(scale, "scale");
+  check_same_device(data, scale, "data", "scale");
+  STD_TORCH_CHECK(data.dim() == 2, "data must be 2-D");
+  STD_TORCH_CHECK(scale.dim() == 2, "scale must be 2-D");
+  const tf_fp8_format format = to_tf_fp8_format(data.scalar_type(), "data");
+  const tf_dtype dtype = to_tf_dtype(out_dtype, "out_dtype");
+  STD_TORCH_CHECK(scale.scalar_type() == ScalarType::Byte || scale.scalar_type() == ScalarType::Float,
+                  "scale must be uint8 (E8M0 codes) or float32");
+  const tf_block_scale_kind kind = scale.scalar_type() == ScalarType::Byte ? TF_BLOCK_SCALE_E8M0 : TF_BLOCK_SCALE_F32;
+  const DeviceGuard guard(data.get_device_index());
+  void* stream = current_cuda_stream(data, "data");
+  const int64_t rows = data.size(0), cols = data.size(1);
+  Tensor out = new_empty(data, {rows, cols}, out_dtype);
+  check_status(tf_block_dequantize_cuda(static_cast<const uint8_t*>(data.const_data_ptr()), format, rows, cols,
+                                        scale.const_data_ptr(), kind, scale.size(0), scale.size(1), block_rows,
+                                        block_cols, scale_transposed ? 1 : 0, out.mutable_data_ptr(), dtype, stream),
+               "block_dequantize");
+  return out;
+}
+
 }  // namespace
 }  // namespace te_fuser
 
 STABLE_TORCH_LIBRARY_IMPL(te_fuser, CUDA, m) {
   m.impl("mxfp8_quantize", TORCH_BOX(&te_fuser::mxfp8_quantize_cuda));
   m.impl("fp8_block_quantize", TORCH_BOX(&te_fuser::fp8_block_quantize_cuda));
+  m.impl("block_dequantize", TORCH_BOX(&te_fuser::block_dequantize_cuda));
 }

@@ -1,5 +1,5 @@
-// CUDA implementation of nvfp4_quantize (schema and CPU version in nvfp4_ops.cpp): the same argument
-// checks and TE's output shapes, then the amax and quantize launchers of csrc/cuda/block on the current
+// CUDA implementations of nvfp4_quantize and nvfp4_dequantize (schemas and CPU versions in nvfp4_ops.cpp):
+// the same argument checks and TE's output shapes, then the launchers of csrc/cuda/block on the current
 // stream of the input's device. The amaxes stay on the device and the quantizer reads them there, so
 // nothing waits for the GPU; for the same reason Inf or NaN input is not refused here, as the CPU op
 // does from its amax: te_fuser.kernels.nvfp4.nvfp4_quantize refuses it before calling either.
@@ -75,9 +75,34 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cuda(T
   return std::make_tuple(y, s, a, yt, st, at);
 }
 
+// The values of packed data (rows x cols / 2 bytes) under its scales and amax (read on the device).
+Tensor nvfp4_dequantize_cuda(Tensor data, Tensor scale, Tensor amax, ScalarType out_dtype) {
+  check_contiguous(data, "data");
+  check_contiguous(scale, "scale");
+  check_same_device(data, scale, "data", "scale");
+  check_same_device(data, amax, "data", "amax");
+  STD_TORCH_CHECK(data.dim() == 2 && data.scalar_type() == ScalarType::Byte, "data must be a 2-D uint8 tensor");
+  STD_TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == ScalarType::Byte, "scale must be a 2-D uint8 tensor");
+  STD_TORCH_CHECK(amax.numel() == 1 && amax.scalar_type() == ScalarType::Float, "amax must be one float32 value");
+  const tf_dtype dtype = to_tf_dtype(out_dtype, "out_dtype");
+  const int64_t rows = data.size(0), cols = data.size(1) * 2;
+  STD_TORCH_CHECK(cols % kBlock == 0, "data must hold a multiple of 16 values per row, got ", cols);
+  STD_TORCH_CHECK(scale.size(0) >= rows && scale.size(1) >= cols / kBlock, "scale of shape (", scale.size(0), ", ",
+                  scale.size(1), ") does not cover data of ", rows, " x ", cols, " values");
+  const DeviceGuard guard(data.get_device_index());
+  void* stream = current_cuda_stream(data, "data");
+  Tensor out = new_empty(data, {rows, cols}, out_dtype);
+  check_status(tf_nvfp4_dequantize_cuda(static_cast<const uint8_t*>(data.const_data_ptr()), rows, cols,
+                                        static_cast<const uint8_t*>(scale.const_data_ptr()), scale.size(1),
+                                        amax.const_data_ptr<float>(), out.mutable_data_ptr(), dtype, stream),
+               "nvfp4_dequantize");
+  return out;
+}
+
 }  // namespace
 }  // namespace te_fuser
 
 STABLE_TORCH_LIBRARY_IMPL(te_fuser, CUDA, m) {
   m.impl("nvfp4_quantize", TORCH_BOX(&te_fuser::nvfp4_quantize_cuda));
+  m.impl("nvfp4_dequantize", TORCH_BOX(&te_fuser::nvfp4_dequantize_cuda));
 }

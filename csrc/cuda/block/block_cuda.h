@@ -21,6 +21,7 @@ extern "C" {
 
 #include "../../common/tf_dtype.h"
 #include "../../common/tf_status.h"
+#include "../../fp8/fp8_block.h"
 #include "../../fp8/fp8_format.h"
 
 /* tf_mxfp8_quantize over all rows: 1x32 (y, scale) and 32x1 (y_col, scale_col) blocks. */
@@ -49,6 +50,16 @@ tf_status tf_nvfp4_quantize_cuda(const void *x, tf_dtype dtype, int64_t rows, in
                                  int block_2d, int rht_t, int stochastic, uint64_t seed, const float *amax,
                                  const float *amax_t, uint8_t *y, uint8_t *scale, int64_t ld_scale, uint8_t *y_t,
                                  uint8_t *scale_t, int64_t ld_scale_t, void *stream);
+
+/* tf_block_dequantize over all rows: the values of FP8 data under per-block E8M0 or float32 scales. */
+tf_status tf_block_dequantize_cuda(const uint8_t *y, tf_fp8_format format, int64_t rows, int64_t cols,
+                                   const void *scale, tf_block_scale_kind kind, int64_t scale_rows,
+                                   int64_t scale_cols, int64_t block_rows, int64_t block_cols,
+                                   int scale_transposed, void *x, tf_dtype dtype, void *stream);
+
+/* tf_nvfp4_dequantize over all rows, the tensor's amax read on the device. */
+tf_status tf_nvfp4_dequantize_cuda(const uint8_t *y, int64_t rows, int64_t cols, const uint8_t *scale,
+                                   int64_t ld_scale, const float *amax, void *x, tf_dtype dtype, void *stream);
 
 #ifdef __cplusplus
 }

@@ -78,7 +78,8 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t xr = g + sr + r, xc = c0 + sc + c;
         const float f = load_or_zero<Elem>(x, a.rows, a.cols, a.ld_x, xr, xc);
         sub[r][c] = f;
-        if (a.y && xr < a.rows && xc < a.cols) a.y[xr * a.cols + xc] = Fmt::encode(mul_like_cpu(f, two_d ? block_scale : row_scale[sr + r]));
+        if (a.y && xr < a.rows && xc < a.cols)
+          a.y[xr * a.cols + xc] = Fmt::encode(mul_like_cpu(f, two_d ? block_scale : row_scale[sr + r]));
       }
       __syncthreads();
       if (a.y_t) {

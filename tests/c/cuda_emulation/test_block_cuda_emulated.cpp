@@ -3,7 +3,8 @@
 // (scale buffers wider than needed and pre-filled, so a stray write shows) for every dtype and format,
 // matrices of every FP8 / E2M1 code point, ragged sizes (partial last blocks and tiles), strided rows,
 // all-zero, Inf and NaN blocks, and blocks whose scales are subnormal; NVFP4 with 2D blocks, the
-// Hadamard transform and stochastic rounding under several seeds; and the launchers' argument checks.
+// Hadamard transform and stochastic rounding under several seeds; the dequantizers over every data and
+// scale code; and the launchers' argument checks.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -294,6 +295,68 @@ void test_nvfp4() {
   }
 }
 
+// ---- dequantize ---------------------------------------------------------------------------------
+
+// Every FP8 code as data and every E8M0 code (or random float32 scales: Inf, NaN, subnormals) as scales,
+// in each layout of the quantizers, with ragged edges.
+void test_block_dequantize() {
+  const int64_t shapes[][2] = {{1, 1}, {33, 129}, {130, 70}, {64, 256}};
+  const int64_t layouts[][3] = {{1, 32, 0}, {32, 1, 0}, {1, 128, 1}, {128, 1, 0}, {128, 128, 0}, {128, 128, 1}};
+  for (const auto &shape : shapes)
+    for (const auto &layout : layouts)
+      for (tf_fp8_format f : kFormats)
+        for (tf_block_scale_kind kind : {TF_BLOCK_SCALE_E8M0, TF_BLOCK_SCALE_F32})
+          for (tf_dtype d : kDtypes) {
+            const int64_t rows = shape[0], cols = shape[1], br = layout[0], bc = layout[1];
+            const int transposed = static_cast<int>(layout[2]);
+            const int64_t row_blocks = cdiv(rows, br), col_blocks = cdiv(cols, bc);
+            const int64_t sr = transposed ? col_blocks : row_blocks, sc = (transposed ? row_blocks : col_blocks) + 1;
+            std::vector<uint8_t> y(static_cast<size_t>(rows * cols));
+            for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<uint8_t>(i % 3 ? rand_u32() : i / 3);
+            std::vector<uint8_t> codes(static_cast<size_t>(sr * sc));
+            std::vector<float> values(codes.size());
+            for (size_t i = 0; i < codes.size(); ++i) {
+              codes[i] = static_cast<uint8_t>(i % 2 ? rand_u32() : i / 2);
+              values[i] = rand_float(false);
+            }
+            const void *scale = kind == TF_BLOCK_SCALE_E8M0 ? static_cast<const void *>(codes.data()) : values.data();
+            const size_t bytes = y.size() * elem_size(d) + 1;
+            std::vector<uint8_t> x(bytes, 0xA5), x_ref(bytes, 0xA5);
+            CHECK(tf_block_dequantize_cuda(y.data(), f, rows, cols, scale, kind, sr, sc, br, bc, transposed, x.data(),
+                                           d, nullptr) == TF_OK &&
+                      tf_block_dequantize(y.data(), f, rows, cols, 0, rows, scale, kind, sr, sc, br, bc, transposed,
+                                          x_ref.data(), d) == TF_OK,
+                  "block dequantize status");
+            CHECK(same(x, x_ref),
+                  "block dequantize %ld x %ld blocks %ld x %ld transposed %d format %d kind %d dtype %d",
+                  static_cast<long>(rows), static_cast<long>(cols), static_cast<long>(br), static_cast<long>(bc),
+                  transposed, f, kind, d);
+          }
+}
+
+// Every byte of packed E2M1 data under every non-NaN E4M3 block scale and amaxes from 0 to 1e30.
+void test_nvfp4_dequantize() {
+  const int64_t shapes[][2] = {{1, 16}, {33, 48}, {16, 512}};
+  for (const auto &shape : shapes)
+    for (tf_dtype d : kDtypes)
+      for (float amax : {0.0f, 1.0f, 2688.0f, 3e-30f, 1e30f}) {
+        const int64_t rows = shape[0], cols = shape[1], ld_s = cols / 16 + 1;
+        std::vector<uint8_t> y(static_cast<size_t>(rows * cols / 2)), s(static_cast<size_t>(rows * ld_s));
+        for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<uint8_t>(i % 2 ? rand_u32() : i / 2);
+        for (size_t i = 0; i < s.size(); ++i) {
+          s[i] = static_cast<uint8_t>(i % 2 ? rand_u32() : i / 2);
+          if ((s[i] & 0x7Fu) == 0x7Fu) s[i] ^= 1u;  // no NaN scale: the quantizer never writes one
+        }
+        const size_t bytes = static_cast<size_t>(rows * cols) * elem_size(d) + 1;
+        std::vector<uint8_t> x(bytes, 0xA5), x_ref(bytes, 0xA5);
+        CHECK(tf_nvfp4_dequantize_cuda(y.data(), rows, cols, s.data(), ld_s, &amax, x.data(), d, nullptr) == TF_OK &&
+                  tf_nvfp4_dequantize(y.data(), rows, cols, 0, rows, s.data(), ld_s, amax, x_ref.data(), d) == TF_OK,
+              "nvfp4 dequantize status");
+        CHECK(same(x, x_ref), "nvfp4 dequantize %ld x %ld dtype %d amax %g", static_cast<long>(rows),
+              static_cast<long>(cols), d, static_cast<double>(amax));
+      }
+}
+
 // ---- argument checks ----------------------------------------------------------------------------
 
 void test_checks() {
@@ -329,6 +392,11 @@ void test_checks() {
   CHECK(tf_nvfp4_quantize_cuda(x, TF_FLOAT16, 16, 16, 16, 0, 0, 0, 0, &amax, &amax, y, s, 0, nullptr, nullptr, 0,
                                nullptr) == TF_ERR_BAD_SIZE,
         "nvfp4: ld_scale too small");
+  CHECK(tf_block_dequantize_cuda(y, TF_FP8_E4M3, 2, 64, s, TF_BLOCK_SCALE_E8M0, 2, 1, 1, 32, 0, fs, TF_FLOAT32,
+                                 nullptr) == TF_ERR_BAD_SIZE,
+        "block dequantize: scales do not cover the blocks");
+  CHECK(tf_nvfp4_dequantize_cuda(y, 1, 16, s, 1, nullptr, fs, TF_FLOAT32, nullptr) == TF_ERR_NULL_POINTER,
+        "nvfp4 dequantize: no amax");
   CHECK(tf_mxfp8_quantize_cuda(x, static_cast<tf_dtype>(9), 1, 1, 1, TF_FP8_E4M3, y, s, 1, nullptr, nullptr, 0,
                                nullptr) == TF_ERR_BAD_DTYPE,
         "mxfp8: unknown dtype");
@@ -340,6 +408,8 @@ int main() {
   test_mxfp8();
   test_fp8_block();
   test_nvfp4();
+  test_block_dequantize();
+  test_nvfp4_dequantize();
   test_checks();
   std::fprintf(stderr, "(%ld emulated launches)\n", emu_launch_count);
   return check_report();
