@@ -28,15 +28,15 @@ test: install c-check
 	$(PYTHON) -m pytest -q tests
 
 # The C core on its own under AddressSanitizer and UndefinedBehaviorSanitizer, then the CUDA
-# FP8, fused-op and attention kernel sources run on the CPU (one fiber per CUDA thread, the
-# attention PTX replaced by a lane-exact model) and compared with the C core. The parts are
+# FP8, block-scaled quantizer, fused-op and attention kernel sources run on the CPU (one fiber
+# per CUDA thread, the attention PTX replaced by a lane-exact model) and compared with the C core. The parts are
 # independent builds and runs, so they go JOBS at a time; -Otarget prints each part's output
 # whole, when it ends.
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
-EMULATED_PARTS = c-check/emulated-attention c-check/emulated-fp8 c-check/emulated-ops
+EMULATED_PARTS = c-check/emulated-attention c-check/emulated-fp8 c-check/emulated-ops c-check/emulated-block
 C_CHECK_PARTS = c-check/attention-native c-check/attention-amx-model c-check/emulated-attention \
-	c-check/fp8 c-check/emulated-fp8 c-check/ops c-check/emulated-ops c-check/gemm c-check/fp8-block \
-	c-check/nvfp4 c-check/cross-entropy c-check/rope  # longest first
+	c-check/fp8 c-check/emulated-fp8 c-check/emulated-block c-check/ops c-check/emulated-ops c-check/gemm \
+	c-check/fp8-block c-check/nvfp4 c-check/cross-entropy c-check/rope  # longest first
 .PHONY: $(C_CHECK_PARTS)
 
 c-check:

@@ -1,7 +1,8 @@
 #!/bin/sh
-# Usage: run.sh AREA   (AREA = fp8, ops or attention)
+# Usage: run.sh AREA   (AREA = fp8, ops, attention or block)
 # Runs the CUDA kernels of csrc/cuda/AREA on the host (cuda_runtime.h here stands
-# in for the GPU) against the C core of csrc/AREA, with test_AREA_cuda_emulated.cpp,
+# in for the GPU) against the C core of csrc/AREA (of csrc/fp8 and csrc/fp4 for
+# block, the block-scaled quantizers), with test_AREA_cuda_emulated.cpp,
 # under AddressSanitizer (every kernel access to global and shared memory is
 # bounds-checked) and UBSan (which also checks the alignment of every vector
 # access); no GPU or nvcc needed. The kernels are built from a copy of csrc in
@@ -10,7 +11,7 @@
 # "N passed, M failed" (exit status 1 on failures). JOBS (default 2)
 # compilations run at once.
 set -eu
-area="${1:?usage: run.sh fp8|ops|attention}"
+area="${1:?usage: run.sh fp8|ops|attention|block}"
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"
 [ -f "$here/test_${area}_cuda_emulated.cpp" ] || { echo "run.sh: no emulation test for '$area'" >&2; exit 2; }
@@ -28,7 +29,10 @@ compile='case "$1" in
   *) $CXX -std=c++20 $flags -Wall -Wextra -Werror -Wno-unknown-pragmas -I"$here" -I"$work/csrc" \
        -I"$work/csrc/cuda/$area" -c "$1" -o "$work/obj_${1##*/}.o" ;;
 esac'
-ls "$work"/csrc/"$area"/*.c "$work"/csrc/common/*.c "$here/test_${area}_cuda_emulated.cpp" \
-  "$work"/csrc/cuda/"$area"/*.cpp | xargs -I{} -P "${JOBS:-2}" sh -c "$compile" compile {}
+case "$area" in block) c_areas="fp8 fp4" ;; *) c_areas="$area" ;; esac
+{
+  for c_area in $c_areas; do ls "$work/csrc/$c_area"/*.c; done
+  ls "$work"/csrc/common/*.c "$here/test_${area}_cuda_emulated.cpp" "$work"/csrc/cuda/"$area"/*.cpp
+} | xargs -I{} -P "${JOBS:-2}" sh -c "$compile" compile {}
 "$CXX" -fsanitize=address,undefined "$work"/obj_*.o -o "$work/test"
 "$work/test"
