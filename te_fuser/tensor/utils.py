@@ -7,7 +7,11 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from .float8_blockwise_tensor import Float8BlockQuantizer
 from .float8_tensor import Float8Tensor
+from .mxfp8_tensor import MXFP8Quantizer
+from .nvfp4_tensor import NVFP4Quantizer
+from .quantized_tensor import QuantizedTensor
 from ..kernels import fp8 as fp8_kernels
 
 __all__ = ["cast_master_weights_to_fp8", "replace_raw_data"]
@@ -122,16 +126,27 @@ def _cast_shard(model: Float8Tensor, shard: Optional[torch.Tensor], offset: int,
 
 
 def rowwise_copy(quantizer):
-    """The quantizer a weight keeps: the same scaling state, without the transposed data (the GEMMs
-    transpose the weight's bytes when they need to, so the parameter never holds a second copy)."""
+    """The quantizer a weight keeps: the same scaling state, with the usages the weight holds (weight_usages)."""
     own = copy.copy(quantizer)
-    own.set_usage(columnwise=False)
+    own.set_usage(columnwise=keeps_columnwise(quantizer))
     return own
+
+
+def keeps_columnwise(quantizer) -> bool:
+    """Whether a weight quantized by `quantizer` holds its columnwise usage too. A Float8 weight never (the
+    GEMMs transpose its bytes when they need to), nor one in 2-D blocks (Float8 block scaling's 128x128,
+    NVFP4's 16x16: its columnwise data is the rowwise bytes transposed, made in backward); the 1-D block
+    formats (MXFP8, 1x128 tiles, NVFP4's 1x16) do: their columnwise blocks run the other way."""
+    if isinstance(quantizer, Float8BlockQuantizer):
+        return quantizer.block_scaling_dim != 2
+    if isinstance(quantizer, NVFP4Quantizer):
+        return not quantizer.with_2d_quantization
+    return isinstance(quantizer, MXFP8Quantizer)
 
 
 def fp8_weight_parameter(values: torch.Tensor, quantizer, init,
                          like: Optional[torch.Tensor] = None) -> torch.nn.Parameter:
-    """A Float8Tensor parameter holding `values` quantized by `quantizer` (which it keeps)."""
+    """A quantized parameter holding `values` quantized by `quantizer` (a copy of which it keeps)."""
     values = values.detach()
     quantizer = rowwise_copy(quantizer)
     fp8 = quantizer.quantize(values.contiguous())
@@ -156,21 +171,21 @@ def _clear_high_precision_init_val(self) -> None:
 
 
 def quantize_weights(module: torch.nn.Module, named: Sequence[tuple], init) -> None:
-    """Replace module.<name> (initialized, high precision) by an FP8 parameter, for each (name, op, slot):
+    """Replace module.<name> (initialized, high precision) by a quantized parameter, for each (name, op, slot):
     the op's forward quantizer `slot` of init.recipe quantizes it."""
     for name, op, slot in named:
         weight = getattr(module, name)
-        if isinstance(weight, Float8Tensor):
+        if isinstance(weight, QuantizedTensor):
             continue
         quantizer = op.forward_quantizer_for_init(init.recipe, weight.device, slot)
         module.register_parameter(name, fp8_weight_parameter(weight, quantizer, init, like=weight))
 
 
 def initialize_weight(weight: torch.Tensor, init_fn) -> torch.Tensor:
-    """init_fn applied to a high-precision tensor of weight's shape: the weight itself, or for an FP8
-    weight (re-initialized) a fresh tensor of its nominal dtype that the caller quantizes back."""
+    """init_fn applied to a high-precision tensor of weight's shape: the weight itself, or for a quantized
+    weight (re-initialized) a fresh tensor of its nominal dtype, quantized back into it."""
     target = weight
-    if isinstance(weight, Float8Tensor):
+    if isinstance(weight, QuantizedTensor):
         target = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         init_fn(target)

@@ -128,9 +128,6 @@ def test_refusals_name_what_they_refuse():
     with pytest.raises(NotImplementedError, match="MXFP8BlockScaling"):
         with te_fuser.fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
             grouped(torch.randn(64, 64), [32, 32])
-    with pytest.raises(NotImplementedError, match="quantized_model_init"):
-        with te_fuser.quantized_model_init(recipe=MXFP8BlockScaling()):
-            pass
 
 
 # -- the lifetime discipline under each block-scaled recipe -------------------------------------------
