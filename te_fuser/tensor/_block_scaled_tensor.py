@@ -178,14 +178,25 @@ class BlockScaledTensor(QuantizedTensor):
 
     def __reduce_ex__(self, protocol):
         self._live()
+        # The buffers as bytes with their dtypes: plain pickle cannot rebuild a float8 tensor's storage. A weight
+        # parameter's quantizer (optimizer steps write through it) and plain attributes (Parameter's _is_param,
+        # tensor-parallel tags) travel too.
+        buffers = self._buffers()
+        attributes = {k: v for k, v in vars(self).items() if (not k.startswith("_") or k == "_is_param")
+                      and isinstance(v, (bool, int, float, str, type(None)))}
         return (_rebuild_block_scaled, (type(self), tuple(self.shape), self.dtype, self._fp8_dtype,
-                                        self._buffers(), self._meta(), self.requires_grad))
+                                        [None if b is None else b.view(torch.uint8) for b in buffers], self._meta(),
+                                        self.requires_grad, [None if b is None else b.dtype for b in buffers],
+                                        self._quantizer, attributes))
 
     def __deepcopy__(self, memo):
         self._live()
         out = self._with_buffers(torch.clone, requires_grad=self.requires_grad)
         out._quantizer = copy.deepcopy(self._quantizer, memo)
         memo[id(self)] = out
+        for name, value in vars(self).items():  # as torch copies a subclass's __dict__: a parameter's flag,
+            if name not in vars(out):           # the attributes TP code sets on a weight
+                setattr(out, name, copy.deepcopy(value, memo))
         return out
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -208,9 +219,15 @@ class BlockScaledRecord:
                         **{name[1:]: t for name, t in zip(self.cls._BUFFERS, tensors)}, **self.meta)
 
 
-def _rebuild_block_scaled(cls, shape, dtype, fp8_dtype, buffers, meta, requires_grad):
-    return cls(shape, dtype, fp8_dtype=fp8_dtype, requires_grad=requires_grad,
-               **{name[1:]: b for name, b in zip(cls._BUFFERS, buffers)}, **meta)
+def _rebuild_block_scaled(cls, shape, dtype, fp8_dtype, buffers, meta, requires_grad, buffer_dtypes=None,
+                          quantizer=None, attributes=None):
+    if buffer_dtypes is not None:  # (the last three are absent from what the first versions wrote)
+        buffers = [b if b is None else b.view(d) for b, d in zip(buffers, buffer_dtypes)]
+    out = cls(shape, dtype, fp8_dtype=fp8_dtype, requires_grad=requires_grad, quantizer=quantizer,
+              **{name[1:]: b for name, b in zip(cls._BUFFERS, buffers)}, **meta)
+    for name, value in (attributes or {}).items():
+        setattr(out, name, value)
+    return out
 
 
 class BlockScaledQuantizer(Quantizer):

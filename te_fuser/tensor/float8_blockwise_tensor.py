@@ -148,4 +148,4 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
                 f"force_pow_2_scales={self.force_pow_2_scales})")
 
 
-torch.serialization.add_safe_globals([Float8BlockwiseQTensor])
+torch.serialization.add_safe_globals([Float8BlockwiseQTensor, Float8BlockQuantizer])

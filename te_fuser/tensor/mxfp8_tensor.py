@@ -63,4 +63,4 @@ class MXFP8Quantizer(BlockScaledQuantizer):
         return f"MXFP8Quantizer(fp8_dtype={self.dtype}, rowwise={self.rowwise}, columnwise={self.columnwise})"
 
 
-torch.serialization.add_safe_globals([MXFP8Tensor, _rebuild_block_scaled])
+torch.serialization.add_safe_globals([MXFP8Tensor, MXFP8Quantizer, _rebuild_block_scaled])

@@ -211,4 +211,4 @@ class NVFP4Quantizer(BlockScaledQuantizer):
                 f"with_2d_quantization={self.with_2d_quantization}, stochastic_rounding={self.stochastic_rounding})")
 
 
-torch.serialization.add_safe_globals([NVFP4Tensor, _rebuild_block_scaled, DType])
+torch.serialization.add_safe_globals([NVFP4Tensor, NVFP4Quantizer, _rebuild_block_scaled, DType])
