@@ -66,6 +66,25 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
         return out_t.t().reshape(self.shape)
 
 
+    _ROW_BLOCK = BLOCK_LEN
+
+    def _row_layout(self) -> dict:
+        # Data: rowwise (rows, cols), columnwise (cols, rows). Scales: 2-D (row blocks, col blocks) and transposed;
+        # 1-D tiles in TE's GEMM-ready layout, rowwise (col blocks, rows), columnwise (row blocks, cols).
+        if self._is_2D_scaled:
+            scales = {"_rowwise_scale_inv": (0, BLOCK_LEN), "_columnwise_scale_inv": (1, BLOCK_LEN)}
+        else:
+            scales = {"_rowwise_scale_inv": (1, 1), "_columnwise_scale_inv": (0, BLOCK_LEN)}
+        return {"_rowwise_data": (0, 1), "_columnwise_data": (1, 1), **scales}
+
+    def _buffer_shape(self, name: str, shape) -> Tuple[int, ...]:
+        shape = tuple(shape)
+        if name == "_rowwise_data":
+            return shape
+        if name == "_columnwise_data":
+            return (shape[-1], *shape[:-1])
+        return kernels.fp8_block_scale_shape(shape, 2 if self._is_2D_scaled else 1, name.startswith("_columnwise"))
+
     def columnwise_from_rowwise(self) -> "Float8BlockwiseQTensor":
         """A new tensor holding only the columnwise usage, made from this 128x128-scaled tensor's rowwise
         usage without requantizing: a 2-D block's columnwise data is its rowwise bytes transposed, under

@@ -110,6 +110,21 @@ class NVFP4Tensor(BlockScaledTensor):
         values = (groups @ get_rht_matrix(codes.device).double().t()).reshape(codes.shape)
         return values.to(torch.float32).to(dtype).t().reshape(self.shape)
 
+    _ROW_BLOCK = NVFP4_BLOCK_SCALING_SIZE
+
+    def _row_layout(self) -> dict:
+        # Rowwise (rows, cols / 2) and scales per row; columnwise (cols, rows / 2), scales (cols, rows / 16).
+        return {"_rowwise_data": (0, 1), "_rowwise_scale_inv": (0, 1), "_columnwise_data": (1, 2),
+                "_columnwise_scale_inv": (1, NVFP4_BLOCK_SCALING_SIZE)}
+
+    def _buffer_shape(self, name: str, shape) -> Tuple[int, ...]:
+        columnwise = "columnwise" in name
+        if name.startswith("_amax"):
+            return (1,)
+        if name.endswith("_data"):
+            return tuple(kernels.nvfp4_data_shape(tuple(shape), columnwise))
+        return kernels.nvfp4_scale_shape(tuple(shape), columnwise)
+
     def columnwise_from_rowwise(self) -> "NVFP4Tensor":
         """A new tensor holding only the columnwise usage, made from the rowwise usage of a tensor quantized
         in 16x16 blocks (with_2d_quantization, without the transform) without requantizing: the E2M1 codes

@@ -103,8 +103,11 @@ def _bump_versions(t: QuantizedTensor) -> None:
     """Count a write into t's buffers on their version counters. Writes made inside __torch_dispatch__ run
     below autograd's ADInplaceOrView key, which would count them: without this, a buffer saved for backward
     (a quantized weight's bytes) and then overwritten (an optimizer step before backward) went unnoticed."""
-    names, _ = t.__tensor_flatten__()
-    torch.autograd.graph.increment_version([getattr(t, name) for name in names])
+    for inner in (getattr(t, name) for name in t.__tensor_flatten__()[0]):
+        if isinstance(inner, QuantizedTensor):  # a view of another quantized tensor
+            _bump_versions(inner)
+        else:
+            torch.autograd.graph.increment_version(inner)
 
 
 def to_op(func, args, kwargs, moved):
