@@ -43,25 +43,41 @@ def fp8_recipe():
         return te_fuser.recipe.DelayedScaling(fp8_dpa=True)
 
 
-def build(layers: int, fp8_weights: bool):
+def build(layers: int, fp8_weights: bool, weight_recipe=None):
+    """The example GPT; fp8_weights: built under quantized_model_init(weight_recipe, default fp8_recipe())."""
     cfg = GPTConfig(vocab_size=256, seq_len=SEQ, hidden_size=512, num_heads=8, num_layers=layers,
                     ffn_hidden_size=2048)
     torch.manual_seed(0)
     if not fp8_weights:
         return GPT(cfg, dtype=torch.bfloat16)
-    with te_fuser.quantized_model_init(enabled=True, recipe=fp8_recipe()):
+    with te_fuser.quantized_model_init(enabled=True, recipe=weight_recipe or fp8_recipe()):
         return GPT(cfg, dtype=torch.bfloat16)
 
 
 def param_storages(model) -> dict:
-    """{data_ptr: nbytes} of the parameters' storages, each once (an FP8 parameter: its data, transpose and
-    scale)."""
+    """{data_ptr: nbytes} of the parameters' storages, each once (a quantized parameter: its buffers' storages,
+    e.g. an FP8 one's data, transpose and scale, a block-scaled one's data, scales and amax per usage)."""
     seen = {}
     for p in model.parameters():
-        parts = [getattr(p, name, None) for name in ("_data", "_transpose", "_scale_inv")]
-        for t in [t for t in parts if isinstance(t, torch.Tensor)] or [p]:
+        parts = [getattr(p, name) for name in p.__tensor_flatten__()[0]] if isinstance(p, te_fuser.QuantizedTensor) \
+            else [p]
+        for t in parts:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return seen
+
+
+WEIGHT_RECIPES = {"FP8 (DelayedScaling)": lambda: te_fuser.recipe.DelayedScaling(),
+                  "MXFP8BlockScaling": lambda: te_fuser.recipe.MXFP8BlockScaling(),
+                  "Float8BlockScaling": lambda: te_fuser.recipe.Float8BlockScaling(),
+                  "NVFP4BlockScaling": lambda: te_fuser.recipe.NVFP4BlockScaling()}
+
+
+def parameter_bytes_by_recipe(layers: int) -> dict:
+    """{recipe name: parameter bytes of the GPT built under quantized_model_init(that recipe)}, with "bf16"."""
+    out = {"bf16": sum(param_storages(build(layers, False)).values())}
+    for name, make in WEIGHT_RECIPES.items():
+        out[name] = sum(param_storages(build(layers, True, make())).values())
+    return out
 
 
 def without_parameters(saved: SavedTensors, model) -> SavedTensors:
@@ -173,6 +189,11 @@ def main():
         print(f"bf16 training step peak with this CPU's float32-widened 16-bit GEMMs: {widened_peak / MIB:.2f} MiB")
     ratio = columns["FP8"]["saved"].total_bytes / base["saved"].total_bytes
     print(f"saved for backward, FP8 / bf16 = {ratio:.3f} (issue 15 target <= 0.6)")
+    params = parameter_bytes_by_recipe(args.layers)
+    print("\nparameters under quantized_model_init (norms, biases and the embedding stay bf16):")
+    for name, value in params.items():
+        print(f"  {name:22s} {value / MIB:8.2f} MiB ({value / params['bf16']:.2f}x)")
+    print(f"NVFP4 / bf16 = {params['NVFP4BlockScaling'] / params['bf16']:.3f} (issue 31 target <= 0.35)")
 
 
 if __name__ == "__main__":

@@ -24,3 +24,23 @@ def test_parameters_own_storages_are_not_counted_as_saved():
     assert weight in {e.tensor.untyped_storage().data_ptr() for e in saved}  # the control: it was saved
     assert weight not in {e.tensor.untyped_storage().data_ptr() for e in kept}
     assert kept.total_bytes == saved.total_bytes - model.weight.untyped_storage().nbytes() > 0
+
+
+def test_nvfp4_weights_hold_at_most_035x_the_bf16_parameter_bytes(monkeypatch):
+    """Issue 31's goal, on the example GPT (one layer): its parameters built under
+    quantized_model_init(NVFP4BlockScaling) take <= 0.35x the bytes of bf16 ones, counting every buffer of a
+    quantized parameter (data, scales, amax). Control: weights that keep their columnwise usage too (the 16x16
+    blocks' transposed copy, which the dgrad makes in backward instead) are over the bound."""
+    from te_fuser.tensor import NVFP4Tensor, utils
+    params = memory_breakdown.parameter_bytes_by_recipe(1)
+    model = memory_breakdown.build(1, True, memory_breakdown.WEIGHT_RECIPES["NVFP4BlockScaling"]())
+    weights = [p for p in model.parameters() if isinstance(p, NVFP4Tensor)]
+    assert weights and all(p._columnwise_data is None for p in weights)
+    counted = memory_breakdown.param_storages(model)
+    assert all(b.untyped_storage().data_ptr() in counted
+               for p in weights for b in (p._rowwise_data, p._rowwise_scale_inv, p._amax_rowwise))
+    assert params["NVFP4BlockScaling"] / params["bf16"] <= 0.35, params
+    monkeypatch.setattr(utils, "keeps_columnwise", lambda quantizer: True)
+    both = sum(memory_breakdown.param_storages(
+        memory_breakdown.build(1, True, memory_breakdown.WEIGHT_RECIPES["NVFP4BlockScaling"]())).values())
+    assert both / params["bf16"] > 0.35, both / params["bf16"]
