@@ -7,6 +7,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ._block_scaled_master_cast import cast_block_scaled
+from ._block_scaled_tensor import BlockScaledTensor
 from .float8_blockwise_tensor import Float8BlockQuantizer
 from .float8_tensor import Float8Tensor
 from .mxfp8_tensor import MXFP8Quantizer
@@ -38,6 +40,10 @@ def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_wei
     model weights' bytes (the distributed optimizer's parameter all-gather), as with TE. A
     high-precision model weight gets its shard copied in.
 
+    A block-scaled model weight (quantized_model_init under a block recipe) is requantized from a whole
+    master in its format; shards go into Float8BlockScaling's 128x128-block weights only, each block's amax
+    reduced over `group` (TE 2.6's support; te_fuser.tensor._block_scaled_master_cast).
+
     group=None reduces nothing: each process's masters are whole (or it is alone). Every rank of
     `group` must call this with the same model weights in the same order.
     """
@@ -54,8 +60,11 @@ def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_wei
         amaxes = _reduced_amaxes([model_weights[i] for i in fp8], [shards[i] for i in fp8], group)
         for i, amax in zip(fp8, amaxes):
             _cast_shard(model_weights[i], shards[i], offsets[i], amax)
+        for i, model in enumerate(model_weights):
+            if isinstance(model, BlockScaledTensor):
+                cast_block_scaled(model, shards[i], offsets[i], start_offsets is not None, group)
         for i, (model, shard) in enumerate(zip(model_weights, shards)):
-            if shard is not None and not isinstance(model, Float8Tensor):
+            if shard is not None and not isinstance(model, QuantizedTensor):
                 model.view(-1)[offsets[i]: offsets[i] + shard.numel()].copy_(shard)
 
 
@@ -76,10 +85,10 @@ def replace_raw_data(tensor: Float8Tensor, new_raw_data: torch.Tensor) -> None:
 def _flat_shard(i: int, model: torch.Tensor, master: Optional[torch.Tensor], offset: int,
                 sharded: bool) -> Optional[torch.Tensor]:
     """master_weights[i] flattened, on its model weight's device, after checking where it lands."""
-    if isinstance(model, Float8Tensor):
+    if isinstance(model, QuantizedTensor):
         model._live()
         if model._quantizer is None:
-            raise ValueError(f"model_weights[{i}] is a Float8Tensor without a quantizer: build the model "
+            raise ValueError(f"model_weights[{i}] is a {type(model).__name__} without a quantizer: build the model "
                              "under te_fuser.quantized_model_init")
     if master is None:
         return None
