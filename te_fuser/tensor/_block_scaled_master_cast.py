@@ -19,7 +19,8 @@ def cast_block_scaled(model, shard: Optional[torch.Tensor], offset: int, sharded
     whole = shard is not None and shard.numel() == model.numel()
     if not sharded or whole:
         if shard is None:
-            raise ValueError(f"a {type(model).__name__} needs its whole master weight on every rank without start_offsets")
+            raise ValueError(f"a {type(model).__name__} needs its whole master weight on every rank "
+                             "without start_offsets")
         model.quantize_(shard.to(model.dtype).reshape(model.shape))
         return
     if not (isinstance(model, Float8BlockwiseQTensor) and model._is_2D_scaled and model.dim() == 2):

@@ -94,7 +94,7 @@ def run_step(kind, module, x, recipe_name, dy_seed=7):
     torch.manual_seed(dy_seed)
     xi = x.clone().requires_grad_()
     with te_fuser.fp8_autocast(enabled=recipe_name is not None,
-                               fp8_recipe=RECIPES[recipe_name]() if recipe_name else None):
+                               fp8_recipe=ALL_RECIPES[recipe_name]() if recipe_name else None):
         out = module(xi)
     out = out[0] if isinstance(out, tuple) else out
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(dy_seed)).to(out.dtype))
@@ -268,7 +268,8 @@ def test_optimizer_steps_update_the_quantized_weights(recipe_name, optimizer, ge
                 continue
             want = quantizer(q.detach())
             assert_same_buffers(p, want, optimizer)
-            changed = [n for n, b in buffers(p).items() if not torch.equal(b.view(torch.uint8), old[n].view(torch.uint8))]
+            changed = [n for n, b in buffers(p).items()
+                       if not torch.equal(b.view(torch.uint8), old[n].view(torch.uint8))]
             assert "_rowwise_data" in changed, (optimizer, "the step must change the weight's bytes")
 
 
@@ -339,3 +340,16 @@ def test_parameters_split_is_refused_with_block_scaled_weights():
     with te_fuser.quantized_model_init(recipe=recipe.NVFP4BlockScaling()):
         with pytest.raises(NotImplementedError, match="parameters_split"):
             te_fuser.Linear(HIDDEN, FFN, parameters_split=["a", "b"], device="cpu")
+
+
+@pytest.mark.parametrize("other", ["block", "nvfp4", "delayed"])
+def test_weights_of_another_recipe_are_quantized_from_their_values(other, generator):
+    """MXFP8 weights under another recipe's autocast: that recipe quantizes their dequantized values, as it
+    would a 16-bit weight holding them (bitwise)."""
+    module = build("Linear", "mxfp8")
+    dequantized = build("Linear")
+    with torch.no_grad():
+        dequantized.weight.copy_(module.weight.dequantize())
+    x = inputs("Linear", generator)
+    for got, want in zip(run_step("Linear", module, x, other, 5), run_step("Linear", dequantized, x, other, 5)):
+        assert torch.equal(got, want)

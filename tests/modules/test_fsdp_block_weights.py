@@ -17,6 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import te_fuser
 from te_fuser import recipe
+from te_fuser.quantization import BlockScalingState
 from te_fuser.tensor import Float8BlockwiseQTensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
 
 from _module_checks import spawn
@@ -181,7 +182,7 @@ QUANTIZERS = {  # both usages: the columnwise buffers run along the rows in thre
 
 
 def recipe_quantizer(fp8_recipe):
-    from te_fuser.quantization import BlockScalingState
+    """The recipe's weight quantizer, both usages."""
     quantizer = BlockScalingState(fp8_recipe, 2).quantizer(1)
     quantizer.set_usage(rowwise=True, columnwise=True)
     return quantizer

@@ -97,8 +97,9 @@ def _same_quantization(weight, quantizer) -> bool:
     own = getattr(weight, "_quantizer", None)
     if type(own) is not type(quantizer):
         return False
-    options = lambda q: {k: v for k, v in vars(q).items() if k not in ("rowwise_usage", "columnwise_usage")}  # noqa: E731
-    return options(own) == options(quantizer)
+    usages = ("rowwise_usage", "columnwise_usage")
+    return {k: v for k, v in vars(own).items() if k not in usages} == \
+        {k: v for k, v in vars(quantizer).items() if k not in usages}
 
 
 def fp8_wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv) -> torch.Tensor:
