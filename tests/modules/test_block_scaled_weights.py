@@ -33,6 +33,7 @@ MAKERS = {
     "Linear": lambda: te_fuser.Linear(HIDDEN, FFN, params_dtype=BF16, device="cpu"),
     "LayerNormLinear": lambda: te_fuser.LayerNormLinear(HIDDEN, FFN, params_dtype=BF16, device="cpu"),
     "LayerNormMLP": lambda: te_fuser.LayerNormMLP(HIDDEN, FFN, params_dtype=BF16, device="cpu"),
+    "ops.BasicLinear": lambda: te_fuser.ops.Sequential(te_fuser.ops.BasicLinear(HIDDEN, FFN, device="cpu", dtype=BF16)),
     # parameters_split (the default unfused QKV) is refused with quantized weights: fused QKV. No dropout:
     # the runs compared draw from torch's generator in different states.
     "MultiheadAttention": lambda: te_fuser.MultiheadAttention(HIDDEN, 2, params_dtype=BF16, device="cpu",
@@ -41,8 +42,8 @@ MAKERS = {
                                                           fuse_qkv_params=True, attention_dropout=0.0,
                                                           hidden_dropout=0.0),
 }
-QUANTIZED_WEIGHTS = {"Linear": 1, "LayerNormLinear": 1, "LayerNormMLP": 2, "MultiheadAttention": 2,
-                     "TransformerLayer": 4}
+QUANTIZED_WEIGHTS = {"Linear": 1, "LayerNormLinear": 1, "LayerNormMLP": 2, "ops.BasicLinear": 1,
+                     "MultiheadAttention": 2, "TransformerLayer": 4}
 ATTENTION = ("MultiheadAttention", "TransformerLayer")
 
 
