@@ -252,36 +252,44 @@ def current_init() -> _InitState:
 
 @contextlib.contextmanager
 def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precision_init_val: bool = False):
-    """Build te_fuser modules with FP8 weights (TE's context; `recipe` defaults to DelayedScaling()).
+    """Build te_fuser modules with quantized weights (TE's context; `recipe` defaults to DelayedScaling()).
 
-    Modules built inside (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear, ops.BasicLinear) hold
-    their linear weights as Float8Tensor parameters (te_fuser.tensor.utils makes them): one byte per
-    element plus a float32 scale_inv, quantized from the initialized high-precision values with the
-    weight's forward quantizer of the recipe (DelayedScaling: the weight slot's scale, 1 until the first
-    update, as in TE; Float8CurrentScaling: the tensor's own amax). The quantizer stays attached
-    (`param._quantizer`), so copy_, in-place ops and `cast_master_weights_to_fp8` write through it.
-    Norm weights and biases stay high precision, as in TE.
+    Modules built inside (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear, ops.BasicLinear, and the
+    linears of MultiheadAttention / TransformerLayer) hold their linear weights as quantized parameters
+    (te_fuser.tensor.utils makes them), quantized from the initialized high-precision values with the
+    weight's forward quantizer of the recipe. The quantizer stays attached (`param._quantizer`), so
+    copy_, in-place ops, optimizer steps and `cast_master_weights_to_fp8` write through it. Norm
+    weights and biases stay high precision, as in TE.
 
-    Inside autocast the FP8 GEMMs read the weight's bytes directly (no 16-bit copy); outside it the
-    forward uses the dequantized values (a transient high-precision copy, as any op on a Float8Tensor).
-    Gradients of FP8 weights are high precision, in the nominal dtype. Loading a state_dict copies FP8
-    weights byte for byte with their scales (Float8Tensor.copy_ from a Float8Tensor of the same format).
+    - DelayedScaling / Float8CurrentScaling: Float8Tensor, one byte per element plus a float32
+      scale_inv (delayed: the weight slot's scale, 1 until the first update, as in TE; current: the
+      tensor's own amax).
+    - MXFP8BlockScaling: MXFP8Tensor with both usages (1x32 and 32x1 blocks: the dgrad's columnwise
+      copy cannot be made from the rowwise bytes).
+    - Float8BlockScaling: Float8BlockwiseQTensor in 128x128 blocks (w_block_scaling_dim=2), rowwise
+      usage only: a 2-D block's columnwise data is its rowwise bytes transposed, made in backward.
+    - NVFP4BlockScaling: NVFP4Tensor in 16x16 blocks (its weight QParams' 2D quantization), rowwise only
+      for the same reason. With 1-D weight blocks either format keeps both usages.
 
-    FSDP2 (fully_shard) shards FP8 weights as Float8Tensors and all-gathers their bytes
-    (Float8Tensor.fsdp_pre_all_gather / fsdp_post_all_gather); the ranks must agree on each weight's
-    scale, as they do when the weights were quantized before sharding. torch.compile(fullgraph=True)
-    trains FP8 weights bitwise like eager (tests/test_compile_fp8.py). Not supported: parameters_split
-    with FP8 weights (NotImplementedError).
+    Inside autocast with the same recipe the GEMMs read the weight's bytes directly (no 16-bit copy,
+    no requantization); outside it the forward uses the dequantized values (a transient
+    high-precision copy, as any op on a quantized tensor). Gradients are high precision, in the
+    nominal dtype. Loading a state_dict copies the weights byte for byte with their scales.
+
+    FSDP2 (fully_shard) shards quantized weights along dim 0 and all-gathers their bytes and scales
+    (fsdp_pre_all_gather / fsdp_post_all_gather); Float8 ranks must agree on each weight's scale, as
+    they do when the weights were quantized before sharding. torch.compile(fullgraph=True) trains FP8
+    weights bitwise like eager (tests/test_compile_fp8.py). Not supported: parameters_split with
+    quantized weights (NotImplementedError).
 
     preserve_high_precision_init_val=True keeps each weight's initial high-precision values on the
     CPU: `param.get_high_precision_init_val()` returns them (reset_parameters() replaces them with its
     new values), `param.clear_high_precision_init_val()` frees them (e.g. once fp32 master weights were
     made from them).
     """
-    if is_block_scaled(recipe):
-        raise NotImplementedError(f"te_fuser does not implement quantized_model_init under {type(recipe).__name__}")
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(f"recipe must be DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}")
+    if recipe is not None and not isinstance(recipe, _AUTOCAST_RECIPES):
+        raise TypeError(f"recipe must be DelayedScaling or Float8CurrentScaling or a block-scaled recipe "
+                        f"(MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling), got {type(recipe).__name__}")
     global _STATE
     saved = _STATE
     _STATE = _InitState(bool(enabled), recipe if recipe is not None else DelayedScaling(),

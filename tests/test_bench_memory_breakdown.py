@@ -37,3 +37,28 @@ def test_a_quantized_parameter_counts_every_buffer_it_holds():
     counted = memory_breakdown.param_storages(model)
     assert sum(counted.values()) == expected
     assert weight._data.untyped_storage().data_ptr() in counted  # the FP8 bytes, not the wrapper's empty storage
+
+
+def param_bytes(recipe) -> int:
+    """The example GPT's (one layer) parameter bytes, built under quantized_model_init(recipe) (None: bf16)."""
+    return sum(memory_breakdown.param_storages(memory_breakdown.build(1, recipe)).values())
+
+
+def test_nvfp4_weights_hold_at_most_035x_the_bf16_parameter_bytes(monkeypatch):
+    """Issue 31's goal, on the example GPT (one layer): its parameters built under
+    quantized_model_init(NVFP4BlockScaling) take <= 0.35x the bytes of bf16 ones, counting every buffer of a
+    quantized parameter (data, scales, amax). Control: weights that keep their columnwise usage too (the 16x16
+    blocks' transposed copy, which the dgrad makes in backward instead) are over the bound."""
+    from te_fuser.tensor import NVFP4Tensor, utils
+    recipe = memory_breakdown.RECIPES["NVFP4"]()
+    model = memory_breakdown.build(1, recipe)
+    weights = [p for p in model.parameters() if isinstance(p, NVFP4Tensor)]
+    assert weights and all(p._columnwise_data is None for p in weights)
+    counted = memory_breakdown.param_storages(model)
+    assert all(b.untyped_storage().data_ptr() in counted
+               for p in weights for b in (p._rowwise_data, p._rowwise_scale_inv, p._amax_rowwise))
+    bf16 = param_bytes(None)
+    assert param_bytes(recipe) / bf16 <= 0.35
+    monkeypatch.setattr(utils, "keeps_columnwise", lambda quantizer: True)
+    assert param_bytes(recipe) / bf16 > 0.35
+

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..kernels.validate import FLOAT_DTYPES, check_fp8_dtype
+from . import _block_scaled_rows as row_cuts
 from .quantized_tensor import QuantizedTensor, Quantizer, to_op
 
 aten = torch.ops.aten
@@ -164,6 +165,26 @@ class BlockScaledTensor(QuantizedTensor):
         handler = _OPS.get(func)
         return NotImplemented if handler is None else handler(func, args, kwargs)
 
+    # -- FSDP2: shards along dim 0 between row blocks, gathered in the low-precision bytes (_block_scaled_rows) --
+    _ROW_BLOCK = 1  # a format's rows per block along dim 0, in either usage
+
+    def _row_layout(self) -> dict:
+        """{buffer name: (the dimension the matrix rows run along, rows per index)}; absent: not cut by rows."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its row layout")
+
+    def _buffer_shape(self, name: str, shape) -> Tuple[int, ...]:
+        """The (padded) shape buffer `name` has in a tensor of this format and usages of `shape`."""
+        raise NotImplementedError(f"{type(self).__name__} does not define its buffer shapes")
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This shard's buffers as bytes, rows first and unpadded (TE's hook)."""
+        del outer_stride, module, mp_policy
+        return row_cuts.fsdp_pre_all_gather(self._live(), mesh, outer_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded tensor over the gathered bytes (TE's hook; out=: later gathers refresh it)."""
+        return row_cuts.fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+
     # -- torch.compile, pickling, deepcopy ------------------------------------------------------
     def __tensor_flatten__(self):
         names = [name for name in self._BUFFERS if getattr(self, name) is not None]
@@ -178,14 +199,25 @@ class BlockScaledTensor(QuantizedTensor):
 
     def __reduce_ex__(self, protocol):
         self._live()
+        # The buffers as bytes with their dtypes: plain pickle cannot rebuild a float8 tensor's storage. A weight
+        # parameter's quantizer (optimizer steps write through it) and plain attributes (Parameter's _is_param,
+        # tensor-parallel tags) travel too.
+        buffers = self._buffers()
+        attributes = {k: v for k, v in vars(self).items() if (not k.startswith("_") or k == "_is_param")
+                      and isinstance(v, (bool, int, float, str, type(None)))}
         return (_rebuild_block_scaled, (type(self), tuple(self.shape), self.dtype, self._fp8_dtype,
-                                        self._buffers(), self._meta(), self.requires_grad))
+                                        [None if b is None else b.view(torch.uint8) for b in buffers], self._meta(),
+                                        self.requires_grad, [None if b is None else b.dtype for b in buffers],
+                                        self._quantizer, attributes))
 
     def __deepcopy__(self, memo):
         self._live()
         out = self._with_buffers(torch.clone, requires_grad=self.requires_grad)
         out._quantizer = copy.deepcopy(self._quantizer, memo)
         memo[id(self)] = out
+        for name, value in vars(self).items():  # as torch copies a subclass's __dict__: a parameter's flag,
+            if name not in vars(out):           # the attributes TP code sets on a weight
+                setattr(out, name, copy.deepcopy(value, memo))
         return out
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -208,9 +240,15 @@ class BlockScaledRecord:
                         **{name[1:]: t for name, t in zip(self.cls._BUFFERS, tensors)}, **self.meta)
 
 
-def _rebuild_block_scaled(cls, shape, dtype, fp8_dtype, buffers, meta, requires_grad):
-    return cls(shape, dtype, fp8_dtype=fp8_dtype, requires_grad=requires_grad,
-               **{name[1:]: b for name, b in zip(cls._BUFFERS, buffers)}, **meta)
+def _rebuild_block_scaled(cls, shape, dtype, fp8_dtype, buffers, meta, requires_grad, buffer_dtypes=None,
+                          quantizer=None, attributes=None):
+    if buffer_dtypes is not None:  # (the last three are absent from what the first versions wrote)
+        buffers = [b if b is None else b.view(d) for b, d in zip(buffers, buffer_dtypes)]
+    out = cls(shape, dtype, fp8_dtype=fp8_dtype, requires_grad=requires_grad, quantizer=quantizer,
+              **{name[1:]: b for name, b in zip(cls._BUFFERS, buffers)}, **meta)
+    for name, value in (attributes or {}).items():
+        setattr(out, name, value)
+    return out
 
 
 class BlockScaledQuantizer(Quantizer):
@@ -260,7 +298,58 @@ def _to(func, args, kwargs):
     return to_op(func, args, kwargs, lambda t, device: t._with_buffers(lambda b: b.to(device, copy=True)))
 
 
+def _bound(func, args, kwargs) -> dict:
+    return {**dict(zip([a.name for a in func._schema.arguments], args)), **kwargs}
+
+
+def _split(func, args, kwargs):
+    """Dim-0 splits of a 2-D tensor (torch.chunk: how FSDP2 shards) between row blocks keep the format; other
+    dims dequantize; a cut inside a block is refused."""
+    bound = _bound(func, args, kwargs)
+    t, dim = bound["self"], bound.get("dim", 0)
+    if t.dim() != 2 or dim not in (0, -2):
+        return NotImplemented
+    sizes = bound.get("split_sizes", bound.get("split_size"))
+    if isinstance(sizes, int):
+        sizes = [min(sizes, t.shape[0] - start) for start in range(0, t.shape[0], sizes)] or [0]
+    row_cuts.check_cuts(t, list(sizes))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [row_cuts.rows(t, start, start + size) for start, size in zip(starts, sizes)]
+
+
+def _new_zeros(func, args, kwargs):
+    shape = tuple(_bound(func, args, kwargs)["size"])
+    return row_cuts.zeros_like_layout(args[0], shape) if len(shape) == 2 else NotImplemented
+
+
+def _whole_view(func, args, kwargs):
+    """slice / as_strided that keep every element in place (FSDP2's narrow of a whole shard, its as_strided of
+    the unsharded tensor) alias the tensor; other views dequantize."""
+    bound, t = _bound(func, args, kwargs), args[0]
+    if func is aten.slice.Tensor:
+        start, end = bound.get("start") or 0, bound.get("end")
+        whole = bound.get("step", 1) == 1 and start == 0 and (end is None or end >= t.shape[bound.get("dim", 0)])
+    else:
+        whole = (tuple(bound["size"]) == tuple(t.shape) and tuple(bound["stride"]) == tuple(t.stride())
+                 and not bound.get("storage_offset"))
+    return _alias(func, args, kwargs) if whole else NotImplemented
+
+
+def _view(func, args, kwargs):
+    viewed = row_cuts.view(args[0], args[1])
+    if viewed is args[0]:
+        return _alias(func, args, kwargs)
+    return NotImplemented if viewed is None else viewed
+
+
 _OPS = {
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.new_zeros.default: _new_zeros,
+    aten.slice.Tensor: _whole_view,
+    aten.as_strided.default: _whole_view,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.clone.default: _clone,

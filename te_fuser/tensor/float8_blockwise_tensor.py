@@ -66,6 +66,41 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
         return out_t.t().reshape(self.shape)
 
 
+    _ROW_BLOCK = BLOCK_LEN
+
+    def _row_layout(self) -> dict:
+        # Data: rowwise (rows, cols), columnwise (cols, rows). Scales: 2-D (row blocks, col blocks) and transposed;
+        # 1-D tiles in TE's GEMM-ready layout, rowwise (col blocks, rows), columnwise (row blocks, cols).
+        if self._is_2D_scaled:
+            scales = {"_rowwise_scale_inv": (0, BLOCK_LEN), "_columnwise_scale_inv": (1, BLOCK_LEN)}
+        else:
+            scales = {"_rowwise_scale_inv": (1, 1), "_columnwise_scale_inv": (0, BLOCK_LEN)}
+        return {"_rowwise_data": (0, 1), "_columnwise_data": (1, 1), **scales}
+
+    def _buffer_shape(self, name: str, shape) -> Tuple[int, ...]:
+        shape = tuple(shape)
+        if name == "_rowwise_data":
+            return shape
+        if name == "_columnwise_data":
+            return (shape[-1], *shape[:-1])
+        return kernels.fp8_block_scale_shape(shape, 2 if self._is_2D_scaled else 1, name.startswith("_columnwise"))
+
+    def columnwise_from_rowwise(self) -> "Float8BlockwiseQTensor":
+        """A new tensor holding only the columnwise usage, made from this 128x128-scaled tensor's rowwise
+        usage without requantizing: a 2-D block's columnwise data is its rowwise bytes transposed, under
+        the same scale (what a quantizer with both usages writes). A weight keeps its rowwise usage only
+        and its dgrad reads this."""
+        if not self._is_2D_scaled or self._rowwise_data is None:
+            raise ValueError("columnwise_from_rowwise() needs the rowwise usage of a 128x128-scaled tensor")
+        cols = self.shape[-1]
+        rows = self.numel() // cols
+        data_t = self._rowwise_data.reshape(rows, cols).t().contiguous().view((cols, *self.shape[:-1]))
+        row_blocks, col_blocks = -(-rows // BLOCK_LEN), -(-cols // BLOCK_LEN)
+        scale_t = self._rowwise_scale_inv.new_zeros(kernels.fp8_block_scale_shape(tuple(self.shape), 2, True))
+        scale_t[:col_blocks, :row_blocks] = self._rowwise_scale_inv[:row_blocks, :col_blocks].t()
+        return Float8BlockwiseQTensor(self.shape, self.dtype, fp8_dtype=self._fp8_dtype, quantizer=self._quantizer,
+                                      is_2D_scaled=True, columnwise_data=data_t, columnwise_scale_inv=scale_t)
+
 class Float8BlockQuantizer(BlockScaledQuantizer):
     """Quantizes a high-precision tensor with Float8 block scaling (TE's Float8BlockQuantizer):
     block_scaling_dim 1 (1x128 tiles) or 2 (128x128 blocks); amax_epsilon floors each block's amax;
@@ -132,4 +167,4 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
                 f"force_pow_2_scales={self.force_pow_2_scales})")
 
 
-torch.serialization.add_safe_globals([Float8BlockwiseQTensor])
+torch.serialization.add_safe_globals([Float8BlockwiseQTensor, Float8BlockQuantizer])

@@ -31,6 +31,17 @@ class MXFP8Tensor(BlockScaledTensor):
         out = kernels.block_dequantize(data.reshape(-1, cols), scale, *block, dtype=dtype)
         return out.reshape(self.shape)
 
+    _ROW_BLOCK = MXFP8_BLOCK_SCALING_SIZE  # the columnwise blocks
+
+    def _row_layout(self) -> dict:
+        return {"_rowwise_data": (0, 1), "_rowwise_scale_inv": (0, 1), "_columnwise_data": (0, 1),
+                "_columnwise_scale_inv": (0, MXFP8_BLOCK_SCALING_SIZE)}
+
+    def _buffer_shape(self, name: str, shape) -> Tuple[int, ...]:
+        if name.endswith("_data"):
+            return tuple(shape)
+        return kernels.mxfp8_scale_shape(tuple(shape), name.startswith("_columnwise"))
+
 
 class MXFP8Quantizer(BlockScaledQuantizer):
     """Quantizes a high-precision tensor to MXFP8 (TE's MXFP8Quantizer: both usages by default)."""
@@ -63,4 +74,4 @@ class MXFP8Quantizer(BlockScaledQuantizer):
         return f"MXFP8Quantizer(fp8_dtype={self.dtype}, rowwise={self.rowwise}, columnwise={self.columnwise})"
 
 
-torch.serialization.add_safe_globals([MXFP8Tensor, _rebuild_block_scaled])
+torch.serialization.add_safe_globals([MXFP8Tensor, MXFP8Quantizer, _rebuild_block_scaled])

@@ -120,6 +120,42 @@ class NVFP4Tensor(BlockScaledTensor):
         values = (groups @ get_rht_matrix(codes.device).double().t()).reshape(codes.shape)[:, :self.numel() // cols]
         return values.to(torch.float32).to(dtype).t().reshape(self.shape)
 
+    _ROW_BLOCK = NVFP4_BLOCK_SCALING_SIZE
+
+    def _row_layout(self) -> dict:
+        # Rowwise (rows, cols / 2) and scales per row; columnwise (cols, rows / 2), scales (cols, rows / 16).
+        return {"_rowwise_data": (0, 1), "_rowwise_scale_inv": (0, 1), "_columnwise_data": (1, 2),
+                "_columnwise_scale_inv": (1, NVFP4_BLOCK_SCALING_SIZE)}
+
+    def _buffer_shape(self, name: str, shape) -> Tuple[int, ...]:
+        columnwise = "columnwise" in name
+        if name.startswith("_amax"):
+            return (1,)
+        if name.endswith("_data"):
+            return tuple(kernels.nvfp4_data_shape(tuple(shape), columnwise))
+        return kernels.nvfp4_scale_shape(tuple(shape), columnwise)
+
+    def columnwise_from_rowwise(self) -> "NVFP4Tensor":
+        """A new tensor holding only the columnwise usage, made from the rowwise usage of a tensor quantized
+        in 16x16 blocks (with_2d_quantization, without the transform) without requantizing: the E2M1 codes
+        transposed, each block's scale and the amax as they are (what a quantizer with both usages
+        writes). A weight keeps its rowwise usage only and its dgrad reads this. Rowwise data in 1x16
+        blocks gives other values than its quantizer's columnwise usage: only 2-D data may come here."""
+        if self._rowwise_data is None:
+            raise ValueError("columnwise_from_rowwise() needs the rowwise usage")
+        cols = self.shape[-1]
+        rows = self.numel() // cols
+        if rows % NVFP4_BLOCK_SCALING_SIZE or cols % NVFP4_BLOCK_SCALING_SIZE:
+            raise ValueError(f"columnwise_from_rowwise() needs 16x16 blocks, got a {rows}x{cols} matrix")
+        packed = self._rowwise_data.reshape(rows, cols // 2)
+        codes_t = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(rows, cols).t().reshape(cols, rows // 2, 2)
+        data_t = codes_t[..., 0] | (codes_t[..., 1] << 4)
+        blocks = self._rowwise_scale_inv[:rows:NVFP4_BLOCK_SCALING_SIZE, : cols // NVFP4_BLOCK_SCALING_SIZE]
+        scale_t = self._rowwise_scale_inv.new_zeros(kernels.nvfp4_scale_shape(tuple(self.shape), True))
+        scale_t[:cols, : rows // NVFP4_BLOCK_SCALING_SIZE] = blocks.t().repeat_interleave(NVFP4_BLOCK_SCALING_SIZE, 0)
+        return NVFP4Tensor(self.shape, self.dtype, columnwise_data=data_t, columnwise_scale_inv=scale_t,
+                           amax_columnwise=self._amax_rowwise, fp8_dtype=torch.uint8, quantizer=self._quantizer)
+
     def __repr__(self, *, tensor_contents=None) -> str:
         usages = [u for u, name in (("rowwise", "_rowwise_data"), ("columnwise", "_columnwise_data"))
                   if getattr(self, name, None) is not None]
@@ -201,4 +237,4 @@ class NVFP4Quantizer(BlockScaledQuantizer):
                 f"with_2d_quantization={self.with_2d_quantization}, stochastic_rounding={self.stochastic_rounding})")
 
 
-torch.serialization.add_safe_globals([NVFP4Tensor, _rebuild_block_scaled, DType])
+torch.serialization.add_safe_globals([NVFP4Tensor, NVFP4Quantizer, _rebuild_block_scaled, DType])

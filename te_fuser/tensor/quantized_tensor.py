@@ -90,12 +90,24 @@ class QuantizedTensor(torch.Tensor):
                    if isinstance(orig, QuantizedTensor)]
         for orig, new in written:
             orig.quantize_(new)
+            _bump_versions(orig)
         if written and func._schema.returns and func._schema.returns[0].alias_info is not None:
             return written[0][0] if len(func._schema.returns) == 1 else tuple(orig for orig, _ in written)
         return result
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+
+def _bump_versions(t: QuantizedTensor) -> None:
+    """Count a write into t's buffers on their version counters. Writes made inside __torch_dispatch__ run
+    below autograd's ADInplaceOrView key, which would count them: without this, a buffer saved for backward
+    (a quantized weight's bytes) and then overwritten (an optimizer step before backward) went unnoticed."""
+    for inner in (getattr(t, name) for name in t.__tensor_flatten__()[0]):
+        if isinstance(inner, QuantizedTensor):  # a view of another quantized tensor
+            _bump_versions(inner)
+        else:
+            torch.autograd.graph.increment_version(inner)
 
 
 def to_op(func, args, kwargs, moved):

@@ -7,7 +7,13 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ._block_scaled_master_cast import cast_block_scaled
+from ._block_scaled_tensor import BlockScaledTensor
+from .float8_blockwise_tensor import Float8BlockQuantizer
 from .float8_tensor import Float8Tensor
+from .mxfp8_tensor import MXFP8Quantizer
+from .nvfp4_tensor import NVFP4Quantizer
+from .quantized_tensor import QuantizedTensor
 from ..kernels import fp8 as fp8_kernels
 
 __all__ = ["cast_master_weights_to_fp8", "replace_raw_data"]
@@ -34,6 +40,10 @@ def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_wei
     model weights' bytes (the distributed optimizer's parameter all-gather), as with TE. A
     high-precision model weight gets its shard copied in.
 
+    A block-scaled model weight (quantized_model_init under a block recipe) is requantized from a whole
+    master in its format; shards go into Float8BlockScaling's 128x128-block weights only, each block's amax
+    reduced over `group` (TE 2.6's support; te_fuser.tensor._block_scaled_master_cast).
+
     group=None reduces nothing: each process's masters are whole (or it is alone). Every rank of
     `group` must call this with the same model weights in the same order.
     """
@@ -50,8 +60,11 @@ def cast_master_weights_to_fp8(model_weights: Sequence[torch.Tensor], master_wei
         amaxes = _reduced_amaxes([model_weights[i] for i in fp8], [shards[i] for i in fp8], group)
         for i, amax in zip(fp8, amaxes):
             _cast_shard(model_weights[i], shards[i], offsets[i], amax)
+        for i, model in enumerate(model_weights):
+            if isinstance(model, BlockScaledTensor):
+                cast_block_scaled(model, shards[i], offsets[i], start_offsets is not None, group)
         for i, (model, shard) in enumerate(zip(model_weights, shards)):
-            if shard is not None and not isinstance(model, Float8Tensor):
+            if shard is not None and not isinstance(model, QuantizedTensor):
                 model.view(-1)[offsets[i]: offsets[i] + shard.numel()].copy_(shard)
 
 
@@ -72,10 +85,10 @@ def replace_raw_data(tensor: Float8Tensor, new_raw_data: torch.Tensor) -> None:
 def _flat_shard(i: int, model: torch.Tensor, master: Optional[torch.Tensor], offset: int,
                 sharded: bool) -> Optional[torch.Tensor]:
     """master_weights[i] flattened, on its model weight's device, after checking where it lands."""
-    if isinstance(model, Float8Tensor):
+    if isinstance(model, QuantizedTensor):
         model._live()
         if model._quantizer is None:
-            raise ValueError(f"model_weights[{i}] is a Float8Tensor without a quantizer: build the model "
+            raise ValueError(f"model_weights[{i}] is a {type(model).__name__} without a quantizer: build the model "
                              "under te_fuser.quantized_model_init")
     if master is None:
         return None
@@ -122,16 +135,27 @@ def _cast_shard(model: Float8Tensor, shard: Optional[torch.Tensor], offset: int,
 
 
 def rowwise_copy(quantizer):
-    """The quantizer a weight keeps: the same scaling state, without the transposed data (the GEMMs
-    transpose the weight's bytes when they need to, so the parameter never holds a second copy)."""
+    """The quantizer a weight keeps: the same scaling state, with the usages the weight holds (weight_usages)."""
     own = copy.copy(quantizer)
-    own.set_usage(columnwise=False)
+    own.set_usage(columnwise=keeps_columnwise(quantizer))
     return own
+
+
+def keeps_columnwise(quantizer) -> bool:
+    """Whether a weight quantized by `quantizer` holds its columnwise usage too. A Float8 weight never (the
+    GEMMs transpose its bytes when they need to), nor one in 2-D blocks (Float8 block scaling's 128x128,
+    NVFP4's 16x16: its columnwise data is the rowwise bytes transposed, made in backward); the 1-D block
+    formats (MXFP8, 1x128 tiles, NVFP4's 1x16) do: their columnwise blocks run the other way."""
+    if isinstance(quantizer, Float8BlockQuantizer):
+        return quantizer.block_scaling_dim != 2
+    if isinstance(quantizer, NVFP4Quantizer):
+        return not quantizer.with_2d_quantization
+    return isinstance(quantizer, MXFP8Quantizer)
 
 
 def fp8_weight_parameter(values: torch.Tensor, quantizer, init,
                          like: Optional[torch.Tensor] = None) -> torch.nn.Parameter:
-    """A Float8Tensor parameter holding `values` quantized by `quantizer` (which it keeps)."""
+    """A quantized parameter holding `values` quantized by `quantizer` (a copy of which it keeps)."""
     values = values.detach()
     quantizer = rowwise_copy(quantizer)
     fp8 = quantizer.quantize(values.contiguous())
@@ -156,21 +180,21 @@ def _clear_high_precision_init_val(self) -> None:
 
 
 def quantize_weights(module: torch.nn.Module, named: Sequence[tuple], init) -> None:
-    """Replace module.<name> (initialized, high precision) by an FP8 parameter, for each (name, op, slot):
+    """Replace module.<name> (initialized, high precision) by a quantized parameter, for each (name, op, slot):
     the op's forward quantizer `slot` of init.recipe quantizes it."""
     for name, op, slot in named:
         weight = getattr(module, name)
-        if isinstance(weight, Float8Tensor):
+        if isinstance(weight, QuantizedTensor):
             continue
         quantizer = op.forward_quantizer_for_init(init.recipe, weight.device, slot)
         module.register_parameter(name, fp8_weight_parameter(weight, quantizer, init, like=weight))
 
 
 def initialize_weight(weight: torch.Tensor, init_fn) -> torch.Tensor:
-    """init_fn applied to a high-precision tensor of weight's shape: the weight itself, or for an FP8
-    weight (re-initialized) a fresh tensor of its nominal dtype that the caller quantizes back."""
+    """init_fn applied to a high-precision tensor of weight's shape: the weight itself, or for a quantized
+    weight (re-initialized) a fresh tensor of its nominal dtype, quantized back into it."""
     target = weight
-    if isinstance(weight, Float8Tensor):
+    if isinstance(weight, QuantizedTensor):
         target = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         init_fn(target)

@@ -178,9 +178,11 @@ def test_layernorm_modules_at_ragged_sizes(name, generator):
 
 
 def test_refusals_name_what_they_refuse():
-    with pytest.raises(NotImplementedError, match="quantized_model_init"):
-        with te_fuser.quantized_model_init(recipe=MXFP8BlockScaling()):
-            pass
+    with pytest.raises(NotImplementedError, match="enable_2d_quantization"):
+        MXFP8BlockScaling(enable_2d_quantization=True)
+    with pytest.raises(NotImplementedError, match="fp8_output"):
+        with te_fuser.fp8_autocast(fp8_recipe=MXFP8BlockScaling()):
+            te_fuser.Linear(IN, OUT)(torch.randn(32, IN), fp8_output=True)
 
 
 # -- the lifetime discipline under each block-scaled recipe -------------------------------------------

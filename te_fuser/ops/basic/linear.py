@@ -72,12 +72,35 @@ def _same_scaling(a, b) -> bool:
     return slot_a is None and slot_b is None and a.scale is b.scale and a.amax is b.amax
 
 
+def _usage_only(t, usage: str):
+    """A new block-scaled tensor over t's buffers of one usage ("rowwise" / "columnwise"): what a GEMM of the
+    backward keeps of an operand (prepare_for_saving() then empties this object, not t, which may live on as
+    the cached weight or be the weight parameter itself)."""
+    buffers = {name[1:]: getattr(t, name) for name in t._BUFFERS if name.startswith(f"_{usage}")
+               or name == f"_amax_{usage}"}
+    return type(t)(t.shape, t.dtype, fp8_dtype=t._fp8_dtype, quantizer=t._quantizer, **buffers, **t._meta())
+
+
 def _columnwise_only(t):
-    """A new block-scaled tensor over t's columnwise buffers only: what a gradient GEMM keeps of an operand
-    (prepare_for_saving() then empties this object, not t, which may live on as the cached weight)."""
-    columnwise = {name[1:]: getattr(t, name) for name in t._BUFFERS if name.startswith("_columnwise")
-                  or name == "_amax_columnwise"}
-    return type(t)(t.shape, t.dtype, fp8_dtype=t._fp8_dtype, **columnwise, **t._meta())
+    return _usage_only(t, "columnwise")
+
+
+def saved_block_weight(w):
+    """What the dgrad keeps of a block-scaled weight parameter: a new object over its own columnwise buffers,
+    or, for a weight in 2-D blocks holding its rowwise usage only, over those (the backward transposes them:
+    columnwise_from_rowwise). No copy; autograd's version check catches an update before backward."""
+    return _columnwise_only(w) if w._columnwise_data is not None else _usage_only(w, "rowwise")
+
+
+def _same_quantization(weight, quantizer) -> bool:
+    """Whether a quantized weight was quantized as `quantizer` quantizes (its format and options, whatever the
+    usages): the GEMMs then read its bytes as they are."""
+    own = getattr(weight, "_quantizer", None)
+    if type(own) is not type(quantizer):
+        return False
+    usages = ("rowwise_usage", "columnwise_usage")
+    return {k: v for k, v in vars(own).items() if k not in usages} == \
+        {k: v for k, v in vars(quantizer).items() if k not in usages}
 
 
 def fp8_wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv) -> torch.Tensor:
@@ -246,7 +269,7 @@ class BasicLinear(BasicOperation):
             return self._fp8_weight_cache
         if is_first_microbatch and torch.compiler.is_compiling():
             return self._fp8_weight_cache  # quantized and cached by before_traced_forward
-        wq = self._forward_quantizers[1](weight.detach())
+        wq = self._forward_quantizers[1](high_precision(weight.detach()))  # a block-scaled weight: its values
         if is_first_microbatch is not None or self._fp8_weight_cache is not None:
             # Written only when it changes: under torch.compile a write is a side effect inside the traced
             # autograd Function, after which dynamo cannot hand the saved FP8 buffers to the backward.
@@ -393,6 +416,8 @@ class BasicLinear(BasicOperation):
             x_saved = original if original is not None else (x if wgrad_needed else None)
             if isinstance(w, Float8Tensor):  # keep its bytes (a new object: the parameter stays whole)
                 w = saved_weight(w, True)
+            elif isinstance(w, QuantizedTensor):  # the values the forward read: the rowwise usage's
+                w = _usage_only(w, "rowwise")
             ctx.save_for_backward(x_saved, w if input_requires_grad else None)
         ctx.lead_shape = lead_shape
         ctx.dtype = out_dtype
@@ -472,21 +497,23 @@ class BasicLinear(BasicOperation):
         columnwise usage only (x's for the wgrad, W's for the dgrad), as new tensors; sequence-parallel
         gathers move high-precision values, quantized after the gather."""
         recipe = self._fp8_recipe
-        if isinstance(weight, QuantizedTensor):
-            raise NotImplementedError(f"te_fuser does not run quantized weights (quantized_model_init) under "
-                                      f"{type(recipe).__name__}")
         if x.dtype != weight.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
         input_quantizer = self._forward_quantizers[0]
         input_quantizer.set_usage(rowwise=True, columnwise=wgrad_needed and original is None)
         xq = input_quantizer(x)
-        wq = self._quantized_block_weight(weight, is_first_microbatch, ctx.input_requires_grad)
+        if isinstance(weight, QuantizedTensor) and _same_quantization(weight, self._forward_quantizers[1]):
+            wq = weight  # quantized_model_init: the parameter's own bytes, no requantization
+            w_saved = saved_block_weight(weight) if ctx.input_requires_grad else None
+        else:
+            wq = self._quantized_block_weight(weight, is_first_microbatch, ctx.input_requires_grad)
+            w_saved = _columnwise_only(wq) if ctx.input_requires_grad else None
         y = block_scaled_gemm_nt(*gemm_operand(xq, False), *gemm_operand(wq, False), block, weight.dtype, bias)
         ctx.block = block
         ctx.grad_output_quantizer = self._backward_quantizers[0]
         ctx.input_quantizer = input_quantizer if original is not None else None
         x_saved = original if original is not None else (_columnwise_only(xq) if wgrad_needed else None)
-        ctx.save_for_backward(x_saved, _columnwise_only(wq) if ctx.input_requires_grad else None)
+        ctx.save_for_backward(x_saved, w_saved)
         return y
 
     def _quantized_block_weight(self, weight, is_first_microbatch, columnwise: bool):
@@ -495,7 +522,7 @@ class BasicLinear(BasicOperation):
             return self._fp8_weight_cache
         quantizer = self._forward_quantizers[1]
         quantizer.set_usage(rowwise=True, columnwise=columnwise or is_first_microbatch is not None)
-        wq = quantizer(weight.detach())
+        wq = quantizer(high_precision(weight.detach()))  # a weight quantized otherwise: from its values
         self._fp8_weight_cache = wq if is_first_microbatch is not None else None
         return wq
 
@@ -507,6 +534,8 @@ class BasicLinear(BasicOperation):
         quantizer.set_usage(rowwise=ctx.input_requires_grad, columnwise=ctx.weight_requires_grad)
         dyq = quantizer(dy.reshape(-1, n))
         if ctx.input_requires_grad:
+            if w_saved._columnwise_data is None:  # a weight parameter in 2-D blocks (saved_block_weight)
+                w_saved = w_saved.columnwise_from_rowwise()
             dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), block, ctx.dtype)
         if ctx.weight_requires_grad:
             if ctx.input_quantizer is not None:  # the saved original input
