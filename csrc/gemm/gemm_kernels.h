@@ -44,6 +44,11 @@ void tf_gemm_pack_b_f32_avx2(const uint8_t *x, int64_t ld, int64_t r0, int64_t v
  * outputs cost what they hold; packed rows and columns past them within a block are zeros). */
 void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
                                 int64_t rows, int64_t cols);
+/* The epilogue: out[row0 + i, col0 + j] = round_out(acc[i, j] * scale + bias[col0 + j]) for the
+ * first rows x cols of an accumulator tile (row stride TF_GEMM_NB), each step in float32. */
+void tf_gemm_epilogue_portable(const float *acc, int64_t rows, int64_t cols, float scale,
+                               const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
+                               int64_t ldo, int64_t row0, int64_t col0);
 #if TF_X86
 void tf_gemm_block_f32_avx2(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
                             int64_t rows, int64_t cols);
@@ -52,7 +57,7 @@ void tf_gemm_block_bf16_avx512(int64_t kc_pad, const uint16_t *a_pack, const uin
                                float *acc, int64_t rows, int64_t cols);
 void tf_gemm_block_bf16_amx(int64_t kc_pad, const uint16_t *a_pack, const uint16_t *b_pack,
                             float *acc, int64_t rows, int64_t cols);
-/* The epilogue (fp8_gemm.c) for float32 and bf16 outputs in AVX-512 vectors, bit for bit. */
+/* tf_gemm_epilogue_portable for float32 and bf16 outputs in AVX-512 vectors, bit for bit. */
 void tf_gemm_epilogue_avx512(const float *acc, int64_t rows, int64_t cols, float scale,
                              const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
                              int64_t ldo, int64_t row0, int64_t col0);
