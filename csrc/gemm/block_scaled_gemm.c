@@ -58,19 +58,40 @@ static void combine_portable(float *total, const float *partial, int64_t rows, i
 }
 
 #if TF_X86
-/* The same in 8-float vectors: the last partial vector is masked. */
+/* The same in 8-float vectors; a masked load and store only for a last partial vector (a masked
+ * store is slow on some CPUs). */
 TF_TARGET_AVX2 static void combine_avx2(float *total, const float *partial, int64_t rows, int64_t cols,
                                         const float *sa, int64_t sa_stride, const float *sb) {
-  for (int64_t j = 0; j < cols; j += 8) {
-    const int64_t left = cols - j;
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 8 ? left : 8)), lane);
-    const __m256 b = _mm256_maskload_ps(sb + j, mask);
+  const int64_t whole = cols / 8 * 8;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cols - whole)), lane);
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m256 s = _mm256_set1_ps(sa[i * sa_stride]);
+    float *t = total + i * TF_GEMM_NB;
+    const float *p = partial + i * TF_GEMM_NB;
+    for (int64_t j = 0; j < whole; j += 8) {
+      const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(p + j), _mm256_mul_ps(s, _mm256_loadu_ps(sb + j)));
+      _mm256_storeu_ps(t + j, _mm256_add_ps(_mm256_loadu_ps(t + j), scaled));
+    }
+    if (whole < cols) {
+      const __m256 scale = _mm256_mul_ps(s, _mm256_maskload_ps(sb + whole, mask));
+      const __m256 scaled = _mm256_mul_ps(_mm256_maskload_ps(p + whole, mask), scale);
+      _mm256_maskstore_ps(t + whole, mask, _mm256_add_ps(_mm256_maskload_ps(t + whole, mask), scaled));
+    }
+  }
+}
+
+/* The same in 16-float vectors with AVX-512's masks. */
+TF_TARGET_AVX512 static void combine_avx512(float *total, const float *partial, int64_t rows, int64_t cols,
+                                            const float *sa, int64_t sa_stride, const float *sb) {
+  for (int64_t j = 0; j < cols; j += 16) {
+    const __mmask16 m = cols - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - j)) - 1);
+    const __m512 b = _mm512_maskz_loadu_ps(m, sb + j);
     for (int64_t i = 0; i < rows; ++i) {
-      const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(sa[i * sa_stride]), b);
+      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sa[i * sa_stride]), b);
       float *t = total + i * TF_GEMM_NB + j;
-      const __m256 p = _mm256_maskload_ps(partial + i * TF_GEMM_NB + j, mask);
-      _mm256_maskstore_ps(t, mask, _mm256_add_ps(_mm256_maskload_ps(t, mask), _mm256_mul_ps(p, scale)));
+      const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, partial + i * TF_GEMM_NB + j), scale);
+      _mm512_mask_storeu_ps(t, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, t), scaled));
     }
   }
 }
@@ -102,8 +123,12 @@ typedef struct {
   uint16_t codes_a[256], codes_b[256];
   void *a_row;            /* a's packed blocks of one row of tiles ([blocks][MB][kstride]), or NULL */
   int64_t a_row0;         /* the row of tiles a_row holds, -1 for none */
-  uint16_t *b_all;        /* bf16 paths: b's packed blocks, [n / NB][blocks][NB][kstride], or NULL */
-  uint8_t *b_packed;      /* per column of tiles: whether b_all holds it yet */
+  uint16_t *b_all;        /* bf16 paths: b's packed blocks, [b_slots][blocks][NB][kstride], or NULL */
+  int64_t b_slots;        /* n / NB (every column of tiles) or, on the fused path only, 1 */
+  uint8_t *b_packed;      /* b_slots == n / NB: per column of tiles, whether b_all holds it yet */
+  int64_t b_col;          /* b_slots == 1: the column of tiles b_all holds, -1 for none */
+  float *sb_all;          /* fused path: b's scales of the tile's columns, [blocks][NB] */
+  int fused;              /* the tiles go through tf_block_gemm_tile_bf16_avx512 */
 } scratch;
 
 #define PACKED_MAX_BYTES ((int64_t)16 << 20)
@@ -162,6 +187,10 @@ static void compute_tile(const job *jb, int64_t row0, int64_t col0, int64_t rows
       w->sb[j] = b->scales[(col0 + j) * b->scale_row_stride + kb * b->scale_block_stride];
     const float *sa = a->scales + row0 * a->scale_row_stride + kb * a->scale_block_stride;
 #if TF_X86
+    if (jb->isa >= TF_ISA_AVX512) {
+      combine_avx512(w->total, w->partial, rows, cols, sa, a->scale_row_stride, w->sb);
+      continue;
+    }
     if (jb->isa >= TF_ISA_AVX2) {
       combine_avx2(w->total, w->partial, rows, cols, sa, a->scale_row_stride, w->sb);
       continue;
@@ -173,7 +202,42 @@ static void compute_tile(const job *jb, int64_t row0, int64_t col0, int64_t rows
   w->a_row0 = row0;
 }
 
+#if TF_X86
+/* The fused AVX512-BF16 path: packs the tile's blocks of a (once per row of tiles) and of b (once
+ * per column of tiles), gathers b's scales, and sums the tile in registers. */
+static void compute_tile_fused(const job *jb, int64_t row0, int64_t col0, int64_t rows, int64_t cols, scratch *w) {
+  const tf_block_operand *a = jb->a, *b = jb->b;
+  const int64_t a_rows = covered(rows, 96, TF_GEMM_MB), b_cols = covered(cols, 32, TF_GEMM_NB);
+  const int64_t col_tile = col0 / TF_GEMM_NB, slot = w->b_slots == 1 ? 0 : col_tile;
+  const int64_t a_elems = TF_GEMM_MB * w->kstride, b_elems = TF_GEMM_NB * w->kstride;
+  uint16_t *a_blocks = w->a_row, *b_blocks = w->b_all + slot * jb->blocks * b_elems;
+  const int pack_a = w->a_row0 != row0;
+  const int pack_b = w->b_slots == 1 ? w->b_col != col_tile : !w->b_packed[col_tile];
+  for (int64_t kb = 0; kb < jb->blocks; ++kb) {
+    const int64_t k0 = kb * jb->block, kc = jb->k - k0 < jb->block ? jb->k - k0 : jb->block;
+    const int64_t kc_pad = (kc + 31) / 32 * 32;
+    if (pack_a)
+      tf_gemm_pack_a_bf16(a->codes, jb->k, row0, rows, a_rows, k0, kc, kc_pad, w->codes_a, a_blocks + kb * a_elems);
+    if (pack_b)
+      tf_gemm_pack_b_bf16(b->codes, jb->k, col0, cols, b_cols, k0, kc, kc_pad, w->codes_b, b_blocks + kb * b_elems);
+    float *sb = w->sb_all + kb * TF_GEMM_NB;
+    for (int64_t j = 0; j < TF_GEMM_NB; ++j)
+      sb[j] = j < cols ? b->scales[(col0 + j) * b->scale_row_stride + kb * b->scale_block_stride] : 0.0f;
+  }
+  w->a_row0 = row0;
+  if (w->b_slots == 1)
+    w->b_col = col_tile;
+  else
+    w->b_packed[col_tile] = 1;
+  const tf_block_tile t = {jb->blocks, jb->block, jb->k, a_blocks, a_elems, b_blocks, b_elems,
+                           a->scales + row0 * a->scale_row_stride, a->scale_row_stride, a->scale_block_stride,
+                           w->sb_all};
+  tf_block_gemm_tile_bf16_avx512(&t, w->total, rows, cols);
+}
+#endif
+
 static void free_scratch(scratch *w) {
+  free(w->sb_all);
   free(w->total);
   free(w->partial);
   free(w->sb);
@@ -208,31 +272,46 @@ tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_oper
   w.kstride = block;
   w.a_row0 = -1;
   const int64_t tiles_n = (n + TF_GEMM_NB - 1) / TF_GEMM_NB;
+  const int several_rows = (tile_end - 1) / tiles_n > tile_begin / tiles_n;
+  const int several_cols = tile_end - tile_begin > 1 && tiles_n > 1;
 #if TF_X86
+  /* every tile of the call on the fused kernel, if its buffers can be had (compared by division, so
+   * nothing overflows) */
+  const int want_fused = isa == TF_ISA_AVX512_BF16 && jb.blocks > 0;
   if (isa >= TF_ISA_AVX512_BF16) {
     w.elem = sizeof(uint16_t);
     w.kstride = (block + 31) / 32 * 32;
     bf16_codes(a->format, w.codes_a);
     bf16_codes(b->format, w.codes_b);
-    /* compared by division, so nothing overflows */
     const int64_t block_bytes = TF_GEMM_NB * w.kstride * (int64_t)w.elem;
-    const int several_rows = (tile_end - 1) / tiles_n > tile_begin / tiles_n;
-    if (several_rows && jb.blocks > 0 && jb.blocks <= PACKED_MAX_BYTES / block_bytes &&
-        tiles_n <= PACKED_MAX_BYTES / (jb.blocks * block_bytes)) {
-      w.b_all = malloc((size_t)(tiles_n * jb.blocks * block_bytes));
-      w.b_packed = calloc((size_t)tiles_n, 1);
-      if (!w.b_all || !w.b_packed) { /* packing per tile needs neither */
-        free(w.b_all);
-        free(w.b_packed);
-        w.b_all = NULL;
-        w.b_packed = NULL;
-      }
+    if (jb.blocks > 0 && jb.blocks <= PACKED_MAX_BYTES / block_bytes) {
+      if (several_rows && tiles_n <= PACKED_MAX_BYTES / (jb.blocks * block_bytes))
+        w.b_slots = tiles_n;
+      else if (want_fused)
+        w.b_slots = 1;
     }
+    if (w.b_slots > 0) {
+      w.b_all = malloc((size_t)(w.b_slots * jb.blocks * block_bytes));
+      w.b_packed = calloc((size_t)w.b_slots, 1);
+      w.b_col = -1;
+    }
+    if (want_fused && jb.blocks <= PACKED_MAX_BYTES / (TF_GEMM_NB * (int64_t)sizeof(float)))
+      w.sb_all = malloc(sizeof(float) * (size_t)(jb.blocks * TF_GEMM_NB));
   }
-#endif
-  const int several_cols = tile_end - tile_begin > 1 && tiles_n > 1;
+  if ((several_cols || want_fused) && jb.blocks <= PACKED_MAX_BYTES / (TF_GEMM_MB * w.kstride * (int64_t)w.elem))
+    w.a_row = malloc((size_t)(jb.blocks * TF_GEMM_MB * w.kstride) * w.elem);
+  w.fused = want_fused && w.a_row && w.b_all && w.b_packed && w.sb_all;
+  if (!w.fused && (w.b_slots != tiles_n || !w.b_all || !w.b_packed)) { /* packing per tile needs none */
+    free(w.b_all);
+    free(w.b_packed);
+    w.b_all = NULL;
+    w.b_packed = NULL;
+  }
+#else
+  (void)several_rows;
   if (several_cols && jb.blocks <= PACKED_MAX_BYTES / (TF_GEMM_MB * w.kstride * (int64_t)w.elem))
     w.a_row = malloc((size_t)(jb.blocks * TF_GEMM_MB * w.kstride) * w.elem);
+#endif
   tf_status result = TF_OK;
   if (!w.total || !w.partial || !w.sb || !w.a_pack || !w.b_pack) {
     result = TF_ERR_BAD_ARGUMENT;
@@ -241,7 +320,12 @@ tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_oper
       const int64_t row0 = (t / tiles_n) * TF_GEMM_MB, col0 = (t % tiles_n) * TF_GEMM_NB;
       const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
       const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
-      compute_tile(&jb, row0, col0, rows, cols, &w);
+#if TF_X86
+      if (w.fused)
+        compute_tile_fused(&jb, row0, col0, rows, cols, &w);
+      else
+#endif
+        compute_tile(&jb, row0, col0, rows, cols, &w);
       /* scale 1: total * 1 is total, so the epilogue adds the bias and rounds */
 #if TF_X86
       if (isa >= TF_ISA_AVX512 && out_dtype != TF_FLOAT16) {
