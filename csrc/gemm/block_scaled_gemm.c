@@ -81,21 +81,6 @@ TF_TARGET_AVX2 static void combine_avx2(float *total, const float *partial, int6
   }
 }
 
-/* The same in 16-float vectors with AVX-512's masks. */
-TF_TARGET_AVX512 static void combine_avx512(float *total, const float *partial, int64_t rows, int64_t cols,
-                                            const float *sa, int64_t sa_stride, const float *sb) {
-  for (int64_t j = 0; j < cols; j += 16) {
-    const __mmask16 m = cols - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols - j)) - 1);
-    const __m512 b = _mm512_maskz_loadu_ps(m, sb + j);
-    for (int64_t i = 0; i < rows; ++i) {
-      const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(sa[i * sa_stride]), b);
-      float *t = total + i * TF_GEMM_NB + j;
-      const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, partial + i * TF_GEMM_NB + j), scale);
-      _mm512_mask_storeu_ps(t, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, t), scaled));
-    }
-  }
-}
-
 /* The bf16 bits of every FP8 code of a format (exact: FP8 values are bf16 values). */
 static void bf16_codes(tf_fp8_format f, uint16_t codes[256]) {
   for (int c = 0; c < 256; ++c) {
@@ -187,10 +172,6 @@ static void compute_tile(const job *jb, int64_t row0, int64_t col0, int64_t rows
       w->sb[j] = b->scales[(col0 + j) * b->scale_row_stride + kb * b->scale_block_stride];
     const float *sa = a->scales + row0 * a->scale_row_stride + kb * a->scale_block_stride;
 #if TF_X86
-    if (jb->isa >= TF_ISA_AVX512) {
-      combine_avx512(w->total, w->partial, rows, cols, sa, a->scale_row_stride, w->sb);
-      continue;
-    }
     if (jb->isa >= TF_ISA_AVX2) {
       combine_avx2(w->total, w->partial, rows, cols, sa, a->scale_row_stride, w->sb);
       continue;
