@@ -38,9 +38,10 @@ tf_status tf_block_scaled_gemm_check(int64_t m, int64_t n, int64_t k, int64_t bl
 
 /* Computes the output tiles [tile_begin, tile_end) of tf_fp8_gemm_tiles(m, n) with the given
  * path (isa <= tf_cpu_isa_detected()). bias (n elements of bias_dtype) may be NULL. Allocates
- * about 0.4 MiB of scratch per call, plus (at most 16 MiB each) a's packed row of tiles and, on the
- * bf16 paths, b's packed blocks, as tf_fp8_gemm_nt does; TF_ERR_BAD_ARGUMENT if the 0.4 MiB cannot
- * be had. */
+ * 0.5 MiB of scratch per call, plus (at most 16 MiB each) a's packed row of tiles and, on the bf16
+ * paths, b's packed blocks and (AVX512-BF16's fused kernel) b's scales per tile, as tf_fp8_gemm_nt
+ * does; TF_ERR_BAD_ARGUMENT if the 0.5 MiB cannot be had; without the others the tiles go block by
+ * block through the FP8 GEMM's kernels, with the same bits. */
 tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_operand *b, int64_t m,
                                   int64_t n, int64_t k, int64_t block, const void *bias,
                                   tf_dtype bias_dtype, void *out, tf_dtype out_dtype, tf_isa isa,
