@@ -1,3 +1,6 @@
+// te_fuser::block_scaled_gemm: the same with one float32 scale per (row, K block) of a and b
+// (csrc/gemm/block_scaled_gemm.h), the scales read through their strides.
+//
 // te_fuser::fp8_gemm: a @ b.T for row-major FP8 a (m, k) and b (n, k), scaled by their scale_inv,
 // plus an optional bias, in out_dtype (csrc/gemm/fp8_gemm.h). The CPU kernel spreads the output
 // tiles over torch's intra-op threads; each tile is computed the same way whatever the split.
@@ -10,6 +13,7 @@
 
 extern "C" {
 #include "../common/cpu_features.h"
+#include "../gemm/block_scaled_gemm.h"
 #include "../gemm/fp8_gemm.h"
 }
 
@@ -46,6 +50,18 @@ std::vector<int64_t> equal_cost_slices(int64_t m, int64_t n) {
   return bounds;
 }
 
+// The bias argument's pointer and dtype, after checking it holds one value per row of b (n).
+const void* checked_bias(const std::optional<Tensor>& bias, int64_t n, tf_dtype* dtype) {
+  *dtype = TF_FLOAT32;
+  if (!bias.has_value()) return nullptr;
+  const Tensor& t = *bias;
+  STD_TORCH_CHECK(t.is_cpu(), "bias must be a CPU tensor");
+  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "bias must be 1-D with b.shape[0] = ", n, " elements");
+  check_contiguous(t, "bias");
+  *dtype = to_tf_dtype(t.scalar_type(), "bias");
+  return t.const_data_ptr();
+}
+
 Tensor fp8_gemm_cpu(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype,
                     std::optional<Tensor> bias) {
   check_fp8_matrix(a, "a");
@@ -59,17 +75,8 @@ Tensor fp8_gemm_cpu(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, 
   const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
   STD_TORCH_CHECK(b.size(1) == k, "b must have a.shape[1] = ", k, " columns, got ", b.size(1));
   const tf_dtype out = to_tf_dtype(out_dtype, "out_dtype");
-  tf_dtype bias_dtype = TF_FLOAT32;
-  const void* bias_ptr = nullptr;
-  if (bias.has_value()) {
-    const Tensor& t = *bias;
-    STD_TORCH_CHECK(t.is_cpu(), "bias must be a CPU tensor");
-    STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == n, "bias must be 1-D with b.shape[0] = ", n,
-                    " elements");
-    check_contiguous(t, "bias");
-    bias_dtype = to_tf_dtype(t.scalar_type(), "bias");
-    bias_ptr = t.const_data_ptr();
-  }
+  tf_dtype bias_dtype;
+  const void* bias_ptr = checked_bias(bias, n, &bias_dtype);
   // One tier for the whole call, so a cap changed meanwhile cannot mix paths within one output.
   const tf_isa isa = tf_cpu_isa();
   check_status(tf_fp8_gemm_check(m, n, k, fa, fb, bias_ptr != nullptr, bias_dtype, out, isa),
@@ -91,6 +98,49 @@ Tensor fp8_gemm_cpu(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, 
   return result;
 }
 
+// A (rows, blocks) float32 CPU tensor of scales, any strides.
+void check_block_scales(const Tensor& t, const char* arg, int64_t rows, int64_t blocks) {
+  STD_TORCH_CHECK(t.is_cpu(), arg, " must be a CPU tensor");
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float, arg, " must be float32");
+  STD_TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == blocks, arg, " must have shape (",
+                  rows, ", ", blocks, ") (one scale per row and K block)");
+}
+
+Tensor block_scaled_gemm_cpu(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, int64_t block,
+                             ScalarType out_dtype, std::optional<Tensor> bias) {
+  check_fp8_matrix(a, "a");
+  check_fp8_matrix(b, "b");
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(0);
+  STD_TORCH_CHECK(b.size(1) == k, "b must have a.shape[1] = ", k, " columns, got ", b.size(1));
+  STD_TORCH_CHECK(block >= 1 && block <= TF_GEMM_KC, "block must lie in [1, ", TF_GEMM_KC, "], got ", block);
+  const int64_t blocks = tf_block_scaled_gemm_blocks(k, block);
+  check_block_scales(a_scales, "a_scales", m, blocks);
+  check_block_scales(b_scales, "b_scales", n, blocks);
+  const tf_block_operand pa = {static_cast<const uint8_t*>(a.const_data_ptr()),
+                               to_tf_fp8_format(a.scalar_type(), "a"),
+                               a_scales.const_data_ptr<float>(), a_scales.stride(0), a_scales.stride(1)};
+  const tf_block_operand pb = {static_cast<const uint8_t*>(b.const_data_ptr()),
+                               to_tf_fp8_format(b.scalar_type(), "b"),
+                               b_scales.const_data_ptr<float>(), b_scales.stride(0), b_scales.stride(1)};
+  const tf_dtype out = to_tf_dtype(out_dtype, "out_dtype");
+  tf_dtype bias_dtype;
+  const void* bias_ptr = checked_bias(bias, n, &bias_dtype);
+  const tf_isa isa = tf_cpu_isa();  // one tier for the whole call, as in fp8_gemm
+  check_status(tf_block_scaled_gemm_check(m, n, k, block, &pa, &pb, bias_ptr != nullptr, bias_dtype, out, isa),
+               "block_scaled_gemm");
+  Tensor result = new_empty(a, {m, n}, out_dtype);
+  void* po = result.mutable_data_ptr();
+  const std::vector<int64_t> bounds = equal_cost_slices(m, n);
+  const int64_t slices = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<int> status(static_cast<size_t>(slices), TF_OK);
+  torch::stable::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
+    status[s0] = tf_block_scaled_gemm_nt(&pa, &pb, m, n, k, block, bias_ptr, bias_dtype, po, out, isa,
+                                         bounds[s0], bounds[s1]);
+  });
+  for (int s : status) check_status(static_cast<tf_status>(s), "block_scaled_gemm");
+  return result;
+}
+
 }  // namespace
 }  // namespace te_fuser
 
@@ -98,8 +148,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
   m.def(
       "fp8_gemm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, ScalarType out_dtype,"
       " Tensor? bias=None) -> Tensor");
+  m.def(
+      "block_scaled_gemm(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, int block,"
+      " ScalarType out_dtype, Tensor? bias=None) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
   m.impl("fp8_gemm", TORCH_BOX(&te_fuser::fp8_gemm_cpu));
+  m.impl("block_scaled_gemm", TORCH_BOX(&te_fuser::block_scaled_gemm_cpu));
 }

@@ -58,9 +58,9 @@ static float load_as_f32(const void *p, tf_dtype d, int64_t i) {
   return d == TF_BFLOAT16 ? tf_bf16_to_f32(h) : tf_f16_to_f32(h);
 }
 
-static void epilogue(const float *acc, int64_t rows, int64_t cols, float scale, const void *bias,
-                     tf_dtype bias_dtype, void *out, tf_dtype out_dtype, int64_t ldo,
-                     int64_t row0, int64_t col0) {
+void tf_gemm_epilogue_portable(const float *acc, int64_t rows, int64_t cols, float scale,
+                               const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
+                               int64_t ldo, int64_t row0, int64_t col0) {
   for (int64_t i = 0; i < rows; ++i) {
     const float *src = acc + i * TF_GEMM_NB;
     const int64_t o = (row0 + i) * ldo + col0;
@@ -207,7 +207,7 @@ tf_status tf_fp8_gemm_nt(const uint8_t *a, tf_fp8_format format_a, const uint8_t
         continue;
       }
 #endif
-      epilogue(w.acc, rows, cols, scale, bias, bias_dtype, out, out_dtype, n, row0, col0);
+      tf_gemm_epilogue_portable(w.acc, rows, cols, scale, bias, bias_dtype, out, out_dtype, n, row0, col0);
     }
   }
   free(w.acc);

@@ -44,6 +44,11 @@ void tf_gemm_pack_b_f32_avx2(const uint8_t *x, int64_t ld, int64_t r0, int64_t v
  * outputs cost what they hold; packed rows and columns past them within a block are zeros). */
 void tf_gemm_block_f32_portable(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
                                 int64_t rows, int64_t cols);
+/* The epilogue: out[row0 + i, col0 + j] = round_out(acc[i, j] * scale + bias[col0 + j]) for the
+ * first rows x cols of an accumulator tile (row stride TF_GEMM_NB), each step in float32. */
+void tf_gemm_epilogue_portable(const float *acc, int64_t rows, int64_t cols, float scale,
+                               const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
+                               int64_t ldo, int64_t row0, int64_t col0);
 #if TF_X86
 void tf_gemm_block_f32_avx2(int64_t kc, const float *a_pack, const float *b_pack, float *acc,
                             int64_t rows, int64_t cols);
@@ -52,7 +57,7 @@ void tf_gemm_block_bf16_avx512(int64_t kc_pad, const uint16_t *a_pack, const uin
                                float *acc, int64_t rows, int64_t cols);
 void tf_gemm_block_bf16_amx(int64_t kc_pad, const uint16_t *a_pack, const uint16_t *b_pack,
                             float *acc, int64_t rows, int64_t cols);
-/* The epilogue (fp8_gemm.c) for float32 and bf16 outputs in AVX-512 vectors, bit for bit. */
+/* tf_gemm_epilogue_portable for float32 and bf16 outputs in AVX-512 vectors, bit for bit. */
 void tf_gemm_epilogue_avx512(const float *acc, int64_t rows, int64_t cols, float scale,
                              const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
                              int64_t ldo, int64_t row0, int64_t col0);
@@ -65,6 +70,28 @@ void tf_gemm_pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid
 void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
                          int64_t k0, int64_t kc, int64_t kc_pad, const uint16_t codes[256],
                          uint16_t *dst);
+#endif
+
+/* The block-scaled GEMM's (block_scaled_gemm.h) fused kernel on AVX512-BF16: one output tile, its
+ * K blocks packed in the bf16 pair layouts above, block kb of min(block, k - kb * block) values in
+ * kc_pad = that rounded up to 32. Per 6 x 32 register block of the first rows x cols of the tile:
+ *   total = +0; for kb in order: P = +0 plus the block's pairs in order (vdpbf16ps, as
+ *   tf_gemm_block_bf16_avx512 adds them; the zero pairs of the padding are skipped: adding +-0 to a
+ *   sum of FP8 products changes no bit, as no such sum is -0 or subnormal); total += P * (sa * sb)
+ * and stores total (row stride TF_GEMM_NB). */
+typedef struct {
+  int64_t blocks, block, k;
+  const uint16_t *a; /* block kb at a + kb * a_block_elems: [rows][kc_pad] */
+  int64_t a_block_elems;
+  const uint16_t *b; /* block kb at b + kb * b_block_elems: [cols / 16][kc_pad / 2][16][2] */
+  int64_t b_block_elems;
+  const float *sa; /* a's scale of the tile's row i, block kb: sa[i * sa_row_stride + kb * sa_block_stride] */
+  int64_t sa_row_stride, sa_block_stride;
+  const float *sb; /* [blocks][TF_GEMM_NB]: b's scales of the tile's columns (0 past cols) */
+} tf_block_tile;
+
+#if TF_X86
+void tf_block_gemm_tile_bf16_avx512(const tf_block_tile *t, float *total, int64_t rows, int64_t cols);
 #endif
 
 /* The number of blocks of `size` that cover `extent`. */

@@ -1,4 +1,5 @@
-"""The CPU FP8 GEMM: validated entry point and fake kernel of torch.ops.te_fuser.fp8_gemm.
+"""The CPU FP8 GEMMs: validated entry points and fake kernels of torch.ops.te_fuser.fp8_gemm and
+torch.ops.te_fuser.block_scaled_gemm.
 
     out = (a @ b.T) * (a_scale_inv * b_scale_inv) + bias, rounded once to out_dtype
 
@@ -7,6 +8,10 @@ to bfloat16, multiplied on the CPU's best engine (AMX, AVX512-BF16, AVX2 or plai
 te_fuser.kernels.cpu) with float32 accumulation, and the scale and bias are applied in float32.
 These are torch._scaled_mm's semantics; only the float32 summation order differs between engines
 (see csrc/gemm/fp8_gemm.h for the bound).
+
+block_scaled_gemm is the block-scaled recipes' GEMM: the same engine summing each K block of `block`
+values apart (the last block may be shorter), each block's sum scaled by its two float32 scales and
+added to a float32 total in block order (csrc/gemm/block_scaled_gemm.h).
 """
 
 from typing import Optional
@@ -16,6 +21,7 @@ import torch
 from .validate import FP8_DTYPES, call_checked, check_contiguous, check_dtype, check_float_dtype, check_scalar_f32
 
 _ops = torch.ops.te_fuser
+MAX_BLOCK = 256  # TF_GEMM_KC: a block is summed within one of the engine's k blocks
 
 
 def _check_operand(t, name):
@@ -36,12 +42,16 @@ def fp8_gemm(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scal
 
 
 def _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
+    _check_operands_out_and_bias(a, b, out_dtype, bias)
+    check_scalar_f32(a_scale_inv, "a_scale_inv", a, "a")
+    check_scalar_f32(b_scale_inv, "b_scale_inv", b, "b")
+
+
+def _check_operands_out_and_bias(a, b, out_dtype, bias):
     _check_operand(a, "a")
     _check_operand(b, "b")
     if b.shape[1] != a.shape[1]:
         raise ValueError(f"b must have a.shape[1] = {a.shape[1]} columns (b is (N, K)), got shape {tuple(b.shape)}")
-    check_scalar_f32(a_scale_inv, "a_scale_inv", a, "a")
-    check_scalar_f32(b_scale_inv, "b_scale_inv", b, "b")
     check_float_dtype(out_dtype, "out_dtype")
     if bias is not None:
         check_dtype(bias, "bias")
@@ -50,6 +60,38 @@ def _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
         if bias.device != a.device:
             raise ValueError(f"bias is on {bias.device} but a is on {a.device}; they must be on the same device")
         check_contiguous(bias, "bias")
+
+
+def block_scaled_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                      block: int, out_dtype: torch.dtype = torch.float32,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b.T for row-major FP8 a (M, K) and b (N, K) with float32 scales a_scales (M, ceil(K / block))
+    and b_scales (N, ceil(K / block)), one per row and K block (any strides), plus bias, in out_dtype:
+    total = sum over K blocks kb in order of (a_kb @ b_kb.T) * (a_scales[:, kb] * b_scales[:, kb]),
+    each block's sum from fp8_gemm's engine, every step in float32, then one rounding to out_dtype."""
+    return call_checked(lambda: _check_block_scaled_gemm_args(a, a_scales, b, b_scales, block, out_dtype, bias),
+                        _ops.block_scaled_gemm, a, a_scales, b, b_scales, block, out_dtype, bias)
+
+
+def _check_block_scaled_gemm_args(a, a_scales, b, b_scales, block, out_dtype, bias):
+    if not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
+        raise ValueError(f"block must be an int in [1, {MAX_BLOCK}], got {block!r}")
+    _check_operands_out_and_bias(a, b, out_dtype, bias)
+    blocks = -(-a.shape[1] // block)
+    for scales, name, rows, operand in ((a_scales, "a_scales", a.shape[0], "a"), (b_scales, "b_scales", b.shape[0], "b")):
+        check_dtype(scales, name, (torch.float32,))
+        if scales.shape != (rows, blocks):
+            raise ValueError(f"{name} must have shape ({rows}, {blocks}): one scale per row of {operand} and "
+                             f"K block of {block} (the last may be shorter), got {tuple(scales.shape)}")
+        if scales.device != a.device:
+            raise ValueError(f"{name} is on {scales.device} but a is on {a.device}; they must be on the same device")
+
+
+@torch.library.register_fake("te_fuser::block_scaled_gemm")
+def _(a, a_scales, b, b_scales, block, out_dtype, bias=None):
+    if any(t is not None and t.device.type != "cpu" for t in (a, a_scales, b, b_scales, bias)):
+        raise RuntimeError("te_fuser::block_scaled_gemm takes CPU tensors")
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 @torch.library.register_fake("te_fuser::fp8_gemm")

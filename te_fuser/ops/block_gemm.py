@@ -85,16 +85,7 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                          block: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """a @ b.T for FP8 a (M, K), b (N, K) with per-(row, K block) scales, as the module docstring says."""
-    m, k = a.shape
-    n = b.shape[0]
-    one = torch.ones(1, dtype=torch.float32)
-    out = torch.zeros(m, n, dtype=torch.float32)
-    for kb in range(_blocks(k, block)):  # the last block may be partial
-        cols = slice(kb * block, (kb + 1) * block)
-        partial = gemm_kernels.fp8_gemm(a[:, cols].contiguous(), one, b[:, cols].contiguous(), one, torch.float32)
-        out += partial * (a_scales[:, kb, None] * b_scales[None, :, kb])
-    if bias is not None:
-        out += bias.float()
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    """a @ b.T for FP8 a (M, K), b (N, K) with per-(row, K block) scales (M or N, ceil(K / block)), as the
+    module docstring says; the last K block may be shorter."""
+    return gemm_kernels.block_scaled_gemm(a.contiguous(), a_scales, b.contiguous(), b_scales, block, out_dtype, bias)
 

@@ -28,6 +28,10 @@ NVFP4_BLOCK_SCALING_SIZE = kernels.NVFP4_BLOCK
 # The E4M3 code of each E2M1 code (sign and magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}): every E2M1 value is one.
 _E2M1_AS_E4M3 = torch.tensor([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
                               0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC], dtype=torch.uint8)
+# The two E4M3 codes of each packed byte (low nibble first), held as one int16 whose bytes they are, so
+# unpacking a tensor is one lookup per byte.
+_BYTE = torch.arange(256)
+_BYTE_AS_E4M3_PAIR = torch.stack((_E2M1_AS_E4M3[_BYTE & 15], _E2M1_AS_E4M3[_BYTE >> 4]), dim=1).view(torch.int16)[:, 0]
 
 # TE's fixed random signs of the wgrad transform (row j of the Hadamard matrix negated where -1).
 _WGRAD_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
@@ -87,9 +91,8 @@ class NVFP4Tensor(BlockScaledTensor):
         else:
             data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
             n, m = rows, kernels.padded_len(cols)
-        packed = data.reshape(n, m // 2).to(torch.int64)
-        nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n, m)
-        codes = _E2M1_AS_E4M3.to(data.device)[nibbles].view(torch.float8_e4m3fn)
+        packed = data.reshape(n * (m // 2)).to(torch.int32)
+        codes = _BYTE_AS_E4M3_PAIR.to(data.device).index_select(0, packed).view(torch.float8_e4m3fn).reshape(n, m)
         block_scales = scale[:n, : m // NVFP4_BLOCK_SCALING_SIZE].contiguous().view(torch.float8_e4m3fn).float()
         return codes, block_scales * amax.reshape(()) * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
 

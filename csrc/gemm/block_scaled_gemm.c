@@ -1,0 +1,322 @@
+/* Block-scaled GEMM driver (block_scaled_gemm.h): per output tile, each K block is packed and
+ * summed by the FP8 GEMM's kernel of the tier into a zeroed partial tile, then scaled into the
+ * tile's float32 total; the FP8 GEMM's epilogue adds the bias and rounds. */
+#include "block_scaled_gemm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../common/tf_checks.h"
+#include "gemm_kernels.h"
+
+#if TF_X86
+#include <immintrin.h>
+#endif
+
+int64_t tf_block_scaled_gemm_blocks(int64_t k, int64_t block) {
+  if (k < 0 || block < 1) return -1;
+  return k / block + (k % block != 0);
+}
+
+/* 1 when every scale index (rows - 1) * row stride + (blocks - 1) * block stride fits in int64. */
+static int scale_indices_fit(const tf_block_operand *x, int64_t rows, int64_t blocks) {
+  if (rows == 0 || blocks == 0) return 1;
+  if (!tf_mul_fits(rows - 1, x->scale_row_stride) || !tf_mul_fits(blocks - 1, x->scale_block_stride))
+    return 0;
+  return (rows - 1) * x->scale_row_stride <= INT64_MAX - (blocks - 1) * x->scale_block_stride;
+}
+
+tf_status tf_block_scaled_gemm_check(int64_t m, int64_t n, int64_t k, int64_t block,
+                                     const tf_block_operand *a, const tf_block_operand *b,
+                                     int has_bias, tf_dtype bias_dtype, tf_dtype out_dtype, tf_isa isa) {
+  if (!a || !b) return TF_ERR_NULL_POINTER;
+  const tf_status s = tf_fp8_gemm_check(m, n, k, a->format, b->format, has_bias, bias_dtype, out_dtype, isa);
+  if (s != TF_OK) return s;
+  if (block < 1 || block > TF_GEMM_KC) return TF_ERR_BAD_ARGUMENT;
+  if (a->scale_row_stride < 0 || a->scale_block_stride < 0 || b->scale_row_stride < 0 ||
+      b->scale_block_stride < 0)
+    return TF_ERR_BAD_SIZE;
+  const int64_t blocks = tf_block_scaled_gemm_blocks(k, block);
+  if (!scale_indices_fit(a, m, blocks) || !scale_indices_fit(b, n, blocks)) return TF_ERR_OVERFLOW;
+  return TF_OK;
+}
+
+/* ---- combining a block's partial tile into the total ------------------------------------ */
+
+/* total[i, j] += partial[i, j] * (sa[i] * sb[j]) for i < rows, j < cols: three float32 roundings,
+ * one statement each so that no compiler fuses them. */
+static void combine_portable(float *total, const float *partial, int64_t rows, int64_t cols,
+                             const float *sa, int64_t sa_stride, const float *sb) {
+  for (int64_t i = 0; i < rows; ++i) {
+    const float s = sa[i * sa_stride];
+    for (int64_t j = 0; j < cols; ++j) {
+      const float scale = s * sb[j];
+      const float scaled = partial[i * TF_GEMM_NB + j] * scale;
+      total[i * TF_GEMM_NB + j] += scaled;
+    }
+  }
+}
+
+#if TF_X86
+/* The same in 8-float vectors; a masked load and store only for a last partial vector (a masked
+ * store is slow on some CPUs). */
+TF_TARGET_AVX2 static void combine_avx2(float *total, const float *partial, int64_t rows, int64_t cols,
+                                        const float *sa, int64_t sa_stride, const float *sb) {
+  const int64_t whole = cols / 8 * 8;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(cols - whole)), lane);
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m256 s = _mm256_set1_ps(sa[i * sa_stride]);
+    float *t = total + i * TF_GEMM_NB;
+    const float *p = partial + i * TF_GEMM_NB;
+    for (int64_t j = 0; j < whole; j += 8) {
+      const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(p + j), _mm256_mul_ps(s, _mm256_loadu_ps(sb + j)));
+      _mm256_storeu_ps(t + j, _mm256_add_ps(_mm256_loadu_ps(t + j), scaled));
+    }
+    if (whole < cols) {
+      const __m256 scale = _mm256_mul_ps(s, _mm256_maskload_ps(sb + whole, mask));
+      const __m256 scaled = _mm256_mul_ps(_mm256_maskload_ps(p + whole, mask), scale);
+      _mm256_maskstore_ps(t + whole, mask, _mm256_add_ps(_mm256_maskload_ps(t + whole, mask), scaled));
+    }
+  }
+}
+
+/* The bf16 bits of every FP8 code of a format (exact: FP8 values are bf16 values). */
+static void bf16_codes(tf_fp8_format f, uint16_t codes[256]) {
+  for (int c = 0; c < 256; ++c) {
+    const float v = f == TF_FP8_E4M3 ? tf_fp8_e4m3_decode((uint8_t)c) : tf_fp8_e5m2_decode((uint8_t)c);
+    codes[c] = (uint16_t)(tf_f32_bits(v) >> 16);
+  }
+}
+#endif
+
+/* ---- driver ----------------------------------------------------------------------------- */
+
+typedef struct {
+  const tf_block_operand *a, *b;
+  int64_t m, n, k, block, blocks;
+  tf_isa isa;
+} job;
+
+/* Scratch of one call (see fp8_gemm.c's, whose caching of packed operands this mirrors). */
+typedef struct {
+  float *total, *partial; /* MB x NB each */
+  float *sb;              /* NB: b's scales of the tile's columns for one block */
+  void *a_pack, *b_pack;  /* one block of a (MB x KC floats) and of b (NB x KC floats) */
+  size_t elem;            /* bytes of a packed element: float32 or bf16 */
+  int64_t kstride;        /* packed elements of a row per block: block, or kc_pad on bf16 paths */
+  uint16_t codes_a[256], codes_b[256];
+  void *a_row;            /* a's packed blocks of one row of tiles ([blocks][MB][kstride]), or NULL */
+  int64_t a_row0;         /* the row of tiles a_row holds, -1 for none */
+  uint16_t *b_all;        /* bf16 paths: b's packed blocks, [b_slots][blocks][NB][kstride], or NULL */
+  int64_t b_slots;        /* n / NB (every column of tiles) or, on the fused path only, 1 */
+  uint8_t *b_packed;      /* b_slots == n / NB: per column of tiles, whether b_all holds it yet */
+  int64_t b_col;          /* b_slots == 1: the column of tiles b_all holds, -1 for none */
+  float *sb_all;          /* fused path: b's scales of the tile's columns, [blocks][NB] */
+  int fused;              /* the tiles go through tf_block_gemm_tile_bf16_avx512 */
+} scratch;
+
+#define PACKED_MAX_BYTES ((int64_t)16 << 20)
+
+/* The rows (or columns) of a block that the kernels read for `valid` real ones (as in fp8_gemm.c). */
+static int64_t covered(int64_t valid, int64_t block, int64_t limit) {
+  const int64_t c = tf_gemm_blocks(valid, block) * block;
+  return c < limit ? c : limit;
+}
+
+/* partial (zeroed) += the block [k0, k0 + kc) of the tile's product, by the tier's kernel. */
+static void block_product(const job *jb, int64_t kb, int64_t row0, int64_t col0, int64_t rows,
+                          int64_t cols, int pack_a, scratch *w) {
+  const tf_block_operand *a = jb->a, *b = jb->b;
+  const int64_t k0 = kb * jb->block, kc = jb->k - k0 < jb->block ? jb->k - k0 : jb->block;
+  const int64_t a_rows = covered(rows, 96, TF_GEMM_MB);
+  const int64_t b_cols = covered(cols, 32, TF_GEMM_NB);
+  void *a_block = w->a_row ? (char *)w->a_row + kb * TF_GEMM_MB * w->kstride * (int64_t)w->elem : w->a_pack;
+#if TF_X86
+  if (jb->isa >= TF_ISA_AVX512_BF16) {
+    const int64_t kc_pad = (kc + 31) / 32 * 32;
+    if (pack_a) tf_gemm_pack_a_bf16(a->codes, jb->k, row0, rows, a_rows, k0, kc, kc_pad, w->codes_a, a_block);
+    const int64_t col_tile = col0 / TF_GEMM_NB;
+    uint16_t *b_block =
+        w->b_all ? w->b_all + (col_tile * jb->blocks + kb) * TF_GEMM_NB * w->kstride : w->b_pack;
+    if (!w->b_all || !w->b_packed[col_tile])
+      tf_gemm_pack_b_bf16(b->codes, jb->k, col0, cols, b_cols, k0, kc, kc_pad, w->codes_b, b_block);
+    if (jb->isa == TF_ISA_AMX)
+      tf_gemm_block_bf16_amx(kc_pad, a_block, b_block, w->partial, rows, cols);
+    else
+      tf_gemm_block_bf16_avx512(kc_pad, a_block, b_block, w->partial, rows, cols);
+    return;
+  }
+  if (jb->isa >= TF_ISA_AVX2) {
+    if (pack_a) tf_gemm_pack_a_f32_avx2(a->codes, jb->k, row0, rows, a_rows, k0, kc, a->format, a_block);
+    tf_gemm_pack_b_f32_avx2(b->codes, jb->k, col0, cols, b_cols, k0, kc, b->format, w->b_pack);
+    tf_gemm_block_f32_avx2(kc, a_block, w->b_pack, w->partial, rows, cols);
+    return;
+  }
+#endif
+  if (pack_a) tf_gemm_pack_a_f32_portable(a->codes, jb->k, row0, rows, a_rows, k0, kc, a->format, a_block);
+  tf_gemm_pack_b_f32_portable(b->codes, jb->k, col0, cols, b_cols, k0, kc, b->format, w->b_pack);
+  tf_gemm_block_f32_portable(kc, a_block, w->b_pack, w->partial, rows, cols);
+}
+
+/* w->total's first rows x cols = the tile's block-scaled sum. */
+static void compute_tile(const job *jb, int64_t row0, int64_t col0, int64_t rows, int64_t cols, scratch *w) {
+  const tf_block_operand *a = jb->a, *b = jb->b;
+  const int64_t a_rows = covered(rows, 96, TF_GEMM_MB);
+  const int pack_a = !w->a_row || w->a_row0 != row0;
+  memset(w->total, 0, sizeof(float) * (size_t)(rows * TF_GEMM_NB));
+  for (int64_t kb = 0; kb < jb->blocks; ++kb) {
+    memset(w->partial, 0, sizeof(float) * (size_t)(a_rows * TF_GEMM_NB)); /* every row a kernel touches */
+    block_product(jb, kb, row0, col0, rows, cols, pack_a, w);
+    for (int64_t j = 0; j < cols; ++j)
+      w->sb[j] = b->scales[(col0 + j) * b->scale_row_stride + kb * b->scale_block_stride];
+    const float *sa = a->scales + row0 * a->scale_row_stride + kb * a->scale_block_stride;
+#if TF_X86
+    if (jb->isa >= TF_ISA_AVX2) {
+      combine_avx2(w->total, w->partial, rows, cols, sa, a->scale_row_stride, w->sb);
+      continue;
+    }
+#endif
+    combine_portable(w->total, w->partial, rows, cols, sa, a->scale_row_stride, w->sb);
+  }
+  if (w->b_all && jb->blocks > 0) w->b_packed[col0 / TF_GEMM_NB] = 1;
+  w->a_row0 = row0;
+}
+
+#if TF_X86
+/* The fused AVX512-BF16 path: packs the tile's blocks of a (once per row of tiles) and of b (once
+ * per column of tiles), gathers b's scales, and sums the tile in registers. */
+static void compute_tile_fused(const job *jb, int64_t row0, int64_t col0, int64_t rows, int64_t cols, scratch *w) {
+  const tf_block_operand *a = jb->a, *b = jb->b;
+  const int64_t a_rows = covered(rows, 96, TF_GEMM_MB), b_cols = covered(cols, 32, TF_GEMM_NB);
+  const int64_t col_tile = col0 / TF_GEMM_NB, slot = w->b_slots == 1 ? 0 : col_tile;
+  const int64_t a_elems = TF_GEMM_MB * w->kstride, b_elems = TF_GEMM_NB * w->kstride;
+  uint16_t *a_blocks = w->a_row, *b_blocks = w->b_all + slot * jb->blocks * b_elems;
+  const int pack_a = w->a_row0 != row0;
+  const int pack_b = w->b_slots == 1 ? w->b_col != col_tile : !w->b_packed[col_tile];
+  for (int64_t kb = 0; kb < jb->blocks; ++kb) {
+    const int64_t k0 = kb * jb->block, kc = jb->k - k0 < jb->block ? jb->k - k0 : jb->block;
+    const int64_t kc_pad = (kc + 31) / 32 * 32;
+    if (pack_a)
+      tf_gemm_pack_a_bf16(a->codes, jb->k, row0, rows, a_rows, k0, kc, kc_pad, w->codes_a, a_blocks + kb * a_elems);
+    if (pack_b)
+      tf_gemm_pack_b_bf16(b->codes, jb->k, col0, cols, b_cols, k0, kc, kc_pad, w->codes_b, b_blocks + kb * b_elems);
+    float *sb = w->sb_all + kb * TF_GEMM_NB;
+    for (int64_t j = 0; j < TF_GEMM_NB; ++j)
+      sb[j] = j < cols ? b->scales[(col0 + j) * b->scale_row_stride + kb * b->scale_block_stride] : 0.0f;
+  }
+  w->a_row0 = row0;
+  if (w->b_slots == 1)
+    w->b_col = col_tile;
+  else
+    w->b_packed[col_tile] = 1;
+  const tf_block_tile t = {jb->blocks, jb->block, jb->k, a_blocks, a_elems, b_blocks, b_elems,
+                           a->scales + row0 * a->scale_row_stride, a->scale_row_stride, a->scale_block_stride,
+                           w->sb_all};
+  tf_block_gemm_tile_bf16_avx512(&t, w->total, rows, cols);
+}
+#endif
+
+static void free_scratch(scratch *w) {
+  free(w->sb_all);
+  free(w->total);
+  free(w->partial);
+  free(w->sb);
+  free(w->a_pack);
+  free(w->b_pack);
+  free(w->a_row);
+  free(w->b_all);
+  free(w->b_packed);
+}
+
+tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_operand *b, int64_t m,
+                                  int64_t n, int64_t k, int64_t block, const void *bias,
+                                  tf_dtype bias_dtype, void *out, tf_dtype out_dtype, tf_isa isa,
+                                  int64_t tile_begin, int64_t tile_end) {
+  const tf_status s =
+      tf_block_scaled_gemm_check(m, n, k, block, a, b, bias != 0, bias_dtype, out_dtype, isa);
+  if (s != TF_OK) return s;
+  const int64_t tiles = tf_fp8_gemm_tiles(m, n);
+  if (!tf_range_ok(tile_begin, tile_end, tiles)) return TF_ERR_BAD_SIZE;
+  if (tile_begin == tile_end) return TF_OK;
+  if (!out || (k > 0 && (!a->codes || !b->codes || !a->scales || !b->scales))) return TF_ERR_NULL_POINTER;
+
+  const job jb = {a, b, m, n, k, block, tf_block_scaled_gemm_blocks(k, block), isa};
+  scratch w;
+  memset(&w, 0, sizeof(w));
+  w.total = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
+  w.partial = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_NB);
+  w.sb = malloc(sizeof(float) * TF_GEMM_NB);
+  w.a_pack = malloc(sizeof(float) * TF_GEMM_MB * TF_GEMM_KC);
+  w.b_pack = malloc(sizeof(float) * TF_GEMM_NB * TF_GEMM_KC);
+  w.elem = sizeof(float);
+  w.kstride = block;
+  w.a_row0 = -1;
+  const int64_t tiles_n = (n + TF_GEMM_NB - 1) / TF_GEMM_NB;
+  const int several_rows = (tile_end - 1) / tiles_n > tile_begin / tiles_n;
+  const int several_cols = tile_end - tile_begin > 1 && tiles_n > 1;
+#if TF_X86
+  /* every tile of the call on the fused kernel, if its buffers can be had (compared by division, so
+   * nothing overflows) */
+  const int want_fused = isa == TF_ISA_AVX512_BF16 && jb.blocks > 0;
+  if (isa >= TF_ISA_AVX512_BF16) {
+    w.elem = sizeof(uint16_t);
+    w.kstride = (block + 31) / 32 * 32;
+    bf16_codes(a->format, w.codes_a);
+    bf16_codes(b->format, w.codes_b);
+    const int64_t block_bytes = TF_GEMM_NB * w.kstride * (int64_t)w.elem;
+    if (jb.blocks > 0 && jb.blocks <= PACKED_MAX_BYTES / block_bytes) {
+      if (several_rows && tiles_n <= PACKED_MAX_BYTES / (jb.blocks * block_bytes))
+        w.b_slots = tiles_n;
+      else if (want_fused)
+        w.b_slots = 1;
+    }
+    if (w.b_slots > 0) {
+      w.b_all = malloc((size_t)(w.b_slots * jb.blocks * block_bytes));
+      w.b_packed = calloc((size_t)w.b_slots, 1);
+      w.b_col = -1;
+    }
+    if (want_fused && jb.blocks <= PACKED_MAX_BYTES / (TF_GEMM_NB * (int64_t)sizeof(float)))
+      w.sb_all = malloc(sizeof(float) * (size_t)(jb.blocks * TF_GEMM_NB));
+  }
+  if ((several_cols || want_fused) && jb.blocks <= PACKED_MAX_BYTES / (TF_GEMM_MB * w.kstride * (int64_t)w.elem))
+    w.a_row = malloc((size_t)(jb.blocks * TF_GEMM_MB * w.kstride) * w.elem);
+  w.fused = want_fused && w.a_row && w.b_all && w.b_packed && w.sb_all;
+  if (!w.fused && (w.b_slots != tiles_n || !w.b_all || !w.b_packed)) { /* packing per tile needs none */
+    free(w.b_all);
+    free(w.b_packed);
+    w.b_all = NULL;
+    w.b_packed = NULL;
+  }
+#else
+  (void)several_rows;
+  if (several_cols && jb.blocks <= PACKED_MAX_BYTES / (TF_GEMM_MB * w.kstride * (int64_t)w.elem))
+    w.a_row = malloc((size_t)(jb.blocks * TF_GEMM_MB * w.kstride) * w.elem);
+#endif
+  tf_status result = TF_OK;
+  if (!w.total || !w.partial || !w.sb || !w.a_pack || !w.b_pack) {
+    result = TF_ERR_BAD_ARGUMENT;
+  } else {
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      const int64_t row0 = (t / tiles_n) * TF_GEMM_MB, col0 = (t % tiles_n) * TF_GEMM_NB;
+      const int64_t rows = m - row0 < TF_GEMM_MB ? m - row0 : TF_GEMM_MB;
+      const int64_t cols = n - col0 < TF_GEMM_NB ? n - col0 : TF_GEMM_NB;
+#if TF_X86
+      if (w.fused)
+        compute_tile_fused(&jb, row0, col0, rows, cols, &w);
+      else
+#endif
+        compute_tile(&jb, row0, col0, rows, cols, &w);
+      /* scale 1: total * 1 is total, so the epilogue adds the bias and rounds */
+#if TF_X86
+      if (isa >= TF_ISA_AVX512 && out_dtype != TF_FLOAT16) {
+        tf_gemm_epilogue_avx512(w.total, rows, cols, 1.0f, bias, bias_dtype, out, out_dtype, n, row0, col0);
+        continue;
+      }
+#endif
+      tf_gemm_epilogue_portable(w.total, rows, cols, 1.0f, bias, bias_dtype, out, out_dtype, n, row0, col0);
+    }
+  }
+  free_scratch(&w);
+  return result;
+}
