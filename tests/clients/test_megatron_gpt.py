@@ -46,9 +46,10 @@ ONE_RANK = {
                                           reference="none"),
     # te_fuser's release switches off: the graph walk must see what is then left behind.
     "te_cross_entropy": dict(dtype="fp32", te_cross_entropy=True),
-    # Megatron's --fp8-recipe mxfp8 with --fp8-format e4m3 (TE's advice for MX). (Its blockwise recipe needs
-    # every GEMM dimension a multiple of 128 in te_fuser, which this model's hidden size of 64 is not.)
+    # Megatron's --fp8-recipe mxfp8 with --fp8-format e4m3 (TE's advice for MX), and --fp8-recipe blockwise
+    # (Float8BlockScaling; this model's hidden size of 64 is a partial 128-block).
     "fp8_mxfp8": dict(dtype="bf16", fp8="mxfp8", fp8_format="e4m3"),
+    "fp8_blockwise": dict(dtype="bf16", fp8="blockwise", fp8_format="e4m3"),
     "bug_on_fuser": dict(dtype="fp32", bug_on="fuser", reference="none"),
     "bug_on_checkpoint": dict(dtype="fp32", fp8="delayed", recompute=True, bug_on="checkpoint", reference="none"),
 }
@@ -58,6 +59,7 @@ TWO_RANKS = {
     "fp8_tensorwise": dict(dtype="bf16", fp8="tensorwise"),
     "recompute_fp8_delayed": dict(dtype="fp32", fp8="delayed", recompute=True),
     "fp8_mxfp8": dict(dtype="bf16", fp8="mxfp8", fp8_format="e4m3"),
+    "fp8_blockwise": dict(dtype="bf16", fp8="blockwise", fp8_format="e4m3"),
     # The vocabulary split over the two ranks: TE's parallel_cross_entropy on sharded logits.
     "te_cross_entropy": dict(dtype="fp32", te_cross_entropy=True),
     # Each rank keeps only its chunk of the layer's input until backward (te_fuser's checkpoint).
@@ -149,14 +151,16 @@ def test_fp8_losses_near_local_spec(one_rank, name):
     _assert_graph_clean(result, name)
 
 
-def test_mxfp8_recipe_trains_near_local_spec(one_rank, two_ranks):
-    """Megatron's --fp8-recipe mxfp8 (its get_fp8_recipe, TE's MXFP8BlockScaling) trains the TE-spec GPT on
-    te_fuser's MXFP8 tensors, on one rank and with TP=2, near the unquantized local spec, with a clean graph."""
-    for result in map(_ok, one_rank["fp8_mxfp8"] + two_ranks["fp8_mxfp8"]):
+@pytest.mark.parametrize("name", ["fp8_mxfp8", "fp8_blockwise"])
+def test_block_scaled_recipe_trains_near_local_spec(one_rank, two_ranks, name):
+    """Megatron's --fp8-recipe mxfp8 / blockwise (its get_fp8_recipe: TE's MXFP8BlockScaling /
+    Float8BlockScaling) trains the TE-spec GPT on te_fuser's block-scaled tensors, on one rank and with TP=2,
+    near the unquantized local spec, with a clean graph."""
+    for result in map(_ok, one_rank[name] + two_ranks[name]):
         assert _rel(result["te"], result["local"]) < TOL["fp8"], (result["te"], result["local"])
-        assert all(abs(x - y) > 1e-6 for x, y in zip(result["te"], result["local"]))  # MXFP8 really ran
+        assert all(abs(x - y) > 1e-6 for x, y in zip(result["te"], result["local"]))  # the recipe really ran
         assert result["te"][-1] < result["te"][0]
-        _assert_graph_clean(result, "fp8_mxfp8")
+        _assert_graph_clean(result, name)
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
