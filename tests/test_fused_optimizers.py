@@ -326,6 +326,21 @@ def test_sgd_matches_torch_optim_in_float64(generator, options):
         torch.testing.assert_close(p, r.float(), rtol=1e-5, atol=1e-6)
 
 
+def test_sgd_half_params_match_torch_optim_bitwise(generator):
+    """float16 parameters and momentum buffers, stored rounded each step, as torch's float16 SGD does."""
+    params, _ = _pair(generator, torch.float16)
+    refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optim, reference = FusedSGD(params, lr=0.25, momentum=0.125), torch.optim.SGD(refs, lr=0.25, momentum=0.125)
+    for _ in range(5):
+        for p, r, g in zip(params, refs, _grads(generator, params)):
+            p.grad, r.grad = g.half(), g.half()
+        optim.step()
+        reference.step()
+    for p, r in zip(params, refs):
+        assert optim.state[p]["momentum_buffer"].dtype == torch.float16
+        assert torch.equal(p, r)
+
+
 def test_sgd_weight_decay_after_momentum_and_half_params(generator):
     params, refs = _pair(generator, torch.float16)
     optim = FusedSGD(params, lr=0.05, momentum=0.8, weight_decay=0.1, wd_after_momentum=True)

@@ -2,7 +2,7 @@
 
 torch.optim.SGD's update, with TE's options: momentum (the buffer starts as the first gradient), dampening,
 Nesterov, weight decay applied before the momentum (torch's) or after it (`wd_after_momentum=True`).
-float16 / bfloat16 parameters are updated in float32 and rounded once. `materialize_master_grads` concerns
+float16 / bfloat16 parameters and their momentum buffers are updated in float32 and stored rounded. `materialize_master_grads` concerns
 apex's amp master copies, which te_fuser does not keep: it is accepted and has no effect.
 """
 
@@ -59,7 +59,7 @@ class FusedSGD(torch.optim.Optimizer):
             state = self.state[p]
             first_run = "momentum_buffer" not in state
             if first_run:
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+                state["momentum_buffer"] = torch.zeros_like(p)  # the parameter's dtype, as in TE
             momentums.append(state["momentum_buffer"])
         return momentums, first_run
 
@@ -79,14 +79,17 @@ class FusedSGD(torch.optim.Optimizer):
             if weight_decay != 0 and not self.wd_after_momentum:
                 grads = torch._foreach_add(grads, weights, alpha=weight_decay)
             if momentum != 0:
-                buffers, first_run = self.get_momentums(params)
+                stored, first_run = self.get_momentums(params)
                 if first_run:
-                    torch._foreach_copy_(buffers, grads)
+                    buffers = grads
                 else:
+                    buffers = [b.float() for b in stored]
                     torch._foreach_mul_(buffers, momentum)
                     torch._foreach_add_(buffers, grads, alpha=1.0 - group["dampening"])
-                grads = (torch._foreach_add(grads, buffers, alpha=momentum) if group["nesterov"]
-                         else [b.clone() for b in buffers])
+                torch._foreach_copy_(stored, buffers)
+                # The update reads the buffer as stored (rounded to the parameter's dtype).
+                buffers = [b.float() for b in stored]
+                grads = torch._foreach_add(grads, buffers, alpha=momentum) if group["nesterov"] else buffers
             if weight_decay != 0 and self.wd_after_momentum:
                 grads = torch._foreach_add(grads, weights, alpha=weight_decay)
             torch._foreach_add_(weights, grads, alpha=-group["lr"])
