@@ -29,8 +29,28 @@ class Sequential(torch.nn.Module):
     def __len__(self) -> int:
         return len(self._modules)
 
-    def __getitem__(self, i: int) -> torch.nn.Module:
-        return list(self._modules.values())[i]
+    def __getitem__(self, i):
+        """The i-th module, or for a slice a Sequential of those modules (torch.nn.Sequential's, TE's)."""
+        modules = list(self._modules.values())
+        if isinstance(i, slice):
+            return Sequential(*modules[i])
+        return modules[i]
+
+    def __setitem__(self, i: int, module: torch.nn.Module) -> None:
+        key = list(self._modules)[i]
+        self._modules[key] = module
+        self._groups = None
+
+    def __delitem__(self, i) -> None:
+        modules = list(self._modules.values())
+        del modules[i]
+        self._modules.clear()
+        for j, module in enumerate(modules):
+            self.add_module(str(j), module)
+        self._groups = None
+
+    def __iter__(self):
+        return iter(self._modules.values())
 
     @property
     def _module_groups(self) -> List:
