@@ -13,6 +13,7 @@ import torch
 
 from ..quantization import FP8GlobalStateManager, DelayedScalingState, make_recipe_state
 from ..recipe import DelayedScaling
+from ..tensor import QuantizedTensor
 from ._extra_state import _decode, read_te_state, te_state_payload
 
 _WORKSPACE = {}
@@ -64,6 +65,33 @@ def state_quantizers(state) -> list:
     return [state.quantizer(i) for i in range(count)]
 
 
+def _recipe_kind_changed(previous, recipe) -> bool:
+    return not (isinstance(previous, type(recipe)) or isinstance(recipe, type(previous)))
+
+
+def _warn_on_recipe_change(module, args) -> None:
+    """TE's warnings when a module's FP8 state is about to follow another recipe: of another kind ("Recipe
+    type changed"), or, for FP8 weights, a delayed-scaling history of another length ("Quantizer is being
+    updated"). te_fuser's ops then remake their state, as TE's modules do."""
+    del args
+    if torch.compiler.is_compiling() or not FP8GlobalStateManager.is_fp8_enabled():
+        return  # (a diagnostic: not traced)
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    for op in module.__dict__.get("_ops", ()):
+        previous = getattr(op, "_fp8_recipe", None)
+        if previous is None or previous is recipe:
+            continue
+        if _recipe_kind_changed(previous, recipe):
+            warnings.warn(f"Recipe type changed from {type(previous).__name__} to {type(recipe).__name__}. "
+                          "This may affect model behavior.")
+            return
+        if (isinstance(recipe, DelayedScaling) and previous.amax_history_len != recipe.amax_history_len
+                and any(isinstance(p, QuantizedTensor) for p in module.parameters())):
+            warnings.warn("Quantizer is being updated, this may affect model behavior "
+                          f"(amax_history_len {previous.amax_history_len} -> {recipe.amax_history_len})")
+            return
+
+
 class TransformerEngineBaseModule(torch.nn.Module):
     """TE's base class of modules with FP8 GEMMs: te_fuser's Linear, LayerNormLinear, LayerNormMLP and
     GroupedLinear derive from it, and so can a user's module that runs its own GEMMs.
@@ -74,8 +102,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
     their quantizers `quantizers["scaling_fwd"]` / `["scaling_bwd"]`, and marks delayed-scaling states for
     the update at the outermost fp8_autocast exit. get_extra_state / set_extra_state use TE's format.
 
-    te_fuser's own modules keep their FP8 state on their ops: their `fp8_meta` and `quantizers` are views
-    of it (the same state objects), made on each access (`_fp8_state_is_a_view`).
+    te_fuser's own modules keep their FP8 state on their ops: their `fp8_meta` and `quantizers` (those of
+    every FP8 op, in op order) are views of it (the same state objects), made on each access
+    (`_fp8_state_is_a_view`).
     """
 
     _fp8_state_is_a_view = False
@@ -95,12 +124,18 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if not self._fp8_state_is_a_view:
             self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
             self.quantizers = {"scaling_fwd": [], "scaling_bwd": []}
+        else:
+            self.register_forward_pre_hook(_warn_on_recipe_change)
 
     def __getattr__(self, name: str):
-        if name == "quantizers" and self._fp8_state_is_a_view:
-            meta = self.fp8_meta
-            return {key: state_quantizers(meta[key]) if key in meta else []
-                    for key in ("scaling_fwd", "scaling_bwd")}
+        if name == "quantizers" and self._fp8_state_is_a_view:  # every FP8 op's, in op order
+            quantizers = {"scaling_fwd": [], "scaling_bwd": []}
+            for op in self.__dict__["_ops"]:
+                states = getattr(op, "_fp8_states", None)
+                if states is not None:
+                    quantizers["scaling_fwd"] += state_quantizers(states[0])
+                    quantizers["scaling_bwd"] += state_quantizers(states[1])
+            return quantizers
         return super().__getattr__(name)
 
     def forward(self, *args, **kwargs):
@@ -217,7 +252,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             return
         self.fp8_meta["recipe"] = recipe
         self.fp8_meta["num_gemms"] = num_gemms
-        if previous is not None and type(previous) is not type(recipe):
+        if previous is not None and _recipe_kind_changed(previous, recipe):
             warnings.warn(f"Recipe type changed from {type(previous).__name__} to {type(recipe).__name__}. "
                           "This may affect model behavior.")
             self.fp8_meta_tensors_initialized = False

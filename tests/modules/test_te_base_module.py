@@ -6,6 +6,8 @@ References: the delayed-scaling rule in float32 torch math (fp8_reference.refere
 own float8 casts, float64 matmuls, and te_fuser.Linear's `_extra_state` for TE's slot layout.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -172,3 +174,35 @@ def test_outside_fp8_autocast_and_dtype_checks(generator):
             pass
     with pytest.raises(ValueError, match="length"):
         module.adjust_amax_history_length(0)
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
+def test_te_fuser_modules_warn_when_the_recipe_kind_changes(generator, module):
+    layer = getattr(te_fuser, module)(32, 32)
+    x = torch.randn(32, 32, generator=generator)
+    with te_fuser.fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same kind (another margin) and no FP8 weights: no warning
+        with te_fuser.fp8_autocast(fp8_recipe=DelayedScaling(margin=1, amax_history_len=4)):
+            layer(x)
+        layer(x)  # outside fp8_autocast
+    with pytest.warns(UserWarning, match="Recipe type changed from DelayedScaling to Float8CurrentScaling"):
+        with te_fuser.fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            layer(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the state follows the new recipe now
+        with te_fuser.fp8_autocast(fp8_recipe=Float8CurrentScaling()):
+            layer(x)
+    quantizers = layer.quantizers["scaling_fwd"]
+    assert len(quantizers) == (4 if module == "LayerNormMLP" else 2)  # input and weight per linear op
+    assert all(isinstance(q, Float8CurrentScalingQuantizer) for q in quantizers)
+
+
+def test_fp8_weights_warn_when_the_history_length_changes(generator):
+    with te_fuser.fp8_model_init(recipe=DelayedScaling(amax_history_len=16)):
+        layer = te_fuser.Linear(32, 32)
+    with pytest.warns(UserWarning, match="Quantizer is being updated"):
+        with te_fuser.fp8_autocast(fp8_recipe=DelayedScaling(amax_history_len=1)):
+            layer(torch.randn(32, 32, generator=generator))
+    assert layer.fp8_meta["scaling_fwd"].amax_history.shape[0] == 1
