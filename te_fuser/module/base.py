@@ -112,20 +112,21 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.name = None
+        self.tp_group = None
+        self.tp_size = 1
+        self.sequence_parallel = False
+        if self._fp8_state_is_a_view:
+            self.register_forward_pre_hook(_warn_on_recipe_change)
+            return
+        # A user's subclass: the state prepare_forward keeps (te_fuser's modules keep theirs on their ops).
         self.fp8 = False
         self.fp8_calibration = False
         self.fp8_parameters = False
         self.fp8_initialized = False
         self.fp8_meta_tensors_initialized = False
-        self.tp_group = None
-        self.tp_size = 1
-        self.sequence_parallel = False
         self.activation_dtype = None
-        if not self._fp8_state_is_a_view:
-            self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
-            self.quantizers = {"scaling_fwd": [], "scaling_bwd": []}
-        else:
-            self.register_forward_pre_hook(_warn_on_recipe_change)
+        self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
+        self.quantizers = {"scaling_fwd": [], "scaling_bwd": []}
 
     def __getattr__(self, name: str):
         if name == "quantizers" and self._fp8_state_is_a_view:  # every FP8 op's, in op order
@@ -141,6 +142,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} must define forward")
 
+    def _check_own_state(self, method: str) -> None:
+        if self._fp8_state_is_a_view:
+            raise TypeError(f"te_fuser.{type(self).__name__}.{method}: te_fuser's modules make their FP8 state "
+                            "from the fp8_autocast recipe in their forward; this is for modules that run their "
+                            "own GEMMs")
+
     # -- recipe states ----------------------------------------------------------------------------
     def _state_device(self) -> torch.device:
         for tensor in self.parameters():
@@ -151,6 +158,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def set_meta_tensor(self, fwd: bool, recipe) -> None:
         """Make the forward (fwd=True) or backward recipe state of `recipe` and its quantizers, unless one of
         the recipe's kind is there already (a delayed-scaling one then takes the recipe's history length)."""
+        self._check_own_state("set_meta_tensor")
         key = FP8GlobalStateManager.get_meta_tensor_key(forward=fwd)
         current = self.fp8_meta.get(key)
         count = self.fp8_meta.get("num_gemms", 1) * _SLOTS[bool(fwd)]
@@ -177,6 +185,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def adjust_amax_history_length(self, length: int, fwd=None) -> None:
         """Delayed scaling: give the state(s) a history of `length` rows, keeping the first rows and the
         scales (new tensors, as in TE: the old ones are no longer the state's)."""
+        self._check_own_state("adjust_amax_history_length")
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"length must be a positive int, got {length!r}")
         for key, state in self._delayed_states(fwd):
@@ -192,8 +201,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 new.scale.copy_(state.scale)
                 new.scale_inv.copy_(state.scale_inv)
             self.fp8_meta[key] = new
-            if not self._fp8_state_is_a_view:
-                self.quantizers[key] = state_quantizers(new)
+            self.quantizers[key] = state_quantizers(new)
 
     def get_fp8_meta_tensors(self):
         """Copies of the delayed-scaling scales and histories, {"scaling_fwd": [scale, amax_history], ...};
@@ -238,6 +246,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
         """Read the fp8_autocast state; inside an enabled (or calibrating) one, make the recipe states for
         `num_gemms` GEMMs with its recipe. A recipe of another kind than before warns and replaces them."""
+        self._check_own_state("init_fp8_metadata")
         previous = self.fp8_meta.get("recipe")
         self.fp8_parameters = FP8GlobalStateManager.with_fp8_parameters()
         self.fp8 = FP8GlobalStateManager.is_fp8_enabled()
@@ -267,9 +276,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def prepare_forward(self, inp: torch.Tensor, num_gemms: int = 1, allow_non_contiguous: bool = False):
         """Around a subclass's forward: sets activation_dtype, the FP8 state (init_fp8_metadata), marks
         delayed-scaling states for their update, and yields the input made contiguous unless allowed not."""
-        if self._fp8_state_is_a_view:
-            raise TypeError(f"te_fuser.{type(self).__name__} runs its own forward; prepare_forward is for "
-                            "modules that run their own GEMMs")
+        self._check_own_state("prepare_forward")
         self.set_activation_dtype(inp)
         self.init_fp8_metadata(num_gemms=num_gemms)
         if self.fp8:
