@@ -26,6 +26,35 @@ class Sequential(torch.nn.Module):
         self._groups = None
         return self
 
+    def _set_modules(self, modules) -> None:
+        """Hold `modules`, named 0, 1, ... (the fused groups are rebuilt at the next forward)."""
+        self._modules.clear()
+        for j, module in enumerate(modules):
+            self.add_module(str(j), module)
+        self._groups = None
+
+    def extend(self, modules) -> "Sequential":
+        self._set_modules(list(self) + list(modules))
+        return self
+
+    def insert(self, i: int, module: torch.nn.Module) -> "Sequential":
+        modules = list(self)
+        modules.insert(i, module)
+        self._set_modules(modules)
+        return self
+
+    def pop(self, i: int = -1) -> torch.nn.Module:
+        modules = list(self)
+        module = modules.pop(i)
+        self._set_modules(modules)
+        return module
+
+    def __iadd__(self, modules) -> "Sequential":
+        return self.extend(modules)
+
+    def __add__(self, modules) -> "Sequential":
+        return Sequential(*self, *modules)
+
     def __len__(self) -> int:
         return len(self._modules)
 
@@ -44,10 +73,7 @@ class Sequential(torch.nn.Module):
     def __delitem__(self, i) -> None:
         modules = list(self._modules.values())
         del modules[i]
-        self._modules.clear()
-        for j, module in enumerate(modules):
-            self.add_module(str(j), module)
-        self._groups = None
+        self._set_modules(modules)
 
     def __iter__(self):
         return iter(self._modules.values())

@@ -28,3 +28,20 @@ def test_replaced_and_deleted_modules_run(generator):
     assert [name for name, _ in model.named_children()] == ["0", "1", "2"]
     torch.testing.assert_close(model(x), x * -5.0)
     torch.testing.assert_close(model[1:](x), x * -2.5)
+
+
+def test_list_methods(generator):
+    x = torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    scales = [ops.ConstantScale(float(k)) for k in (2, 3, 5, 7)]
+    model = ops.Sequential(scales[0]).extend([torch.nn.Tanh(), scales[1]])
+    torch.testing.assert_close(model(x), torch.tanh(x * 2) * 3)
+    model.insert(1, scales[2])
+    assert list(model) == [scales[0], scales[2], model[2], scales[1]]
+    torch.testing.assert_close(model(x), torch.tanh(x * 10) * 3)
+    assert model.pop(1) is scales[2] and len(model) == 3
+    added = model + ops.Sequential(scales[3])
+    assert isinstance(added, ops.Sequential) and len(added) == 4 and len(model) == 3
+    torch.testing.assert_close(added(x), torch.tanh(x * 2) * 21)
+    model += [scales[3]]
+    assert list(model) == list(added)
+    assert [name for name, _ in model.named_children()] == ["0", "1", "2", "3"]
