@@ -17,6 +17,7 @@ from ..ops.fuser import OperationFuser
 from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
 from ._fp8_meta import fp8_meta_view
 from ._noop_cat import noop_cat
+from .base import TransformerEngineBaseModule
 
 _DEFAULT_INIT_STD = 0.023  # TransformerEngine's default init_method: normal(0, 0.023)
 
@@ -68,9 +69,11 @@ def rng_fork(get_rng_state_tracker, rng_tracker_name):
     return tracker.fork(rng_tracker_name) if rng_tracker_name else tracker.fork()
 
 
-class FusedModule(torch.nn.Module):
+class FusedModule(TransformerEngineBaseModule):
     """A module whose ops (held outside the module tree: they keep FP8 state only, the
     parameters live on the module) run through one OperationFuser."""
+
+    _fp8_state_is_a_view = True  # fp8_meta and quantizers: views of the ops' state
 
     def _set_ops(self, ops) -> None:
         object.__setattr__(self, "_ops", tuple(ops))

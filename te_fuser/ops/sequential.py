@@ -26,11 +26,57 @@ class Sequential(torch.nn.Module):
         self._groups = None
         return self
 
+    def _set_modules(self, modules) -> None:
+        """Hold `modules`, named 0, 1, ... (the fused groups are rebuilt at the next forward)."""
+        self._modules.clear()
+        for j, module in enumerate(modules):
+            self.add_module(str(j), module)
+        self._groups = None
+
+    def extend(self, modules) -> "Sequential":
+        self._set_modules(list(self) + list(modules))
+        return self
+
+    def insert(self, i: int, module: torch.nn.Module) -> "Sequential":
+        modules = list(self)
+        modules.insert(i, module)
+        self._set_modules(modules)
+        return self
+
+    def pop(self, i: int = -1) -> torch.nn.Module:
+        modules = list(self)
+        module = modules.pop(i)
+        self._set_modules(modules)
+        return module
+
+    def __iadd__(self, modules) -> "Sequential":
+        return self.extend(modules)
+
+    def __add__(self, modules) -> "Sequential":
+        return Sequential(*self, *modules)
+
     def __len__(self) -> int:
         return len(self._modules)
 
-    def __getitem__(self, i: int) -> torch.nn.Module:
-        return list(self._modules.values())[i]
+    def __getitem__(self, i):
+        """The i-th module, or for a slice a Sequential of those modules (torch.nn.Sequential's, TE's)."""
+        modules = list(self._modules.values())
+        if isinstance(i, slice):
+            return Sequential(*modules[i])
+        return modules[i]
+
+    def __setitem__(self, i: int, module: torch.nn.Module) -> None:
+        key = list(self._modules)[i]
+        self._modules[key] = module
+        self._groups = None
+
+    def __delitem__(self, i) -> None:
+        modules = list(self._modules.values())
+        del modules[i]
+        self._set_modules(modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
 
     @property
     def _module_groups(self) -> List:

@@ -5,7 +5,9 @@ It installs te_fuser's `transformer_engine` alias, then makes the CUDA the tests
   through a TorchFunctionMode and two patched methods;
 - `torch.cuda` answers the queries the tests make as one Hopper device would (available, one device,
   capability 9.0), and its RNG, stream, event and synchronization calls act on the CPU or do nothing;
-  `torch.version.cuda` reads 12.8 (a CPU build has None, which the tests pass to float()).
+  `torch.version.cuda` reads 12.8 (a CPU build has None, which the tests pass to float());
+- `torch.autocast("cuda", ...)` is CPU autocast (a CPU build disables CUDA autocast with a warning). CPU
+  autocast has no float32: a test autocasting to float32 sees autocast off, as on a CPU it would.
 
 Nothing of TransformerEngine is provided here: a name the tests import either comes from te_fuser or
 fails, as it would for a user. Load it with `-p cuda_shim` (tools/te_suite/run.py does).
@@ -97,6 +99,13 @@ class _Properties:
     multi_processor_count = 132
 
 
+class _CpuAutocast(torch.amp.autocast_mode.autocast):
+    """torch.autocast whose device_type "cuda" is the CPU."""
+
+    def __init__(self, device_type, *args, **kwargs):
+        super().__init__("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
 def _patch(name, value):
     _CUDA_ATTRS.setdefault(name, getattr(torch.cuda, name, None))
     setattr(torch.cuda, name, value)
@@ -138,6 +147,7 @@ def _install_cuda_answers():
     for name, value in answers.items():
         _patch(name, value)
     torch.version.cuda = _CUDA_VERSION
+    torch.autocast = torch.amp.autocast = _CpuAutocast
     torch.Tensor.cuda = lambda self, device=None, non_blocking=False, **kwargs: self
     torch.nn.Module.cuda = lambda self, device=None: self
 
@@ -147,10 +157,10 @@ _MODE = _CudaToCpu()
 
 def pytest_configure(config):
     del config
+    _install_cuda_answers()  # before te_fuser binds torch.amp.autocast (utils.gpu_autocast_ctx)
     from te_fuser import compat
 
     compat.install_transformer_engine()
-    _install_cuda_answers()
     _MODE.__enter__()
 
 

@@ -21,6 +21,7 @@ MODULES = {
     "transformer_engine.pytorch.tensor": "transformer_engine/pytorch/tensor/__init__.py",
     "transformer_engine.pytorch.distributed": "transformer_engine/pytorch/distributed.py",
     "transformer_engine.pytorch.fp8": "transformer_engine/pytorch/fp8.py",
+    "transformer_engine.pytorch.optimizers": "transformer_engine/pytorch/optimizers/__init__.py",
     "transformer_engine.common.recipe": "transformer_engine/common/recipe/__init__.py",
 }
 
