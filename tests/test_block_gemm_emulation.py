@@ -33,7 +33,7 @@ def random_case(generator, m, n, k, block, dtype=torch.float8_e4m3fn, powers_of_
 
 def within(out, ref, bound, what):
     excess = (out.double() - ref).abs() - bound
-    assert bool((excess <= 0).all()), f"{what}: {int((excess > 0).sum())} values beyond the bound, worst by {excess.max()}"
+    assert bool((excess <= 0).all()), f"{what}: {int((excess > 0).sum())} beyond the bound, worst by {excess.max()}"
 
 
 @pytest.mark.parametrize("m,n,k,block", SHAPES)
