@@ -128,9 +128,15 @@ def test_cpu_operands_report_the_c_kernel(generator):
 
 
 def test_e8m0_scales_convert_exactly():
+    """Every code through e8m0_values (gemm_operand's float32 scales) and back; swizzled as E8M0 the bytes land
+    where the bytes themselves do."""
     codes = torch.arange(256, dtype=torch.uint8)
     converted = block_gemm_cuda._as_e8m0(e8m0_values(codes)[None])
     assert torch.equal(converted.view(torch.uint8)[0], codes)
+    matrix = codes.repeat(3)[:130 * 5].reshape(130, 5)
+    swizzled = block_gemm_cuda.swizzle_32_4_4(block_gemm_cuda._as_e8m0(e8m0_values(matrix)))
+    assert swizzled.dtype == torch.float8_e8m0fnu
+    assert torch.equal(swizzled.view(torch.uint8), block_gemm_cuda.swizzle_32_4_4(matrix))
 
 
 @pytest.mark.parametrize("rows,blocks", [(1, 1), (128, 4), (130, 5), (300, 9)])

@@ -29,6 +29,7 @@ from ..kernels import gemm as gemm_kernels
 
 _aten = torch.ops.aten  # replaced by a recorder in the plumbing tests
 ALIGNMENT = 16
+EMULATION_BATCH_BYTES = 256 << 20  # the float32 block sums one batched GEMM of the emulation holds
 _LIBRARY = {  # block -> (engine, the capabilities with the library GEMM)
     128: ("cublaslt_blockwise_1x128", lambda cap: cap == (9, 0)),
     32: ("cublaslt_mxfp8", lambda cap: cap[0] == 10),
@@ -89,10 +90,11 @@ def library_gemm_nt(engine: str, a: torch.Tensor, a_scales: torch.Tensor, b: tor
 
 def emulated_block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                                   block: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
-                                  blocks_per_batch: int = 64) -> torch.Tensor:
+                                  blocks_per_batch: Optional[int] = None) -> torch.Tensor:
     """The C kernel's split accumulation in torch, on a's device: each K block's FP8 products (exact in float32)
     summed by a float32 batched GEMM, times float32(sa * sb), added to a float32 total in block order; the bias
     in float32; one rounding. Only the order of the sums inside a block differs from the C kernel.
+    blocks_per_batch: blocks summed by one batched GEMM (default: as many as fit EMULATION_BATCH_BYTES).
     TF32 cannot change it: FP8 values and their products are exact in TF32's inputs and float32's sums."""
     m, k = a.shape
     n = b.shape[0]
@@ -102,6 +104,8 @@ def emulated_block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: to
     bv = F.pad(b.float(), (0, pad)).view(n, nb, block).permute(1, 2, 0)
     sa, sb = a_scales.float(), b_scales.float()
     total = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+    if blocks_per_batch is None:
+        blocks_per_batch = max(1, EMULATION_BATCH_BYTES // (4 * max(1, m * n)))
     for first in range(0, nb, blocks_per_batch):
         last = min(nb, first + blocks_per_batch)
         sums = torch.bmm(av[first:last], bv[first:last])  # (blocks, M, N)
