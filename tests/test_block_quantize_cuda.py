@@ -115,7 +115,7 @@ NVFP4_MODES = {  # (block_2d, rht, stochastic)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_nvfp4_same_bytes_as_cpu(generator, dtype, mode):
     block_2d, rht, stochastic = NVFP4_MODES[mode]
-    for shape in [(16, 16), (32, 48), (48, 272), (160, 144), (2, 8, 512)]:
+    for shape in [(16, 16), (32, 48), (48, 272), (160, 144), (2, 8, 512), (1, 1), (5, 7), (37, 131), (3, 7, 150)]:
         rows = shape[0] * (shape[1] if len(shape) == 3 else 1)
         x = edge_matrix(rows, shape[-1], dtype, generator, 16, 16, finite=True).reshape(shape)
         for seed in (0, 7, 2**62 + 3):

@@ -38,9 +38,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cuda(T
   for (int64_t d = 0; d + 1 < input.dim(); ++d)
     STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), "input's leading dims overflow int64");
   const int64_t cols = input.size(input.dim() - 1);
-  STD_TORCH_CHECK(cols % kBlock == 0 && rows % kBlock == 0,
-                  "input must be a matrix of rows and columns that are multiples of 16 (NVFP4's blocks), got ",
-                  rows, " x ", cols);
+  // Sizes not multiples of 16 quantize the zero-padded matrix, as the CPU op does (nvfp4_ops.cpp): the packed
+  // rows hold cols_p values (rowwise) or rows_p (columnwise).
+  const int64_t rows_p = round_up(rows, kBlock), cols_p = round_up(cols, kBlock);
   const DeviceGuard guard(input.get_device_index());
   void* stream = current_cuda_stream(input, "input");
   const void* x = input.const_data_ptr();
@@ -57,13 +57,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cuda(T
   }
   const float* amax = a.const_data_ptr<float>();
   const float* amax_t = columnwise && !block_2d ? at.const_data_ptr<float>() : amax;
-  const int64_t ld_scale = round_up(cols / kBlock, 4), ld_scale_t = round_up(rows / kBlock, 4);
+  const int64_t ld_scale = round_up(cols_p / kBlock, 4), ld_scale_t = round_up(rows_p / kBlock, 4);
   std::vector<int64_t> data_shape(input.sizes().begin(), input.sizes().end());
-  data_shape.back() = cols / 2;
+  data_shape.back() = cols_p / 2;
   Tensor y = rowwise ? new_empty(input, data_shape, ScalarType::Byte) : nothing(input, ScalarType::Byte);
   Tensor s = rowwise ? torch::stable::new_zeros(input, {round_up(rows, 128), ld_scale}, ScalarType::Byte)
                      : nothing(input, ScalarType::Byte);
-  Tensor yt = columnwise ? new_empty(input, {cols, rows / 2}, ScalarType::Byte) : nothing(input, ScalarType::Byte);
+  Tensor yt = columnwise ? new_empty(input, {cols, rows_p / 2}, ScalarType::Byte) : nothing(input, ScalarType::Byte);
   Tensor st = columnwise ? torch::stable::new_zeros(input, {round_up(cols, 128), ld_scale_t}, ScalarType::Byte)
                          : nothing(input, ScalarType::Byte);
   auto bytes = [](Tensor& t, bool used) { return used ? static_cast<uint8_t*>(t.mutable_data_ptr()) : nullptr; };

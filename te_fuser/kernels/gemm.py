@@ -11,7 +11,9 @@ These are torch._scaled_mm's semantics; only the float32 summation order differs
 
 block_scaled_gemm is the block-scaled recipes' GEMM: the same engine summing each K block of `block`
 values apart (the last block may be shorter), each block's sum scaled by its two float32 scales and
-added to a float32 total in block order (csrc/gemm/block_scaled_gemm.h).
+added to a float32 total in block order (csrc/gemm/block_scaled_gemm.h). On a GPU te_fuser.ops.block_gemm
+runs cuBLASLt or an emulation instead: block_gemm_engine says which engine a call takes, last_block_gemm_engine
+which one the last call took (the names are te_fuser.ops.block_gemm_cuda's).
 """
 
 from typing import Optional
@@ -71,6 +73,28 @@ def block_scaled_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, 
     each block's sum from fp8_gemm's engine, every step in float32, then one rounding to out_dtype."""
     return call_checked(lambda: _check_block_scaled_gemm_args(a, a_scales, b, b_scales, block, out_dtype, bias),
                         _ops.block_scaled_gemm, a, a_scales, b, b_scales, block, out_dtype, bias)
+
+
+_last_block_gemm_engine: Optional[str] = None
+
+
+def record_block_gemm_engine(engine: str) -> None:
+    global _last_block_gemm_engine
+    _last_block_gemm_engine = engine
+
+
+def last_block_gemm_engine() -> Optional[str]:
+    """The engine of the last te_fuser.ops.block_gemm.block_scaled_gemm_nt call in this process (None before the
+    first): "cpu", "cublaslt_blockwise_1x128", "cublaslt_mxfp8" or "device_emulation"."""
+    return _last_block_gemm_engine
+
+
+def block_gemm_engine(a: torch.Tensor, b: torch.Tensor, block: int, out_dtype: torch.dtype) -> str:
+    """The engine block_scaled_gemm_nt would run for FP8 operands a (M, K), b (N, K) with K blocks of `block`
+    and this output dtype, on a's device (te_fuser.ops.block_gemm_cuda's module docstring lists them)."""
+    from ..ops.block_gemm_cuda import engine_for
+
+    return engine_for(a, b, block, out_dtype)
 
 
 def _check_block_scaled_gemm_args(a, a_scales, b, b_scales, block, out_dtype, bias):

@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..kernels import gemm as gemm_kernels
+from . import block_gemm_cuda
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.mxfp8_tensor import MXFP8Tensor
 from ..tensor.nvfp4_tensor import NVFP4Tensor
@@ -86,6 +87,9 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
 def block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                          block: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """a @ b.T for FP8 a (M, K), b (N, K) with per-(row, K block) scales (M or N, ceil(K / block)), as the
-    module docstring says; the last K block may be shorter."""
+    module docstring says; the last K block may be shorter. Operands on a GPU take block_gemm_cuda's engines."""
+    if a.device.type != "cpu":
+        return block_gemm_cuda.device_block_scaled_gemm_nt(a, a_scales, b, b_scales, block, out_dtype, bias)
+    gemm_kernels.record_block_gemm_engine("cpu")
     return gemm_kernels.block_scaled_gemm(a.contiguous(), a_scales, b.contiguous(), b_scales, block, out_dtype, bias)
 

@@ -2,6 +2,9 @@
 // tile of x in shared memory as float32; a thread quantizes one rowwise 1x16 block, and a thread one
 // column's 16 values (Hadamard-transformed when asked) into the transposed data. The transform adds
 // its products in the C core's order, each product and sum rounded on its own (__fmul_rn, __fadd_rn).
+// Sizes that are not multiples of 16 quantize the zero-padded matrix, as the C core does (csrc/fp4/nvfp4.h):
+// the tile reads zeros beyond x, the packed rows hold cols_p (rowwise) or rows_p (columnwise) values, and the
+// stochastic-rounding counters run over the padded sizes.
 #include "block_cuda_traits.cuh"
 
 namespace tf_cuda {
@@ -71,7 +74,7 @@ __global__ void __launch_bounds__(kT) nvfp4_amax_kernel(const typename Elem::Sto
 }
 
 struct Nvfp4Args {
-  int64_t rows, cols, ld_x;
+  int64_t rows, cols, ld_x, rows_p, cols_p;  // _p: rounded up to 16
   bool block_2d, rht_t, stochastic;
   uint64_t seed;
   const float *amax, *amax_t;
@@ -106,30 +109,34 @@ __global__ void __launch_bounds__(kT) nvfp4_quantize_kernel(const typename Elem:
   if (a.y) {
     const int r = t / (kC / kB), b = t % (kC / kB);
     const int64_t c = c0 + b * kB;
-    if (c < a.cols) {
+    if (c < a.cols && g + r < a.rows) {
       const float *v = tile[r] + b * kB;
       const uint8_t code = a.block_2d ? code_2d(b) : tf_nvfp4_block_scale(tf_f32_from_bits(abs_max16(v, 0u)), s_enc);
       a.scale[(g + r) * a.ld_scale + c / kB] = code;
       encode16(v, tf_nvfp4_encode_multiplier(code, s_enc), a.stochastic, a.seed,
-               static_cast<uint64_t>((g + r) * a.cols + c), a.y + ((g + r) * a.cols + c) / 2);
+               static_cast<uint64_t>((g + r) * a.cols_p + c), a.y + (g + r) * (a.cols_p / 2) + c / 2);
     }
   }
   const int64_t c = c0 + t;
   if (a.y_t && c < a.cols) {
     const uint8_t code = a.block_2d ? code_2d(t / kB) : tf_nvfp4_block_scale(tf_f32_from_bits(col_amax[t]), s_enc_t);
     a.scale_t[c * a.ld_scale_t + g / kB] = code;
-    const uint64_t t_base = static_cast<uint64_t>(a.rows) * static_cast<uint64_t>(a.cols);
+    const uint64_t t_base = static_cast<uint64_t>(a.rows_p) * static_cast<uint64_t>(a.cols_p);
     encode16(col, tf_nvfp4_encode_multiplier(code, s_enc_t), a.stochastic, a.seed,
-             t_base + static_cast<uint64_t>(c * a.rows + g), a.y_t + (c * a.rows + g) / 2);
+             t_base + static_cast<uint64_t>(c * a.rows_p + g), a.y_t + c * (a.rows_p / 2) + g / 2);
   }
 }
 
-// The checks of the C entry points: x's sizes, multiples of 16, and the stochastic-rounding counters.
+int64_t round_up16(int64_t n) { return (n + kB - 1) / kB * kB; }
+
+// The checks of the C entry points: x's sizes, and the padded data's index products and stochastic-rounding
+// counters (up to 2 * rows_p * cols_p).
 tf_status check_nvfp4_input(const void *x, tf_dtype dtype, int64_t rows, int64_t cols, int64_t ld_x) {
   const tf_status s = check_input(x, dtype, rows, cols, ld_x);
   if (s != TF_OK) return s;
-  if (rows % kB || cols % kB) return TF_ERR_BAD_SIZE;
-  if (!tf_mul_fits(rows * cols, 4)) return TF_ERR_OVERFLOW;
+  if (rows > INT64_MAX - kB || cols > INT64_MAX - kB) return TF_ERR_OVERFLOW;
+  const int64_t rows_p = round_up16(rows), cols_p = round_up16(cols);
+  if (!tf_mul_fits(rows_p, cols_p) || !tf_mul_fits(rows_p * cols_p, 4)) return TF_ERR_OVERFLOW;
   return TF_OK;
 }
 
@@ -168,14 +175,15 @@ extern "C" tf_status tf_nvfp4_quantize_cuda(const void *x, tf_dtype dtype, int64
   if (block_2d && (rht_t || amax_t != amax)) return TF_ERR_BAD_ARGUMENT;  // 2D blocks: one scale for both
   if (!amax || !amax_t) return TF_ERR_NULL_POINTER;
   if (!pair_ok(y, scale) || !pair_ok(y_t, scale_t)) return TF_ERR_NULL_POINTER;
-  if ((y && ld_scale < cols / kB) || (y_t && ld_scale_t < rows / kB)) return TF_ERR_BAD_SIZE;
+  const int64_t rows_p = round_up16(rows), cols_p = round_up16(cols);
+  if ((y && ld_scale < cols_p / kB) || (y_t && ld_scale_t < rows_p / kB)) return TF_ERR_BAD_SIZE;
   if ((y && !tf_mul_fits(rows, ld_scale)) || (y_t && !tf_mul_fits(cols, ld_scale_t))) return TF_ERR_OVERFLOW;
   if (rows == 0 || cols == 0 || (!y && !y_t)) return TF_OK;
   dim3 grid;
   const tf_status g = tile_grid(rows, cols, kR, kC, &grid);
   if (g != TF_OK) return g;
-  const Nvfp4Args a = {rows,   cols, ld_x,     block_2d != 0, rht_t != 0, stochastic != 0, seed, amax, amax_t, y,
-                       scale, ld_scale, y_t, scale_t,       ld_scale_t};
+  const Nvfp4Args a = {rows, cols,  ld_x,     rows_p, cols_p, block_2d != 0, rht_t != 0, stochastic != 0, seed, amax,
+                       amax_t, y,   scale, ld_scale, y_t,    scale_t,       ld_scale_t};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   return dispatch_dtype(dtype, [&](auto elem) {
     using Elem = decltype(elem);

@@ -233,7 +233,9 @@ struct Nvfp4Case {
 
 // Amax and quantize on both sides; returns the C rowwise data.
 std::vector<uint8_t> check_nvfp4(const Matrix &m, const Nvfp4Case &k, bool rowwise, bool columnwise) {
-  const int64_t rows = m.rows, cols = m.cols, ld_s = cols / 16 + 2, ld_st = rows / 16 + 1;
+  // Ragged sizes: the zero-padded matrix's (rows_p x cols_p) packed data.
+  const int64_t rows = m.rows, cols = m.cols, rows_p = (rows + 15) / 16 * 16, cols_p = (cols + 15) / 16 * 16;
+  const int64_t ld_s = cols_p / 16 + 2, ld_st = rows_p / 16 + 1;
   float amax = 0.0f, amax_t = 0.0f, amax_ref = -1.0f, amax_t_ref = -1.0f;
   CHECK(tf_nvfp4_amax_cuda(m.data(), m.dtype, rows, cols, m.ld, 0, &amax, nullptr) == TF_OK &&
             tf_nvfp4_amax(m.data(), m.dtype, rows, cols, m.ld, 0, rows, 0, &amax_ref) == TF_OK,
@@ -246,8 +248,8 @@ std::vector<uint8_t> check_nvfp4(const Matrix &m, const Nvfp4Case &k, bool rowwi
         "nvfp4 amax %ld x %ld dtype %d rht %d: %a vs %a, %a vs %a", static_cast<long>(rows), static_cast<long>(cols),
         m.dtype, rht_t, static_cast<double>(amax), static_cast<double>(amax_ref), static_cast<double>(amax_t),
         static_cast<double>(amax_t_ref));
-  const size_t n = static_cast<size_t>(rows * cols / 2);
-  std::vector<uint8_t> y(n + 1, 0xA5), s(static_cast<size_t>(rows * ld_s) + 1, 0x5A), yt(n + 1, 0xA5),
+  const size_t n = static_cast<size_t>(rows * cols_p / 2), n_t = static_cast<size_t>(cols * rows_p / 2);
+  std::vector<uint8_t> y(n + 1, 0xA5), s(static_cast<size_t>(rows * ld_s) + 1, 0x5A), yt(n_t + 1, 0xA5),
       st(static_cast<size_t>(cols * ld_st) + 1, 0x5A);
   std::vector<uint8_t> y_ref = y, s_ref = s, yt_ref = yt, st_ref = st;
   auto p = [](std::vector<uint8_t> &v, bool used) { return used ? v.data() : nullptr; };
@@ -271,7 +273,11 @@ std::vector<uint8_t> check_nvfp4(const Matrix &m, const Nvfp4Case &k, bool rowwi
 }
 
 void test_nvfp4() {
-  const int64_t shapes[][3] = {{16, 16, 16}, {32, 48, 50}, {48, 272, 272}, {160, 144, 160}, {16, 512, 512}};
+  // Ragged rows and columns (a partial last block, a partial 16-row group, a tile cut at 128 columns + 1),
+  // below one block, and whole blocks.
+  const int64_t shapes[][3] = {{16, 16, 16},    {32, 48, 50}, {48, 272, 272}, {160, 144, 160}, {16, 512, 512},
+                               {1, 1, 1},       {5, 7, 9},    {17, 33, 33},   {37, 129, 131},  {200, 20, 24},
+                               {16, 150, 150}, {45, 16, 16}};
   const Nvfp4Case cases[] = {{0, 0, 0, 0},  {1, 0, 0, 0},  {0, 1, 0, 0},          {0, 0, 1, 1},
                              {0, 1, 1, 42}, {1, 0, 1, 7},  {0, 0, 1, 1ull << 62}};
   for (tf_dtype d : kDtypes) {
@@ -381,8 +387,10 @@ void test_checks() {
   CHECK(tf_fp8_block_quantize_cuda(x, TF_FLOAT32, 4, 2, 2, TF_FP8_E4M3, 1, 0.0f, 0, y, fs, 3, nullptr, nullptr, 0,
                                    nullptr) == TF_ERR_BAD_SIZE,
         "fp8 block: ld_scale < rows");
-  CHECK(tf_nvfp4_amax_cuda(x, TF_FLOAT32, 8, 16, 16, 0, &amax, nullptr) == TF_ERR_BAD_SIZE,
-        "nvfp4 amax: rows not a multiple of 16");
+  CHECK(tf_nvfp4_amax_cuda(x, TF_FLOAT32, 2, 4, 3, 0, &amax, nullptr) == TF_ERR_BAD_SIZE, "nvfp4 amax: ld_x < cols");
+  CHECK(tf_nvfp4_quantize_cuda(x, TF_FLOAT32, 2, 17, 17, 0, 0, 0, 0, &amax, &amax, y, s, 1, nullptr, nullptr, 0,
+                               nullptr) == TF_ERR_BAD_SIZE,
+        "nvfp4: ld_scale below the padded columns' blocks");
   CHECK(tf_nvfp4_quantize_cuda(x, TF_FLOAT32, 16, 16, 16, 1, 1, 0, 0, &amax, &amax, y, s, 1, nullptr, nullptr, 0,
                                nullptr) == TF_ERR_BAD_ARGUMENT,
         "nvfp4: 2D blocks with the transform");
