@@ -86,7 +86,10 @@ def row_parts(t) -> Tuple[list, list]:
             continue
         dim, unit = layout.get(name, (0, None))
         part = b if unit is None else b.narrow(dim, 0, -(-t.shape[0] // unit)).movedim(dim, 0)
-        inputs.append(part.contiguous().view(torch.uint8))
+        part = part.contiguous()
+        if part.dim() and part.stride(-1) != 1:  # a moved size-1 dim: "contiguous", but not viewable as bytes
+            part = part.clone(memory_format=torch.contiguous_format)
+        inputs.append(part.view(torch.uint8))
         names.append((name, b.dtype, dim, unit is None))
     return inputs, names
 
