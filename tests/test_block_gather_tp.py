@@ -14,6 +14,7 @@ gathers high precision (te_fuser's NVFP4 quantizer cannot take the group's amax)
   * bytes: each gather sends one byte per element plus the scales, half of bf16's; the high-precision switch
     (the bug-on control) sends bf16's bytes and the check flags it; a shard whose rows split a columnwise block
     gathers in high precision, and its rowwise-only gather still in low precision;
+  * 4 ranks as two strided TP groups of 2: each group gathers its own shards, bitwise as above;
   * memory: the column-parallel wgrad keeps this rank's columnwise shard (its bytes), not the gathered input;
     nothing stays on the autograd node after backward.
 """
@@ -104,12 +105,12 @@ def _helper_case(rank):
 
 
 # -- the modules: unsharded and sharded, the same parameters ---------------------------------------------
-def _make_linear(rank, mode="column"):
+def _make_linear(rank, mode="column", group=None):
     full = te_fuser.Linear(HIDDEN, OUT, params_dtype=DT, device="cpu")
     with torch.no_grad():
         full.weight.normal_(0, 0.1), full.bias.normal_(0, 0.5)
-    tp = te_fuser.Linear(HIDDEN, OUT, parallel_mode=mode, sequence_parallel=True, tp_group=dist.group.WORLD,
-                         params_dtype=DT, device="cpu")
+    tp = te_fuser.Linear(HIDDEN, OUT, parallel_mode=mode, sequence_parallel=True,
+                         tp_group=group or dist.group.WORLD, params_dtype=DT, device="cpu")
     with torch.no_grad():
         if mode == "column":
             tp.weight.copy_(_shard(full.weight, rank)), tp.bias.copy_(_shard(full.bias, rank))
@@ -323,6 +324,32 @@ def _saved_case(rank, recipe_name):
     assert kept_hp - kept >= (WORLD - 1) * x_shard.numel()
 
 
+def _subgroup_case(rank):
+    """4 ranks as two TP groups of 2, strided ((0, 2), (1, 3)): a group's rank is not the global one. Each
+    group gathers its own shards (each replica its own data): bitwise the group's whole tensor quantized, and
+    a column-parallel Linear bitwise the single-process one (output, weight gradient) and its high-precision
+    gather's."""
+    groups = [dist.new_group(list(ranks)) for ranks in ((0, 2), (1, 3))]
+    replica, group = rank % 2, groups[rank % 2]
+    g = dist.get_rank(group)
+    for name in ("mxfp8", "block"):
+        torch.manual_seed(SEED + replica)
+        full, tp = _make_linear(g, group=group)
+        x_full = _edge_input(SEQ * BATCH, HIDDEN).reshape(SEQ, BATCH, HIDDEN)
+        dy_full = torch.randn(SEQ, BATCH, OUT, dtype=DT)
+        make = (lambda: MXFP8Quantizer(torch.float8_e4m3fn)) if name == "mxfp8" else (
+            lambda: Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1))
+        got = all_gather_rows(quantize_rows(_shard(x_full, g), make(), rowwise=True, columnwise=True), group)
+        _assert_same_bytes(got, quantize_rows(x_full, make(), rowwise=True, columnwise=True), (name, rank))
+        out, dx, grads, _ = _step(tp, _shard(x_full, g), _shard(dy_full, g, 2), name)
+        with fp8_gather_switch(False):
+            out_hp, dx_hp, grads_hp, _ = _step(tp, _shard(x_full, g), _shard(dy_full, g, 2), name)
+        out_q, _, grads_q, _ = _step(full, x_full, dy_full, name)
+        assert torch.equal(out, out_hp) and torch.equal(dx, dx_hp) and torch.equal(grads["weight"],
+                                                                                   grads_hp["weight"])
+        assert torch.equal(out, _shard(out_q, g, 2)) and torch.equal(grads["weight"], _shard(grads_q["weight"], g))
+
+
 def test_gathered_bytes_are_the_whole_tensors_quantization():
     run_cases([(_helper_case,)], world=WORLD)
 
@@ -334,3 +361,7 @@ def test_modules_match_the_high_precision_gather_and_the_single_process_module()
 def test_gathers_send_the_quantized_bytes():
     run_cases([(_bytes_case, name) for name in RECIPES] + [(_unaligned_case, name) for name in ("mxfp8", "block")]
               + [(_saved_case, name) for name in ("mxfp8", "block")], world=WORLD)
+
+
+def test_gathers_on_tensor_parallel_subgroups():
+    run_cases([(_subgroup_case,)], world=4)
