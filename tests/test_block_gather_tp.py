@@ -350,6 +350,26 @@ def _subgroup_case(rank):
         assert torch.equal(out, _shard(out_q, g, 2)) and torch.equal(grads["weight"], _shard(grads_q["weight"], g))
 
 
+def _save_original_input_case(rank, recipe_name):
+    """save_original_input: the wgrad keeps the high-precision shard, quantizes its columnwise usage in backward
+    and gathers those bytes (not bf16's); results bitwise the high-precision gather's."""
+    torch.manual_seed(SEED)
+    _, tp = _make_linear(rank)
+    tp.save_original_input = True
+    x = torch.randn(SEQ // WORLD, BATCH, HIDDEN, dtype=DT)
+    dy = torch.randn(SEQ, BATCH, OUT // WORLD, dtype=DT)
+    with recorded_gathers() as calls:
+        out, dx, grads, _ = _step(tp, x, dy, recipe_name)
+    with fp8_gather_switch(False), recorded_gathers() as calls_hp:
+        out_hp, dx_hp, grads_hp, _ = _step(tp, x, dy, recipe_name)
+    assert torch.equal(out, out_hp) and torch.equal(dx, dx_hp) and torch.equal(grads["weight"], grads_hp["weight"])
+    per_scale, col_block = SCALES[recipe_name]
+    rows = x.numel() // HIDDEN
+    assert sorted(_sent(calls)) == sorted([x.numel(), rows * HIDDEN // (32 if per_scale == 1 else 128) * per_scale,
+                                           x.numel(), rows // col_block * HIDDEN * per_scale]), calls
+    assert _sent(calls_hp) == [2 * x.numel()] * 2  # the control: bf16 forward and backward
+
+
 def test_gathered_bytes_are_the_whole_tensors_quantization():
     run_cases([(_helper_case,)], world=WORLD)
 
@@ -360,7 +380,8 @@ def test_modules_match_the_high_precision_gather_and_the_single_process_module()
 
 def test_gathers_send_the_quantized_bytes():
     run_cases([(_bytes_case, name) for name in RECIPES] + [(_unaligned_case, name) for name in ("mxfp8", "block")]
-              + [(_saved_case, name) for name in ("mxfp8", "block")], world=WORLD)
+              + [(_saved_case, name) for name in ("mxfp8", "block")]
+              + [(_save_original_input_case, name) for name in ("mxfp8", "block")], world=WORLD)
 
 
 def test_gathers_on_tensor_parallel_subgroups():
