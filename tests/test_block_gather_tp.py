@@ -45,7 +45,8 @@ RECIPES = {
     "nvfp4": recipe.NVFP4BlockScaling,
 }
 LOW_PRECISION = {"mxfp8": True, "block": True, "block_fp32_scales": True, "nvfp4": False}
-# (scale bytes per element of a rowwise scale, rows per columnwise scale): E8M0 1 byte per 32, float32 4 per 128
+# (bytes of a scale, elements of a block: along a row rowwise, along a column columnwise): E8M0 1 byte a 32,
+# float32 4 bytes a 128
 SCALES = {"mxfp8": (1, 32), "block": (4, 128), "block_fp32_scales": (4, 128)}
 
 
@@ -253,7 +254,7 @@ def _bytes_case(rank, recipe_name):
     if not LOW_PRECISION[recipe_name]:  # NVFP4: high precision, the input not kept for a second gather
         assert _sent(forward) == [2 * elems] and not backward and _sent(row_backward) == [2 * dy]
         return
-    rowwise_scales = rows * -(-HIDDEN // 32 if per_scale == 1 else -HIDDEN // 128) * per_scale
+    rowwise_scales = rows * -(-HIDDEN // col_block) * per_scale
     columnwise_scales = rows // col_block * HIDDEN * per_scale
     # forward: the rowwise data and scales; backward: the saved shard's columnwise data and scales
     assert sorted(_sent(forward)) == sorted([elems, rowwise_scales]), forward
@@ -262,7 +263,7 @@ def _bytes_case(rank, recipe_name):
     # row-parallel backward: dy in both usages (dgrad rowwise, wgrad columnwise)
     dy_rows = SEQ // WORLD * BATCH
     assert sorted(_sent(row_backward)) == sorted(
-        [dy, dy, dy_rows * -(-OUT // (32 if per_scale == 1 else 128)) * per_scale, dy_rows // col_block * OUT * per_scale])
+        [dy, dy, dy_rows * -(-OUT // col_block) * per_scale, dy_rows // col_block * OUT * per_scale])
 
     def low(calls, data_elems):  # what the checks above demand: about half of bf16's bytes
         return sum(_sent(calls)) <= data_elems * (1 + per_scale / col_block) + 4 * data_elems // 32
@@ -365,7 +366,7 @@ def _save_original_input_case(rank, recipe_name):
     assert torch.equal(out, out_hp) and torch.equal(dx, dx_hp) and torch.equal(grads["weight"], grads_hp["weight"])
     per_scale, col_block = SCALES[recipe_name]
     rows = x.numel() // HIDDEN
-    assert sorted(_sent(calls)) == sorted([x.numel(), rows * HIDDEN // (32 if per_scale == 1 else 128) * per_scale,
+    assert sorted(_sent(calls)) == sorted([x.numel(), rows * HIDDEN // col_block * per_scale,
                                            x.numel(), rows // col_block * HIDDEN * per_scale]), calls
     assert _sent(calls_hp) == [2 * x.numel()] * 2  # the control: bf16 forward and backward
 
