@@ -70,6 +70,14 @@ def fsdp_pre_all_gather(t, mesh, outer_size) -> Tuple[tuple, tuple]:
     if t.dim() != 2 or t.shape[0] * world != outer_size[0] or t.shape[0] % t._ROW_BLOCK:
         raise ValueError(f"FSDP2 shards of a {type(t).__name__} must split its {tuple(outer_size)} rows evenly over "
                          f"{world} ranks in whole {t._ROW_BLOCK}-row blocks, this shard is {tuple(t.shape)}")
+    inputs, names = row_parts(t)
+    return tuple(inputs), (tuple(names), world)
+
+
+def row_parts(t) -> Tuple[list, list]:
+    """(this 2-D tensor's buffers as bytes, each with its rows first and without padding; what
+    fsdp_post_all_gather needs to know of each) for an all-gather along dim 0. The parts hold t's rows
+    whatever their count: a caller whose blocks span rows checks they do not straddle the cuts."""
     layout = t._row_layout()
     inputs, names = [], []
     for name in t._BUFFERS:
@@ -78,9 +86,12 @@ def fsdp_pre_all_gather(t, mesh, outer_size) -> Tuple[tuple, tuple]:
             continue
         dim, unit = layout.get(name, (0, None))
         part = b if unit is None else b.narrow(dim, 0, -(-t.shape[0] // unit)).movedim(dim, 0)
-        inputs.append(part.contiguous().view(torch.uint8))
+        part = part.contiguous()
+        if part.dim() and part.stride(-1) != 1:  # a moved size-1 dim: "contiguous", but not viewable as bytes
+            part = part.clone(memory_format=torch.contiguous_format)
+        inputs.append(part.view(torch.uint8))
         names.append((name, b.dtype, dim, unit is None))
-    return tuple(inputs), (tuple(names), world)
+    return inputs, names
 
 
 def fsdp_post_all_gather(t, outputs, metadata, param_dtype, out=None):

@@ -12,6 +12,7 @@ from ...quantization import FP8GlobalState, current_init, make_recipe_state, run
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
 from .. import _tensor_parallel as tp
 from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
+from .._block_gather import all_gather_rows, gathers_low_precision, quantize_rows
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
 from .._gemm_kind import PER_TENSOR, gemm_block, quantizer_block
@@ -22,7 +23,7 @@ from ..op import BasicOperation, OperationContext
 TP_MODES = (None, "column", "row")
 
 # Switched off only by the tests, to show that their byte count catches a 16-bit all-gather under
-# FP8 (the gathers this module did before it gathered FP8 bytes).
+# FP8 or a block-scaled recipe (the gathers this module did before it gathered quantized bytes).
 _GATHER_IN_FP8 = True
 
 
@@ -152,7 +153,10 @@ class BasicLinear(BasicOperation):
     output gradient of "row" in backward, as in TE. The weight gradient of
     "column" keeps only this rank's FP8 input shard and gathers it again in
     backward (TE does the same), so the saved input is 1/tp of the gathered
-    one. The reduce-scatters stay in high precision, as in TE.
+    one. The reduce-scatters stay in high precision, as in TE. Under MXFP8 and
+    Float8 block scaling (1x128 tiles) the gathers move the quantized bytes and
+    scales in the same way (ops/_block_gather.py; NVFP4 and shards whose rows
+    split a columnwise block gather high precision).
 
     wgrad_queue (a WgradQueue, TE's delay_wgrad_compute): the backward computes the input's
     gradient only and queues the weight-gradient GEMM with its operands -- the transposed FP8 bytes
@@ -363,21 +367,31 @@ class BasicLinear(BasicOperation):
         block = self._gemm_block() if self._fp8_enabled else PER_TENSOR
         block_scaled = block is not PER_TENSOR
         fp8_gather = gather and self._fp8_enabled and not block_scaled and _GATHER_IN_FP8
+        # Block-scaled: the rowwise bytes gathered now, the shard's columnwise usage (for the wgrad) saved and
+        # gathered in backward (ops/_block_gather.py says when, else high precision gathered and quantized).
+        shard_columnwise = wgrad_needed and original is None
+        block_gather = (gather and block_scaled and _GATHER_IN_FP8
+                        and gathers_low_precision(self._forward_quantizers[0], x, shard_columnwise))
         # The saved input is this rank's shard, gathered again in backward.
-        ctx.regather_input = gather and (original is not None or fp8_gather)
+        ctx.regather_input = gather and (original is not None or fp8_gather or (block_gather and shard_columnwise))
         ctx.block_scaled = block_scaled
         x_shard = None
+        lead_shape = (x.shape[0] * tp.world_size(group), *x.shape[1:-1]) if gather else tuple(x.shape[:-1])
         if fp8_gather:
             x_shard = quantize_shard(x, self._forward_quantizers[0], group)
             x = all_gather_fp8_dim0(x_shard, group)
+        elif block_gather:
+            x_shard = quantize_rows(high_precision(x), self._forward_quantizers[0], rowwise=True,
+                                    columnwise=shard_columnwise)
+            x = all_gather_rows(_usage_only(x_shard, "rowwise"), group)
+            x_shard = _columnwise_only(x_shard) if shard_columnwise else None
         elif gather:
             x = tp.all_gather_dim0(high_precision(x), group)
-        lead_shape = tuple(x.shape[:-1])
         k, n = self.local_in_features, self.local_out_features
         ctx.fp8 = self._fp8_enabled
         if block_scaled:
-            y = self._block_scaled_forward(ctx, block, high_precision(x), weight, bias, is_first_microbatch, original,
-                                           wgrad_needed)
+            y = self._block_scaled_forward(ctx, block, x if block_gather else high_precision(x), weight, bias,
+                                           is_first_microbatch, original, wgrad_needed, x_shard)
         elif self._fp8_enabled:
             check_fp8_gemm_dims(**{"the number of input rows (tokens)": math.prod(lead_shape),
                                    "in_features (local)": k, "out_features (local)": n})
@@ -439,8 +453,13 @@ class BasicLinear(BasicOperation):
         dy = grad_output
         if self.gathers_grad_output:
             group = self.tensor_parallel_group
-            if ctx.fp8 and _GATHER_IN_FP8:
+            if ctx.fp8 and not ctx.block_scaled and _GATHER_IN_FP8:
                 dy = all_gather_fp8_dim0(quantize_shard(dy, ctx.grad_output_quantizer, group), group)
+            elif ctx.block_scaled and _GATHER_IN_FP8 and gathers_low_precision(ctx.grad_output_quantizer, dy,
+                                                                                ctx.weight_requires_grad):
+                dy = all_gather_rows(quantize_rows(high_precision(dy), ctx.grad_output_quantizer,
+                                                   rowwise=ctx.input_requires_grad,
+                                                   columnwise=ctx.weight_requires_grad), group)
             else:
                 dy = tp.all_gather_dim0(high_precision(dy), group)
         k, n = self.local_in_features, self.local_out_features
@@ -448,7 +467,8 @@ class BasicLinear(BasicOperation):
             x_saved = self._gather_saved_input(ctx, x_saved)
         dx = dw = None
         if ctx.block_scaled:
-            dx, dw = self._block_scaled_backward(ctx, high_precision(dy), x_saved, w_saved)
+            dx, dw = self._block_scaled_backward(ctx, dy if isinstance(dy, QuantizedTensor) else high_precision(dy),
+                                                 x_saved, w_saved)
         elif ctx.fp8:
             dyq = dy if isinstance(dy, Float8Tensor) else ctx.grad_output_quantizer(dy.contiguous())
             if ctx.input_requires_grad:
@@ -492,16 +512,17 @@ class BasicLinear(BasicOperation):
         return None
 
     # -- block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) -
-    def _block_scaled_forward(self, ctx, block, x, weight, bias, is_first_microbatch, original, wgrad_needed):
+    def _block_scaled_forward(self, ctx, block, x, weight, bias, is_first_microbatch, original, wgrad_needed,
+                              x_shard=None):
         """y = x @ W.T on block-scaled operands (ops/block_gemm.py). The backward keeps each operand's
-        columnwise usage only (x's for the wgrad, W's for the dgrad), as new tensors; sequence-parallel
-        gathers move high-precision values, quantized after the gather."""
+        columnwise usage only (x's for the wgrad, W's for the dgrad), as new tensors. x: high precision, or
+        the gathered rowwise usage (then x_shard, when given, is this rank's columnwise usage, kept)."""
         recipe = self._fp8_recipe
         if x.dtype != weight.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
         input_quantizer = self._forward_quantizers[0]
         input_quantizer.set_usage(rowwise=True, columnwise=wgrad_needed and original is None)
-        xq = input_quantizer(x)
+        xq = x if isinstance(x, QuantizedTensor) else input_quantizer(x)
         if isinstance(weight, QuantizedTensor) and _same_quantization(weight, self._forward_quantizers[1]):
             wq = weight  # quantized_model_init: the parameter's own bytes, no requantization
             w_saved = saved_block_weight(weight) if ctx.input_requires_grad else None
@@ -512,7 +533,8 @@ class BasicLinear(BasicOperation):
         ctx.block = block
         ctx.grad_output_quantizer = self._backward_quantizers[0]
         ctx.input_quantizer = input_quantizer if original is not None else None
-        x_saved = original if original is not None else (_columnwise_only(xq) if wgrad_needed else None)
+        x_saved = original if original is not None else x_shard if x_shard is not None else (
+            _columnwise_only(xq) if wgrad_needed else None)
         ctx.save_for_backward(x_saved, w_saved)
         return y
 
@@ -532,13 +554,13 @@ class BasicLinear(BasicOperation):
         block, dx, dw = ctx.block, None, None
         quantizer = ctx.grad_output_quantizer
         quantizer.set_usage(rowwise=ctx.input_requires_grad, columnwise=ctx.weight_requires_grad)
-        dyq = quantizer(dy.reshape(-1, n))
+        dyq = dy if isinstance(dy, QuantizedTensor) else quantizer(dy.reshape(-1, n))
         if ctx.input_requires_grad:
             if w_saved._columnwise_data is None:  # a weight parameter in 2-D blocks (saved_block_weight)
                 w_saved = w_saved.columnwise_from_rowwise()
             dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), block, ctx.dtype)
         if ctx.weight_requires_grad:
-            if ctx.input_quantizer is not None:  # the saved original input
+            if ctx.input_quantizer is not None and not isinstance(x_saved, QuantizedTensor):  # the original input
                 ctx.input_quantizer.set_usage(rowwise=False, columnwise=True)
                 x_saved = ctx.input_quantizer(x_saved.reshape(-1, self.local_in_features))
             # Queued: only dy's columnwise buffers (a new tensor over them); the rowwise ones go now.
@@ -548,9 +570,18 @@ class BasicLinear(BasicOperation):
 
     def _gather_saved_input(self, ctx, x_saved):
         """The whole input again from this rank's saved shard: FP8 bytes under FP8 (a saved
-        original input is quantized first, with the group's common scale), else high precision."""
+        original input is quantized first, with the group's common scale), the block-scaled columnwise
+        usage's bytes (a saved original input quantized first where its blocks fit the shard), else high
+        precision."""
         group = self.tensor_parallel_group
-        if not ctx.fp8 or ctx.block_scaled:  # block-scaled: the original input, quantized after the gather
+        if ctx.block_scaled:
+            if isinstance(x_saved, QuantizedTensor):
+                return all_gather_rows(x_saved, group)
+            if _GATHER_IN_FP8 and gathers_low_precision(ctx.input_quantizer, x_saved, True):
+                return all_gather_rows(quantize_rows(x_saved, ctx.input_quantizer, rowwise=False, columnwise=True),
+                                       group)
+            return tp.all_gather_dim0(x_saved, group)
+        if not ctx.fp8:
             return tp.all_gather_dim0(x_saved, group)
         if not _GATHER_IN_FP8:  # the tests' bug-on switch (save_original_input only)
             return ctx.input_quantizer(tp.all_gather_dim0(x_saved, group))
