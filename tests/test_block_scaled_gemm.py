@@ -15,7 +15,8 @@ import torch
 
 from te_fuser.kernels import cpu
 from te_fuser.kernels.gemm import block_scaled_gemm, fp8_gemm
-from te_fuser.ops.block_gemm import block_scaled_gemm_nt
+from te_fuser.ops.block_gemm import block_scaled_gemm_nt, e8m0_values, gemm_operand
+from te_fuser.tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -175,6 +176,26 @@ def test_block_scaled_gemm_nt_runs_the_kernel_on_views(generator):
     a_view = torch.cat([a, a], dim=1)[:, :96]
     out = block_scaled_gemm_nt(a_view, sa, b, sb, block, out_dtype, bias)
     assert_same_bits(out, reference(a, sa, b, sb, block, out_dtype, bias, model(cpu.current_isa())))
+
+
+def test_e8m0_values_of_every_code():
+    """The operands' scales from MXFP8's E8M0 codes: 2^(code - 127) (float64 powers, exact in float32: code 0
+    is the subnormal 2^-127), NaN for 255."""
+    values = e8m0_values(torch.arange(256, dtype=torch.uint8).reshape(16, 16).t())  # a strided view too
+    want = torch.tensor([2.0 ** (code - 127) for code in range(255)], dtype=torch.float64)
+    assert values.dtype == torch.float32
+    assert torch.equal(values.t().reshape(-1)[:255].double(), want) and values[15, 15].isnan()
+
+
+def test_mxfp8_columnwise_operand_is_the_transpose(generator):
+    """gemm_operand's columnwise MXFP8 operand: the columnwise codes transposed (K along the rows), its scales
+    the columnwise E8M0 codes' values, transposed."""
+    x = torch.randn(96, 70, generator=generator).to(torch.bfloat16)
+    q = MXFP8Quantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True)(x)
+    codes, scales = gemm_operand(q, True)
+    assert isinstance(q, MXFP8Tensor) and codes.shape == (70, 96) and codes.is_contiguous()
+    assert torch.equal(codes.view(torch.uint8), q._columnwise_data.view(torch.uint8).reshape(96, 70).t())
+    assert torch.equal(scales, e8m0_values(q._columnwise_scale_inv[:3, :70]).t())
 
 
 def test_opcheck_and_fake_kernel(generator):

@@ -50,42 +50,88 @@ TF_ISA_INLINE int32_t abs_bits_max(const float *restrict f, int64_t n, int32_t m
 
 TF_ISA_INLINE float amax_of(int32_t bits) { return tf_f32_from_bits((uint32_t)bits); }
 
-/* The transform's matrix (tf_nvfp4_rht_entry). */
-TF_ISA_INLINE void rht_matrix(float m[BLOCK][BLOCK]) {
+/* negative[j][i]: the transform's matrix entry M[j][i] (tf_nvfp4_rht_entry) is -1/4, else +1/4. */
+TF_ISA_INLINE void rht_signs(uint8_t negative[BLOCK][BLOCK]) {
   for (int j = 0; j < BLOCK; ++j)
-    for (int i = 0; i < BLOCK; ++i) m[j][i] = tf_nvfp4_rht_entry(j, i);
+    for (int i = 0; i < BLOCK; ++i) negative[j][i] = tf_nvfp4_rht_entry(j, i) < 0.0f;
 }
 
-/* w = v M: w[i] = sum over j of float32(v[j] * M[j][i]), added in j order from +0 in float32. */
-TF_ISA_INLINE void rht16(const float *restrict v, const float m[BLOCK][BLOCK], float *restrict w) {
-  for (int i = 0; i < BLOCK; ++i) w[i] = 0.0f;
-  for (int j = 0; j < BLOCK; ++j)
-    for (int i = 0; i < BLOCK; ++i) w[i] += v[j] * m[j][i];
-}
-
-/* col[k] = tile[k][c] for the 16 rows of a tile, transformed when rht. */
-TF_ISA_INLINE void column16(const float tile[BLOCK][TILE_COLS], int64_t c, int rht, const float m[BLOCK][BLOCK],
-                            float *restrict col) {
-  float v[BLOCK];
-  for (int k = 0; k < BLOCK; ++k) v[k] = tile[k][c];
-  if (rht) {
-    rht16(v, m, col);
-  } else {
-    for (int k = 0; k < BLOCK; ++k) col[k] = v[k];
-  }
-}
-
-/* out[k] = E2M1(v[2k] * multiplier) | E2M1(v[2k + 1] * multiplier) << 4; element i draws counter + i. */
-TF_ISA_INLINE void encode16(const float *restrict v, float multiplier, int stochastic, uint64_t seed,
-                            uint64_t counter, uint8_t *restrict out) {
-  uint8_t codes[BLOCK];
-  if (stochastic) {
+/*
+ * The columnwise values of the tile's columns [b, b + 16), transposed: t[i][k] is value i of column b + k's
+ * group, tile[i][b + k] itself, or (rht) its transform w = v M, w[i] = sum over j of float32(v[j] * M[j][i])
+ * added in j order from +0 in float32. The 16 columns are the vector lanes, each summed in that order;
+ * v[j] * -1/4 is -(v[j] * 1/4) exactly (rounding is symmetric), so each product is one of two per j.
+ */
+TF_ISA_INLINE void columns16(const float tile[BLOCK][TILE_COLS], int64_t b, int rht,
+                             const uint8_t negative[BLOCK][BLOCK], float t[BLOCK][BLOCK]) {
+  if (!rht) {
     for (int i = 0; i < BLOCK; ++i)
-      codes[i] = tf_e2m1_encode_sr(v[i] * multiplier, tf_nvfp4_random24(seed, counter + (uint64_t)i));
-  } else {
-    for (int i = 0; i < BLOCK; ++i) codes[i] = tf_e2m1_encode_rn(v[i] * multiplier);
+      for (int k = 0; k < BLOCK; ++k) t[i][k] = tile[i][b + k];
+    return;
   }
-  for (int k = 0; k < BLOCK / 2; ++k) out[k] = (uint8_t)(codes[2 * k] | (codes[2 * k + 1] << 4));
+  float product[2][BLOCK][BLOCK]; /* [negative][j][k] */
+  for (int j = 0; j < BLOCK; ++j)
+    for (int k = 0; k < BLOCK; ++k) {
+      product[0][j][k] = tile[j][b + k] * 0.25f;
+      product[1][j][k] = -product[0][j][k];
+    }
+  for (int i = 0; i < BLOCK; ++i) {
+    float w[BLOCK];
+    for (int k = 0; k < BLOCK; ++k) w[k] = 0.0f;
+    for (int j = 0; j < BLOCK; ++j) {
+      const float *restrict p = product[negative[j][i]][j];
+      for (int k = 0; k < BLOCK; ++k) w[k] += p[k];
+    }
+    for (int k = 0; k < BLOCK; ++k) t[i][k] = w[k];
+  }
+}
+
+/* bits[k] = max over i of |t[i][k]|'s bits as int32 (abs_bits_max per lane). */
+TF_ISA_INLINE void lane_abs_bits_max(const float t[BLOCK][BLOCK], int32_t bits[BLOCK]) {
+  for (int k = 0; k < BLOCK; ++k) bits[k] = 0;
+  for (int i = 0; i < BLOCK; ++i)
+    for (int k = 0; k < BLOCK; ++k) {
+      const int32_t a = (int32_t)(tf_f32_bits(t[i][k]) & 0x7FFFFFFFu);
+      bits[k] = a > bits[k] ? a : bits[k];
+    }
+}
+
+/*
+ * tf_e2m1_encode_sr without branches, which GCC vectorizes: the same comparisons; the lower code's
+ * magnitude as the sum of the grid's steps up to it (exact); the division by q, a power of two, as the
+ * product with 1 / q (the same real number, so the same float32); u24 < 2^24 converted as a signed int.
+ */
+TF_ISA_INLINE uint8_t encode_sr_lanes(float v, uint32_t u24) {
+  const float a = tf_f32_from_bits(tf_f32_bits(v) & 0x7FFFFFFFu);
+  const uint32_t lo = (uint32_t)(a >= 0.5f) + (uint32_t)(a >= 1.0f) + (uint32_t)(a >= 1.5f) +
+                      (uint32_t)(a >= 2.0f) + (uint32_t)(a >= 3.0f) + (uint32_t)(a >= 4.0f) +
+                      (uint32_t)(a >= 6.0f);
+  const float lo_value = (a >= 0.5f ? 0.5f : 0.0f) + (a >= 1.0f ? 0.5f : 0.0f) + (a >= 1.5f ? 0.5f : 0.0f) +
+                         (a >= 2.0f ? 0.5f : 0.0f) + (a >= 3.0f ? 1.0f : 0.0f) + (a >= 4.0f ? 1.0f : 0.0f) +
+                         (a >= 6.0f ? 2.0f : 0.0f);
+  const float inverse_q = a >= 4.0f ? 0.5f : a >= 2.0f ? 1.0f : 2.0f;
+  const float d = (a - lo_value) * inverse_q;
+  const uint32_t up = (uint32_t)(a < 6.0f) & (uint32_t)((float)(int32_t)u24 < d * 16777216.0f);
+  return (uint8_t)((lo + up) | tf_e2m1_sign(v));
+}
+
+/* codes[i] = E2M1(v[i] * multiplier[i / 16]) for i in [0, n), n a multiple of 16; element i draws counter + i. */
+TF_ISA_INLINE void encode_run(const float *restrict v, const float *restrict multiplier, int64_t n, int stochastic,
+                              uint64_t seed, uint64_t counter, uint8_t *restrict codes) {
+  for (int64_t b = 0; b < n; b += BLOCK) {
+    const float mu = multiplier[b / BLOCK];
+    if (stochastic) {
+      for (int i = 0; i < BLOCK; ++i)
+        codes[b + i] = encode_sr_lanes(v[b + i] * mu, tf_nvfp4_random24(seed, counter + (uint64_t)(b + i)));
+    } else {
+      for (int i = 0; i < BLOCK; ++i) codes[b + i] = tf_e2m1_encode_rn(v[b + i] * mu);
+    }
+  }
+}
+
+/* out[k] = codes[2k] | codes[2k + 1] << 4 for k in [0, n / 2). */
+TF_ISA_INLINE void pack_run(const uint8_t *restrict codes, int64_t n, uint8_t *restrict out) {
+  for (int64_t k = 0; k < n / 2; ++k) out[k] = (uint8_t)(codes[2 * k] | (codes[2 * k + 1] << 4));
 }
 
 /* ---- amax -------------------------------------------------------------------------------------- */
@@ -99,20 +145,22 @@ typedef struct amax_args {
 
 TF_ISA_INLINE void amax_band_body(const amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result) {
   float tile[BLOCK][TILE_COLS];
-  float m[BLOCK][BLOCK], col[BLOCK];
+  uint8_t negative[BLOCK][BLOCK];
+  float t[BLOCK][BLOCK];
   int32_t best = 0;
-  rht_matrix(m);
+  rht_signs(negative);
   for (int64_t g = row_begin; g < row_end; g += BLOCK) {
     for (int64_t c0 = 0; c0 < a->cols; c0 += TILE_COLS) {
-      const int64_t nc = min64(TILE_COLS, a->cols - c0);
-      load_tile(a->x, a->dtype, a->ld_x, a->rows, g, c0, nc, nc, tile);
+      const int64_t nc = min64(TILE_COLS, a->cols - c0), ncp = round_up16(nc);
+      load_tile(a->x, a->dtype, a->ld_x, a->rows, g, c0, nc, a->rht ? ncp : nc, tile);
       if (!a->rht) {
         for (int r = 0; r < BLOCK; ++r) best = abs_bits_max(tile[r], nc, best);
         continue;
       }
-      for (int64_t c = 0; c < nc; ++c) {
-        column16((const float(*)[TILE_COLS])tile, c, 1, (const float(*)[BLOCK])m, col);
-        best = abs_bits_max(col, BLOCK, best);
+      /* Padding columns (zero) transform to zeros, which leave the maximum as it is. */
+      for (int64_t b = 0; b < ncp; b += BLOCK) {
+        columns16((const float(*)[TILE_COLS])tile, b, 1, (const uint8_t(*)[BLOCK])negative, t);
+        for (int i = 0; i < BLOCK; ++i) best = abs_bits_max(t[i], BLOCK, best);
       }
     }
   }
@@ -182,11 +230,12 @@ typedef struct quantize_args {
 
 TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin, int64_t row_end) {
   float tile[BLOCK][TILE_COLS];
-  float m[BLOCK][BLOCK], col[BLOCK];
-  uint8_t codes_2d[TILE_COLS / BLOCK];
+  uint8_t negative[BLOCK][BLOCK];
+  float t[BLOCK][BLOCK], multiplier[TILE_COLS / BLOCK];
+  uint8_t codes_2d[TILE_COLS / BLOCK], codes[TILE_COLS], codes_t[BLOCK][BLOCK];
   const uint64_t t_base = (uint64_t)a->rows_p * (uint64_t)a->cols_p;
   const int64_t ld_y = a->cols_p / 2, ld_y_t = a->rows_p / 2;
-  rht_matrix(m);
+  rht_signs(negative);
   for (int64_t g = row_begin; g < row_end; g += BLOCK) {
     const int64_t nr = min64(BLOCK, a->rows - g);
     for (int64_t c0 = 0; c0 < a->cols; c0 += TILE_COLS) {
@@ -201,26 +250,49 @@ TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin,
       }
       if (a->y) {
         for (int64_t r = 0; r < nr; ++r) {
+          uint8_t *restrict scale = a->scale + (g + r) * a->ld_scale + c0 / BLOCK;
           for (int64_t b = 0; b < ncp; b += BLOCK) {
-            const float *v = tile[r] + b;
             const uint8_t code = a->block_2d ? codes_2d[b / BLOCK]
-                                             : tf_nvfp4_block_scale(amax_of(abs_bits_max(v, BLOCK, 0)), a->s_enc);
-            const int64_t c = c0 + b;
-            a->scale[(g + r) * a->ld_scale + c / BLOCK] = code;
-            encode16(v, tf_nvfp4_encode_multiplier(code, a->s_enc), a->stochastic, a->seed,
-                     (uint64_t)((g + r) * a->cols_p + c), a->y + (g + r) * ld_y + c / 2);
+                                             : tf_nvfp4_block_scale(amax_of(abs_bits_max(tile[r] + b, BLOCK, 0)), a->s_enc);
+            scale[b / BLOCK] = code;
+            multiplier[b / BLOCK] = tf_nvfp4_encode_multiplier(code, a->s_enc);
           }
+          encode_run(tile[r], multiplier, ncp, a->stochastic, a->seed, (uint64_t)((g + r) * a->cols_p + c0), codes);
+          pack_run(codes, ncp, a->y + (g + r) * ld_y + c0 / 2);
         }
       }
       if (a->y_t) {
-        for (int64_t k = 0; k < nc; ++k) {
-          column16((const float(*)[TILE_COLS])tile, k, a->rht_t, (const float(*)[BLOCK])m, col);
-          const uint8_t code = a->block_2d ? codes_2d[k / BLOCK]
-                                           : tf_nvfp4_block_scale(amax_of(abs_bits_max(col, BLOCK, 0)), a->s_enc_t);
-          const int64_t c = c0 + k;
-          a->scale_t[c * a->ld_scale_t + g / BLOCK] = code;
-          encode16(col, tf_nvfp4_encode_multiplier(code, a->s_enc_t), a->stochastic, a->seed,
-                   t_base + (uint64_t)(c * a->rows_p + g), a->y_t + c * ld_y_t + g / 2);
+        for (int64_t b = 0; b < nc; b += BLOCK) {
+          const int64_t nk = min64(BLOCK, nc - b);
+          float mult_t[BLOCK];
+          uint8_t code_t[BLOCK];
+          columns16((const float(*)[TILE_COLS])tile, b, a->rht_t, (const uint8_t(*)[BLOCK])negative, t);
+          if (a->block_2d) {
+            for (int k = 0; k < BLOCK; ++k) code_t[k] = codes_2d[b / BLOCK];
+          } else {
+            int32_t bits[BLOCK];
+            lane_abs_bits_max((const float(*)[BLOCK])t, bits);
+            for (int k = 0; k < BLOCK; ++k) code_t[k] = tf_nvfp4_block_scale(amax_of(bits[k]), a->s_enc_t);
+          }
+          for (int k = 0; k < BLOCK; ++k) mult_t[k] = tf_nvfp4_encode_multiplier(code_t[k], a->s_enc_t);
+          /* Value i of column c draws t_base + c * rows_p + g + i. */
+          const uint64_t counter = t_base + (uint64_t)((c0 + b) * a->rows_p + g);
+          if (a->stochastic) {
+            for (int i = 0; i < BLOCK; ++i)
+              for (int k = 0; k < BLOCK; ++k)
+                codes_t[i][k] = encode_sr_lanes(
+                    t[i][k] * mult_t[k],
+                    tf_nvfp4_random24(a->seed, counter + (uint64_t)k * (uint64_t)a->rows_p + (uint64_t)i));
+          } else {
+            for (int i = 0; i < BLOCK; ++i)
+              for (int k = 0; k < BLOCK; ++k) codes_t[i][k] = tf_e2m1_encode_rn(t[i][k] * mult_t[k]);
+          }
+          for (int64_t k = 0; k < nk; ++k) {
+            const int64_t c = c0 + b + k;
+            uint8_t *restrict out = a->y_t + c * ld_y_t + g / 2;
+            a->scale_t[c * a->ld_scale_t + g / BLOCK] = code_t[k];
+            for (int h = 0; h < BLOCK / 2; ++h) out[h] = (uint8_t)(codes_t[2 * h][k] | (codes_t[2 * h + 1][k] << 4));
+          }
         }
       }
     }

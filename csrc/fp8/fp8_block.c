@@ -59,7 +59,7 @@ TF_ISA_INLINE void encode(const float *restrict f, int64_t n, float multiplier, 
   }
 }
 
-/* y[c] = fp8(f[c] * multiplier[c]) for c in [0, n): a row under per-column scales. */
+/* y[c] = fp8(f[c] * multiplier[c]) for c in [0, n): a row under per-column (or per-element) scales. */
 TF_ISA_INLINE void encode_columns(const float *restrict f, int64_t n, const float *restrict multiplier,
                                   tf_fp8_format format, uint8_t *restrict y) {
   if (format == TF_FP8_E4M3) {
@@ -94,13 +94,15 @@ TF_ISA_INLINE void mx_band_body(const mx_args *a, int64_t row_begin, int64_t row
       for (int64_t r = 0; r < nr; ++r) load_f32(a->x, a->dtype, (g + r) * a->ld_x + c0, nc, tile[r]);
       if (a->y) {
         for (int64_t r = 0; r < nr; ++r) {
+          /* Each element's multiplier spelled out, so that the row encodes as one vectorized loop. */
           for (int64_t b = 0; b < nc; b += TF_MXFP8_BLOCK) {
             const int64_t n = min64(TF_MXFP8_BLOCK, nc - b);
             const uint8_t code = tf_mxfp8_scale_code(row_amax(tile[r] + b, n), a->format);
             a->scale[(g + r) * a->ld_scale + (c0 + b) / TF_MXFP8_BLOCK] = code;
-            encode(tile[r] + b, n, tf_e8m0_quant_multiplier(code), a->format,
-                   a->y + (g + r) * a->cols + c0 + b);
+            const float m = tf_e8m0_quant_multiplier(code);
+            for (int i = 0; i < TF_MXFP8_BLOCK; ++i) multiplier[b + i] = m;
           }
+          encode_columns(tile[r], nc, multiplier, a->format, a->y + (g + r) * a->cols + c0);
         }
       }
       if (a->y_col) {

@@ -33,6 +33,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..kernels import fp8 as fp8_kernels
 from ..kernels import gemm as gemm_kernels
 from . import block_gemm_cuda
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
@@ -47,9 +48,18 @@ def block_of(t) -> int:
 
 
 def e8m0_values(codes: torch.Tensor) -> torch.Tensor:
-    """2^(code - 127) as float32 (2^-127 is a float32 subnormal); NaN for 255."""
-    values = torch.ldexp(torch.ones(codes.shape, dtype=torch.float32), codes.to(torch.int32) - 127)
-    return torch.where(codes == 255, torch.nan, values)
+    """2^(code - 127) as float32 (2^-127 is a float32 subnormal); NaN for 255. Built from the bits: code << 23
+    is 2^(code - 127) for the codes 1..254, 0x00400000 is 2^-127."""
+    bits = torch.where(codes == 0, 0x00400000, codes.to(torch.int32) << 23)
+    return torch.where(codes == 255, 0x7FC00000, bits).view(torch.float32)
+
+
+def _transposed(codes: torch.Tensor) -> torch.Tensor:
+    """The (rows, cols) bytes as a contiguous (cols, rows) tensor: by te_fuser's FP8 transpose on the CPU
+    (torch's byte transpose runs several times slower there)."""
+    if codes.device.type != "cpu":
+        return codes.t().contiguous()
+    return fp8_kernels.transpose(codes.view(torch.float8_e4m3fn)).view(codes.dtype)
 
 
 def _blocks(n: int, block: int) -> int:
@@ -70,7 +80,7 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         if not columnwise:
             return (t._rowwise_data.reshape(rows, cols),
                     e8m0_values(t._rowwise_scale_inv[:rows, : _blocks(cols, block)]))
-        codes = t._columnwise_data.reshape(rows, cols).t().contiguous()
+        codes = _transposed(t._columnwise_data.reshape(rows, cols))
         return codes, e8m0_values(t._columnwise_scale_inv[: _blocks(rows, block), :cols]).t()
     if not isinstance(t, Float8BlockwiseQTensor):
         raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor, an NVFP4Tensor or a "
