@@ -118,7 +118,9 @@ def _model():
 
 
 COMPILE_RECIPES = {"no_fp8": None, "delayed": te_fuser.recipe.DelayedScaling(amax_history_len=4),
-                   "current": te_fuser.recipe.Float8CurrentScaling()}
+                   "current": te_fuser.recipe.Float8CurrentScaling(),
+                   "mxfp8": te_fuser.recipe.MXFP8BlockScaling(), "block": te_fuser.recipe.Float8BlockScaling(),
+                   "nvfp4": te_fuser.recipe.NVFP4BlockScaling()}
 
 
 def _compiled_model(recipe_name):
