@@ -9,7 +9,8 @@ started from, so a graph that drew its seed once, while tracing, would round dif
 Inductor lowers random ops to its own generator; fallback_random makes it draw from torch's, as eager does.
 
 Then: a new, equal recipe each step does not recompile (recipes with nested QParams among them); a recipe made
-inside the compiled function gets states for its own fields. (The lifetime discipline of the compiled graph under
+inside the compiled function gets states for its own fields; quantized weights (quantized_model_init) train as
+eagerly. (The lifetime discipline of the compiled graph under
 these recipes: tests/memory/test_compiled_saved_tensors.py.)
 """
 
@@ -20,6 +21,7 @@ import torch
 
 import te_fuser
 from te_fuser.recipe import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, QParams
+from te_fuser.tensor._block_scaled_tensor import BlockScaledTensor
 
 import test_compile_fullgraph as fullgraph
 from _torch_support import compiles_fp8_modules_bitwise, compiles_te_fuser_modules
@@ -164,3 +166,47 @@ def test_block_recipe_made_inside_the_compiled_function(generator):
     state_recipe = modules[1]._ops[0]._fp8_states[0].recipe
     assert state_recipe.fp8_quant_fwd_inp == QParams(power_2_scale=False, amax_epsilon=0.5)
     assert state_recipe.w_block_scaling_dim == 1
+
+
+@pytest.mark.parametrize("recipe_name", ["mxfp8", "block", "nvfp4"])
+def test_compiled_steps_on_block_scaled_weights_match_eager(recipe_name, generator):
+    """test_compile_fp8.py's check on quantized weights (quantized_model_init): three steps of a Linear whose
+    weight is an MXFP8Tensor / Float8BlockwiseQTensor / NVFP4Tensor parameter, each step's SGD update written
+    back through the weight's quantizer; outputs, gradients and every byte of the weight's buffers bitwise."""
+    fp8_recipe = RECIPES[recipe_name]
+
+    def build():
+        torch.manual_seed(0)
+        with te_fuser.quantized_model_init(recipe=fp8_recipe):
+            return te_fuser.Linear(64, 48, params_dtype=torch.bfloat16)
+
+    def stepper(module):
+        def step(x):
+            with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+                return module(x)
+        return step
+
+    eager_module, compiled_module = build(), build()
+    assert isinstance(compiled_module.weight, BlockScaledTensor)
+    eager = stepper(eager_module)
+    compiled = torch.compile(stepper(compiled_module), fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(32, 64, generator=generator).to(torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        rng = torch.get_rng_state()
+        out_a = eager(xa)
+        out_a.float().square().sum().backward()
+        torch.set_rng_state(rng)
+        with torch.compiler.set_stance("fail_on_recompile") if step else contextlib.nullcontext():
+            out_b = compiled(xb)
+        out_b.float().square().sum().backward()
+        assert torch.equal(out_a, out_b)
+        assert torch.equal(xa.grad, xb.grad)
+        assert torch.equal(eager_module.weight.grad, compiled_module.weight.grad)
+        with torch.no_grad():
+            for module in (eager_module, compiled_module):
+                module.weight.copy_(module.weight.dequantize() - 0.01 * module.weight.grad)
+                module.weight.grad = None
+        buffers = [(a, b) for a, b in zip(eager_module.weight._buffers(), compiled_module.weight._buffers())
+                   if a is not None]
+        assert buffers and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in buffers)
