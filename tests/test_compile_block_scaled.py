@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) of te_fuser's modules under the block-scaled recipes (MXFP8BlockScaling,
-Float8BlockScaling, NVFP4BlockScaling), as test_compile_fullgraph.py checks them under per-tensor FP8.
+Float8BlockScaling, NVFP4BlockScaling, and a CustomRecipe of block quantizers), as test_compile_fullgraph.py checks
+them under per-tensor FP8.
 
 Each case trains a module three steps (forward, backward, an SGD update) eagerly and compiled from the same weights
 and inputs and asserts the same bits after every step: output, input and parameter gradients. The steps after the
@@ -10,17 +11,20 @@ Inductor lowers random ops to its own generator; fallback_random makes it draw f
 
 Then: a new, equal recipe each step does not recompile (recipes with nested QParams among them); a recipe made
 inside the compiled function gets states for its own fields; quantized weights (quantized_model_init) train as
-eagerly. (The lifetime discipline of the compiled graph under
-these recipes: tests/memory/test_compiled_saved_tensors.py.)
+eagerly. (The lifetime discipline of the compiled graph under these recipes:
+tests/memory/test_compiled_saved_tensors.py.)
 """
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 
 import te_fuser
-from te_fuser.recipe import Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling, QParams
+from te_fuser.recipe import (CustomRecipe, Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling,
+                             QParams)
+from te_fuser.tensor import Float8BlockQuantizer
 from te_fuser.tensor._block_scaled_tensor import BlockScaledTensor
 
 import test_compile_fullgraph as fullgraph
@@ -28,6 +32,12 @@ from _torch_support import compiles_fp8_modules_bitwise, compiles_te_fuser_modul
 from test_compile_fullgraph import _fresh_dynamo  # noqa: F401 (autouse: each case compiles from scratch)
 
 pytestmark = [compiles_te_fuser_modules, compiles_fp8_modules_bitwise]
+
+def _custom_quantizer(role):
+    """A CustomRecipe factory: Float8 block scaling, 128x128 blocks for the weight, 1x128 tiles otherwise."""
+    return Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, amax_epsilon=1e-6,
+                                block_scaling_dim=2 if role.tensor_type == "weight" else 1)
+
 
 RECIPES = {
     "mxfp8": MXFP8BlockScaling(fp8_format=Format.E4M3),
@@ -38,6 +48,7 @@ RECIPES = {
     "nvfp4": NVFP4BlockScaling(),  # 2-D weight blocks, the wgrad's Hadamard transform, stochastic rounding
     "nvfp4-1d-rtne": NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True,
                                        disable_2d_quantization=True),
+    "custom": CustomRecipe(qfactory=_custom_quantizer),  # the same object each step (its callable: no interning)
 }
 
 # (module, recipe, autocast inside the compiled function?, backend)
@@ -48,6 +59,8 @@ CASES += [
     ("Linear", "block-qparams", True, "aot_eager"),
     ("LayerNormMLP", "nvfp4-1d-rtne", False, "aot_eager"),
     ("ops.Sequential", "nvfp4", False, "aot_eager"),
+    ("Linear", "custom", True, "aot_eager"),
+    ("LayerNormMLP", "custom", False, "aot_eager"),
     ("LayerNormMLP", "mxfp8", True, "inductor"),
     ("Linear", "block", False, "inductor"),
     ("LayerNormLinear", "nvfp4", True, "inductor"),
@@ -124,15 +137,15 @@ def test_stochastic_rounding_draws_a_seed_each_time_the_graph_runs(generator):
 def test_a_new_equal_recipe_each_step_does_not_recompile(recipe_name):
     """test_compile_recompiles.py's check: a recipe object made anew each step (Float8BlockScaling's and
     NVFP4BlockScaling's nested QParams / MMParams included) compiles once."""
-    fields = {name: getattr(RECIPES[recipe_name], name) for name in RECIPES[recipe_name].__dataclass_fields__
-              if RECIPES[recipe_name].__dataclass_fields__[name].init}
+    template = RECIPES[recipe_name]
+    fields = {f.name: getattr(template, f.name) for f in dataclasses.fields(template) if f.init}
     torch.manual_seed(0)
     module = te_fuser.LayerNormMLP(fullgraph.HIDDEN, fullgraph.FFN)
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     x = torch.randn(fullgraph.SEQ, fullgraph.HIDDEN, requires_grad=True)
     for step in range(3):
         stance = "fail_on_recompile" if step else "default"
-        with torch.compiler.set_stance(stance), te_fuser.fp8_autocast(fp8_recipe=type(RECIPES[recipe_name])(**fields)):
+        with torch.compiler.set_stance(stance), te_fuser.fp8_autocast(fp8_recipe=type(template)(**fields)):
             out = compiled(x)
         out.sum().backward()
 
