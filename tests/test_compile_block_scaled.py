@@ -24,6 +24,7 @@ import torch
 import te_fuser
 from te_fuser.recipe import (CustomRecipe, Float8BlockScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling,
                              QParams)
+from te_fuser.kernels import nvfp4 as nvfp4_kernels
 from te_fuser.tensor import Float8BlockQuantizer
 from te_fuser.tensor._block_scaled_tensor import BlockScaledTensor
 
@@ -223,3 +224,25 @@ def test_compiled_steps_on_block_scaled_weights_match_eager(recipe_name, generat
         buffers = [(a, b) for a, b in zip(eager_module.weight._buffers(), compiled_module.weight._buffers())
                    if a is not None]
         assert buffers and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in buffers)
+
+
+def test_nvfp4_quantize_takes_its_seed_as_a_tensor(generator):
+    """The compiled graph's seed is a tensor (te_fuser::nvfp4_quantize_seeded): the same bytes as the int seed."""
+    x = torch.randn(48, 40, generator=generator)
+    for seed in (0, 12345, 2**62 + 5):
+        by_int = nvfp4_kernels.nvfp4_quantize(x, stochastic=True, seed=seed)
+        by_tensor = nvfp4_kernels.nvfp4_quantize(x, stochastic=True, seed=torch.tensor(seed))
+        assert all(torch.equal(a, b) for a, b in zip(by_int, by_tensor))
+    with pytest.raises(ValueError, match="seed must be an int or an int64 tensor"):
+        nvfp4_kernels.nvfp4_quantize(x, stochastic=True, seed=torch.tensor(1.0))
+
+
+def test_compiled_nvfp4_quantize_refuses_inf_when_the_graph_runs():
+    """The finite check of the input traces (a branch on the values would break the graph): the graph asserts it
+    when it runs, and refuses Inf."""
+    quantize = torch.compile(lambda x: nvfp4_kernels.nvfp4_quantize(x)[0], fullgraph=True, backend="aot_eager")
+    x = torch.ones(16, 32)
+    assert torch.equal(quantize(x), nvfp4_kernels.nvfp4_quantize(x)[0])
+    x[3, 5] = float("inf")
+    with pytest.raises(RuntimeError, match="Inf or NaN"):
+        quantize(x)
