@@ -121,16 +121,36 @@ _CANONICAL_RECIPES: dict = {}
 
 @runs_while_tracing
 def _make_recipe(key: tuple) -> None:
+    _CANONICAL_RECIPES.setdefault(key, _from_key(key))
+
+
+def _from_key(key: tuple):
     cls, fields = key
-    _CANONICAL_RECIPES.setdefault(key, cls(**dict(fields)))
+    return cls(**{name: _from_key(value) if _is_key(value) else value for name, value in fields})
+
+
+def _is_key(value) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type) and \
+        dataclasses.is_dataclass(value[0])
+
+
+def _as_key(obj) -> tuple:
+    """(type, its constructor's fields) of a dataclass, nested dataclasses (Float8BlockScaling's QParams and
+    MMParams) as keys too: dynamo hands only constants to a runs_while_tracing function, and it takes no frozen
+    dataclass for one. Fields the constructor does not take (NVFP4BlockScaling's QParams) are left out."""
+    fields = []
+    for field in dataclasses.fields(obj):
+        if field.init:
+            value = getattr(obj, field.name)
+            fields.append((field.name, _as_key(value) if dataclasses.is_dataclass(value) else value))
+    return type(obj), tuple(fields)
 
 
 def _recipe_key(recipe):
     """(type, fields) of a recipe, or None when it has callables or unhashable fields."""
-    fields = tuple((field.name, getattr(recipe, field.name)) for field in dataclasses.fields(recipe))
-    if any(callable(value) for _, value in fields):
+    key = _as_key(recipe)
+    if any(callable(value) for _, value in key[1]):
         return None
-    key = (type(recipe), fields)
     try:
         hash(key)
     except TypeError:

@@ -239,6 +239,7 @@ class MXFP8BlockScaling(Recipe):
 # TE reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES when the recipe module is imported.
 _FP32_BLOCK_SCALES = os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
 _BLOCK_QPARAMS = QParams(power_2_scale=not _FP32_BLOCK_SCALES, amax_epsilon=0.0)
+_SPLIT_ACCUMULATION = MMParams()
 
 
 @dataclass(frozen=True)
@@ -252,15 +253,17 @@ class Float8BlockScaling(Recipe):
 
     use_f32_scales: bool = _FP32_BLOCK_SCALES
     fp8_format: Format = Format.E4M3
-    fp8_quant_fwd_inp: QParams = _BLOCK_QPARAMS
-    fp8_quant_fwd_weight: QParams = _BLOCK_QPARAMS
-    fp8_quant_bwd_grad: QParams = _BLOCK_QPARAMS
+    # (default factories: dynamo, tracing a recipe made in a compiled function, takes no frozen dataclass as an
+    # argument's default)
+    fp8_quant_fwd_inp: QParams = field(default_factory=lambda: _BLOCK_QPARAMS)
+    fp8_quant_fwd_weight: QParams = field(default_factory=lambda: _BLOCK_QPARAMS)
+    fp8_quant_bwd_grad: QParams = field(default_factory=lambda: _BLOCK_QPARAMS)
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
-    fp8_gemm_fprop: MMParams = MMParams()
-    fp8_gemm_dgrad: MMParams = MMParams()
-    fp8_gemm_wgrad: MMParams = MMParams()
+    fp8_gemm_fprop: MMParams = field(default_factory=lambda: _SPLIT_ACCUMULATION)
+    fp8_gemm_dgrad: MMParams = field(default_factory=lambda: _SPLIT_ACCUMULATION)
+    fp8_gemm_wgrad: MMParams = field(default_factory=lambda: _SPLIT_ACCUMULATION)
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = None

@@ -20,6 +20,7 @@ import torch
 
 import te_fuser
 from te_fuser import ops
+from te_fuser.quantization import CurrentScalingState
 from te_fuser.recipe import DelayedScaling, Float8CurrentScaling
 
 from _torch_support import compiles_fp8_modules_bitwise, compiles_te_fuser_modules
@@ -120,7 +121,7 @@ def _ops(module):
 
 
 def scaling_state(module) -> dict:
-    """name -> a copy of every tensor of the module's FP8 recipe states."""
+    """name -> a copy of every tensor of the module's FP8 recipe states (the block-scaled recipes keep none)."""
     states = {}
     for i, op in enumerate(_ops(module)):
         named = {f"states[{j}]": s for j, s in enumerate(getattr(op, "_fp8_states", None) or ())}
@@ -132,7 +133,7 @@ def scaling_state(module) -> dict:
             for field in ("amax_history", "amax", "scale", "scale_inv"):
                 if hasattr(state, field):
                     states[f"{prefix}.{field}"] = getattr(state, field).clone()
-            if not hasattr(state, "amax_history"):  # current scaling: each quantizer's last amax and scale
+            if isinstance(state, CurrentScalingState):  # each quantizer's last amax and scale
                 for q, quantizer in enumerate(state.quantizers()):
                     states[f"{prefix}.q{q}.amax"] = quantizer.amax.clone()
                     states[f"{prefix}.q{q}.scale"] = quantizer.scale.clone()

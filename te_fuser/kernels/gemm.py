@@ -78,6 +78,9 @@ def block_scaled_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, 
 _last_block_gemm_engine: Optional[str] = None
 
 
+# Under torch.compile it runs when dynamo meets it, as plain Python (the engine is chosen while tracing):
+# a write to a global inside the traced graph would be a side effect the block GEMM's graph cannot carry.
+@torch.compiler.assume_constant_result
 def record_block_gemm_engine(engine: str) -> None:
     global _last_block_gemm_engine
     _last_block_gemm_engine = engine

@@ -57,8 +57,11 @@ def _check_quantize_args(x, rowwise, columnwise, block_2d, rht):
     if block_2d and rht:
         raise ValueError("with_2d_quantization and with_rht cannot both be set (2D blocks are the weights', the "
                          "Hadamard transform the wgrad operands')")
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("x holds Inf or NaN, which NVFP4 cannot represent (no E2M1 code stands for them)")
+    finite_message = "x holds Inf or NaN, which NVFP4 cannot represent (no E2M1 code stands for them)"
+    if torch.compiler.is_compiling():  # the graph checks when it runs (a traced value has no truth value)
+        torch._assert_async(torch.isfinite(x).all(), finite_message)
+    elif not bool(torch.isfinite(x).all()):
+        raise ValueError(finite_message)
 
 
 def nvfp4_quantize(x: torch.Tensor, rowwise: bool = True, columnwise: bool = True, block_2d: bool = False,
@@ -68,11 +71,19 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool = True, columnwise: bool = Tru
 
     block_2d: one scale per 16x16 block (both usages); rht: the columnwise data quantizes the random
     Hadamard transform of each 16 consecutive values along the rows; stochastic: stochastic rounding
-    drawing from the counter-based stream `seed` (an int in [0, 2^63)), else round to nearest even."""
-    if not 0 <= int(seed) < 2**63:
+    drawing from the counter-based stream `seed` (an int in [0, 2^63), or an int64 tensor of one element holding
+    it: a seed drawn in a torch.compile'd graph, a graph value until the graph runs), else round to nearest even."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError(f"seed must be an int or an int64 tensor of one element, got {seed.dtype} of "
+                             f"{seed.numel()} elements")
+        kernel, seed = _ops.nvfp4_quantize_seeded, seed.reshape(())
+    elif not 0 <= int(seed) < 2**63:
         raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
-    out = call_checked(lambda: _check_quantize_args(x, rowwise, columnwise, block_2d, rht), _ops.nvfp4_quantize,
-                       x, bool(rowwise), bool(columnwise), bool(block_2d), bool(rht), bool(stochastic), int(seed))
+    else:
+        kernel, seed = _ops.nvfp4_quantize, int(seed)
+    out = call_checked(lambda: _check_quantize_args(x, rowwise, columnwise, block_2d, rht), kernel,
+                       x, bool(rowwise), bool(columnwise), bool(block_2d), bool(rht), bool(stochastic), seed)
     row, col = out[:3], out[3:]
     return (*(row if rowwise else (None,) * 3), *(col if columnwise else (None,) * 3))
 
@@ -111,10 +122,25 @@ def _fake_usage(x, used, data_shape, scale_shape):
 
 
 @torch.library.register_fake("te_fuser::nvfp4_quantize")
-def _(x, rowwise, columnwise, block_2d, rht, stochastic, seed):
+def _fake_quantize(x, rowwise, columnwise, block_2d, rht, stochastic, seed):
     row = _fake_usage(x, rowwise, nvfp4_data_shape(x.shape, False), nvfp4_scale_shape(x.shape, False))
     col = _fake_usage(x, columnwise, nvfp4_data_shape(x.shape, True), nvfp4_scale_shape(x.shape, True))
     return (*row, *col)
+
+
+@torch.library.custom_op("te_fuser::nvfp4_quantize_seeded", mutates_args=())
+def _quantize_seeded(x: torch.Tensor, rowwise: bool, columnwise: bool, block_2d: bool, rht: bool, stochastic: bool,
+                     seed: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                   torch.Tensor, torch.Tensor]:
+    """nvfp4_quantize with the seed as a tensor: stochastic rounding in a compiled graph draws the seed each
+    time the graph runs (torch.randint on the default generator, as eager quantize() draws it)."""
+    seed = int(seed)
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed must lie in [0, 2**63), got {seed}")
+    return _ops.nvfp4_quantize(x, rowwise, columnwise, block_2d, rht, stochastic, seed)
+
+
+_quantize_seeded.register_fake(_fake_quantize)
 
 
 @torch.library.register_fake("te_fuser::nvfp4_dequantize")

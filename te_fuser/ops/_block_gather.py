@@ -51,8 +51,7 @@ def gathers_low_precision(quantizer, shard: torch.Tensor, columnwise: bool) -> b
 def quantize_rows(x: torch.Tensor, quantizer, *, rowwise: bool, columnwise: bool):
     """x as a 2-D (rows, last dim) block-scaled tensor of the usages asked for: the matrix whose rows the
     all-gather concatenates."""
-    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-    return quantizer(x.reshape(-1, x.shape[-1]))
+    return quantizer.with_usage(rowwise=rowwise, columnwise=columnwise)(x.reshape(-1, x.shape[-1]))
 
 
 def all_gather_rows(t, group):

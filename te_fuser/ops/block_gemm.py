@@ -75,7 +75,7 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     rows = t.numel() // cols
     block = block_of(t)
     if isinstance(t, NVFP4Tensor):  # columnwise: the transposed data (Hadamard-transformed under with_rht)
-        return t._codes_and_factors(columnwise)
+        return NVFP4Tensor._codes_and_factors(t, columnwise)  # (not a method call: dynamo would make it a graph op)
     if isinstance(t, MXFP8Tensor):
         if not columnwise:
             return (t._rowwise_data.reshape(rows, cols),

@@ -22,6 +22,13 @@ aten = torch.ops.aten
 BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
 
 
+def traced_quantizer(quantizer):
+    """The quantizer a block-scaled tensor made now keeps: none while dynamo traces, where a tensor subclass made
+    in the graph takes tensors and constants only (as a Float8Tensor cast in the graph, it then has nothing to
+    requantize with; the graph's tensors are GEMM operands, never written in place)."""
+    return None if torch.compiler.is_compiling() else quantizer
+
+
 class BlockScaledTensor(QuantizedTensor):
     """A tensor quantized to FP8 with per-block scales, in one or both usages.
 
@@ -132,10 +139,11 @@ class BlockScaledTensor(QuantizedTensor):
     def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], object]:
         """Hand the buffers over for ctx.save_for_backward; self becomes an empty shell (under
         torch.compile, a record of the metadata that rebuilds a new tensor)."""
-        tensors = self._buffers()
+        cls = type(self)  # (methods through the class: dynamo puts a method of a traced tensor into the graph)
+        tensors = cls._buffers(self)
         if torch.compiler.is_compiling():
-            return tensors, BlockScaledRecord(type(self), tuple(self.shape), self.dtype, self._fp8_dtype,
-                                              self._quantizer, self._meta())
+            return tensors, BlockScaledRecord(cls, tuple(self.shape), self.dtype, self._fp8_dtype,
+                                              traced_quantizer(self._quantizer), cls._meta(self))
         self.clear()
         return tensors, self
 
@@ -236,8 +244,9 @@ class BlockScaledRecord:
             cls, shape, dtype, fp8_dtype, quantizer, meta)
 
     def rebuild(self, tensors):
-        return self.cls(self.shape, self.dtype, fp8_dtype=self.fp8_dtype, quantizer=self.quantizer,
-                        **{name[1:]: t for name, t in zip(self.cls._BUFFERS, tensors)}, **self.meta)
+        buffers = dict(zip([name[1:] for name in self.cls._BUFFERS], tensors))
+        return self.cls(self.shape, self.dtype, fp8_dtype=self.fp8_dtype, quantizer=self.quantizer, **buffers,
+                        **self.meta)
 
 
 def _rebuild_block_scaled(cls, shape, dtype, fp8_dtype, buffers, meta, requires_grad, buffer_dtypes=None,
@@ -260,6 +269,17 @@ class BlockScaledQuantizer(Quantizer):
         if not (rowwise or columnwise):
             raise ValueError("at least one of rowwise and columnwise usage must be on")
         self.rowwise_usage, self.columnwise_usage = rowwise, columnwise
+
+    def with_usage(self, *, rowwise: bool, columnwise: bool) -> "BlockScaledQuantizer":
+        """This quantizer when it has these usages, else a copy with them. The GEMMs ask for theirs this way, not
+        with set_usage: under torch.compile a write into a quantizer is a side effect of the traced function,
+        refused in a backward, and in a forward it makes dynamo hand the saved buffers to the backward as graph
+        outputs, which may not alias each other."""
+        if (self.rowwise_usage, self.columnwise_usage) == (bool(rowwise), bool(columnwise)):
+            return self
+        out = self.copy()
+        out.set_usage(rowwise=rowwise, columnwise=columnwise)
+        return out
 
     @property
     def rowwise(self) -> bool:

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..kernels import fp8_block as kernels
 from ..te_dtype import fp8_torch_dtype
-from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor
+from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, traced_quantizer
 
 BLOCK_LEN = kernels.BLOCK_LEN
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -98,8 +98,9 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
         row_blocks, col_blocks = -(-rows // BLOCK_LEN), -(-cols // BLOCK_LEN)
         scale_t = self._rowwise_scale_inv.new_zeros(kernels.fp8_block_scale_shape(tuple(self.shape), 2, True))
         scale_t[:col_blocks, :row_blocks] = self._rowwise_scale_inv[:row_blocks, :col_blocks].t()
-        return Float8BlockwiseQTensor(self.shape, self.dtype, fp8_dtype=self._fp8_dtype, quantizer=self._quantizer,
-                                      is_2D_scaled=True, columnwise_data=data_t, columnwise_scale_inv=scale_t)
+        return Float8BlockwiseQTensor(self.shape, self.dtype, fp8_dtype=self._fp8_dtype,
+                                      quantizer=traced_quantizer(self._quantizer), is_2D_scaled=True,
+                                      columnwise_data=data_t, columnwise_scale_inv=scale_t)
 
 class Float8BlockQuantizer(BlockScaledQuantizer):
     """Quantizes a high-precision tensor with Float8 block scaling (TE's Float8BlockQuantizer):
@@ -129,7 +130,7 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
             self.rowwise, self.columnwise)
         return Float8BlockwiseQTensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=s_inv,
                                       columnwise_data=data_t, columnwise_scale_inv=s_inv_t, fp8_dtype=self.dtype,
-                                      quantizer=self, is_2D_scaled=self.block_scaling_dim == 2)
+                                      quantizer=traced_quantizer(self), is_2D_scaled=self.block_scaling_dim == 2)
 
     def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None,
                    requires_grad: bool = False) -> Float8BlockwiseQTensor:

@@ -14,7 +14,7 @@ import torch
 
 from ..kernels import fp8_block as kernels
 from ..kernels.validate import check_fp8_dtype
-from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled
+from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled, traced_quantizer
 
 MXFP8_BLOCK_SCALING_SIZE = kernels.MXFP8_BLOCK
 
@@ -57,7 +57,8 @@ class MXFP8Quantizer(BlockScaledQuantizer):
         src = x.detach().contiguous()
         data, scale, col_data, col_scale = kernels.mxfp8_quantize(src, self.dtype, self.rowwise, self.columnwise)
         return MXFP8Tensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=scale, columnwise_data=col_data,
-                           columnwise_scale_inv=col_scale, fp8_dtype=self.dtype, quantizer=self)
+                           columnwise_scale_inv=col_scale, fp8_dtype=self.dtype,
+                           quantizer=traced_quantizer(self))
 
     def get_scale_shape(self, shape, columnwise: bool) -> Tuple[int, int]:
         return kernels.mxfp8_scale_shape(tuple(shape), columnwise)

@@ -21,7 +21,8 @@ import torch
 
 from ..kernels import nvfp4 as kernels
 from ..te_dtype import DType
-from ._block_scaled_tensor import BUFFERS, BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled
+from ._block_scaled_tensor import (BUFFERS, BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled,
+                                   traced_quantizer)
 
 NVFP4_BLOCK_SCALING_SIZE = kernels.NVFP4_BLOCK
 
@@ -157,7 +158,8 @@ class NVFP4Tensor(BlockScaledTensor):
         scale_t = self._rowwise_scale_inv.new_zeros(kernels.nvfp4_scale_shape(tuple(self.shape), True))
         scale_t[:cols, : rows // NVFP4_BLOCK_SCALING_SIZE] = blocks.t().repeat_interleave(NVFP4_BLOCK_SCALING_SIZE, 0)
         return NVFP4Tensor(self.shape, self.dtype, columnwise_data=data_t, columnwise_scale_inv=scale_t,
-                           amax_columnwise=self._amax_rowwise, fp8_dtype=torch.uint8, quantizer=self._quantizer)
+                           amax_columnwise=self._amax_rowwise, fp8_dtype=torch.uint8,
+                           quantizer=traced_quantizer(self._quantizer))
 
     def __repr__(self, *, tensor_contents=None) -> str:
         usages = [u for u, name in (("rowwise", "_rowwise_data"), ("columnwise", "_columnwise_data"))
@@ -209,13 +211,17 @@ class NVFP4Quantizer(BlockScaledQuantizer):
     def quantize(self, x: torch.Tensor) -> NVFP4Tensor:
         if x.dim() < 1:
             raise ValueError("x must have at least 1 dimension to be quantized to NVFP4")
-        seed = int(torch.randint(0, 2**62, ())) if self.stochastic_rounding else 0
+        seed = 0
+        if self.stochastic_rounding:  # compiled, the graph draws it each run (an int would be a constant)
+            seed = torch.randint(0, 2**62, ())
+            seed = seed if torch.compiler.is_compiling() else int(seed)
         data, scale, amax, col_data, col_scale, col_amax = kernels.nvfp4_quantize(
             x.detach().contiguous(), self.rowwise, self.columnwise, self.with_2d_quantization, self.with_rht,
             self.stochastic_rounding, seed)
         return NVFP4Tensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=scale, columnwise_data=col_data,
                            columnwise_scale_inv=col_scale, amax_rowwise=amax, amax_columnwise=col_amax,
-                           fp8_dtype=torch.uint8, quantizer=self, columnwise_rht=self.with_rht and self.columnwise)
+                           fp8_dtype=torch.uint8, quantizer=traced_quantizer(self),
+                           columnwise_rht=self.with_rht and self.columnwise)
 
     def get_scale_shape(self, shape, columnwise: bool) -> Tuple[int, int]:
         return kernels.nvfp4_scale_shape(tuple(shape), columnwise)

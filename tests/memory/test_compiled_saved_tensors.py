@@ -17,6 +17,7 @@ import torch
 import te_fuser
 from te_fuser import ops
 from te_fuser.memory.saved import saved_for_backward
+from te_fuser.tensor.nvfp4_tensor import _BYTE_AS_E4M3_PAIR
 
 from _fuser_ctx_walk import allowed_storages, assert_nothing_reachable, reachable_tensors, retained_cpu_bytes
 from _torch_support import compiles_fp8_modules_bitwise, compiles_te_fuser_modules
@@ -118,7 +119,9 @@ def _model():
 
 
 COMPILE_RECIPES = {"no_fp8": None, "delayed": te_fuser.recipe.DelayedScaling(amax_history_len=4),
-                   "current": te_fuser.recipe.Float8CurrentScaling()}
+                   "current": te_fuser.recipe.Float8CurrentScaling(),
+                   "mxfp8": te_fuser.recipe.MXFP8BlockScaling(), "block": te_fuser.recipe.Float8BlockScaling(),
+                   "nvfp4": te_fuser.recipe.NVFP4BlockScaling()}
 
 
 def _compiled_model(recipe_name):
@@ -149,7 +152,8 @@ def keep_graph(request, monkeypatch):
 @pytest.mark.parametrize("recipe_name", list(COMPILE_RECIPES))
 def test_compiled_graph_holds_nothing_after_backward(recipe_name, keep_graph):
     model, forward = _compiled_model(recipe_name)
-    allowed = allowed_storages(model)
+    # and NVFP4's decoding table, a module constant the compiled backward reads (the graph holds it as an input)
+    allowed = allowed_storages(model) | {_BYTE_AS_E4M3_PAIR.untyped_storage().data_ptr()}
     out = forward(torch.randn(TOKENS, HIDDEN, requires_grad=True))
     assert type(out.grad_fn).__name__ == "CompiledFunctionBackward"
     assert reachable_tensors(out, allowed)  # the walk sees what the compiled node saved

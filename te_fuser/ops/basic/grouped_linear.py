@@ -163,8 +163,8 @@ class GroupedBasicLinear(BasicOperation):
                 continue
             dx = None
             if ctx.block is not None:
-                quantizer = ctx.grad_output_quantizers[i]
-                quantizer.set_usage(rowwise=ctx.input_requires_grad, columnwise=ctx.weight_requires_grad)
+                quantizer = ctx.grad_output_quantizers[i].with_usage(rowwise=ctx.input_requires_grad,
+                                                                     columnwise=ctx.weight_requires_grad)
                 dyq = quantizer(dy.contiguous())
                 if ctx.input_requires_grad:
                     dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), ctx.block,

@@ -7,6 +7,7 @@ import torch
 
 from ... import amp
 from ...tensor.float8_tensor import Float8Quantizer, Float8Tensor, fp8_data, fp8_data_transpose, fp8_transpose
+from ...tensor._block_scaled_tensor import traced_quantizer
 from ...tensor.quantized_tensor import QuantizedTensor
 from ...quantization import FP8GlobalState, current_init, make_recipe_state, runs_while_tracing
 from ...tensor.utils import initialize_weight, quantize_weights, rowwise_copy
@@ -79,7 +80,9 @@ def _usage_only(t, usage: str):
     the cached weight or be the weight parameter itself)."""
     buffers = {name[1:]: getattr(t, name) for name in t._BUFFERS if name.startswith(f"_{usage}")
                or name == f"_amax_{usage}"}
-    return type(t)(t.shape, t.dtype, fp8_dtype=t._fp8_dtype, quantizer=t._quantizer, **buffers, **t._meta())
+    # (_meta through the class: dynamo puts a method called on a traced tensor subclass into the graph as an op)
+    return type(t)(t.shape, t.dtype, fp8_dtype=t._fp8_dtype, quantizer=traced_quantizer(t._quantizer), **buffers,
+                   **type(t)._meta(t))
 
 
 def _columnwise_only(t):
@@ -520,8 +523,8 @@ class BasicLinear(BasicOperation):
         recipe = self._fp8_recipe
         if x.dtype != weight.dtype:
             raise TypeError(f"input dtype {x.dtype} does not match the weight dtype {weight.dtype}")
-        input_quantizer = self._forward_quantizers[0]
-        input_quantizer.set_usage(rowwise=True, columnwise=wgrad_needed and original is None)
+        input_quantizer = self._forward_quantizers[0].with_usage(rowwise=True,
+                                                                 columnwise=wgrad_needed and original is None)
         xq = x if isinstance(x, QuantizedTensor) else input_quantizer(x)
         if isinstance(weight, QuantizedTensor) and _same_quantization(weight, self._forward_quantizers[1]):
             wq = weight  # quantized_model_init: the parameter's own bytes, no requantization
@@ -542,18 +545,19 @@ class BasicLinear(BasicOperation):
         """The block-scaled weight (rowwise, and columnwise for the dgrad), cached like _quantized_weight."""
         if is_first_microbatch is False and self._fp8_weight_cache is not None:
             return self._fp8_weight_cache
-        quantizer = self._forward_quantizers[1]
-        quantizer.set_usage(rowwise=True, columnwise=columnwise or is_first_microbatch is not None)
+        quantizer = self._forward_quantizers[1].with_usage(rowwise=True,
+                                                           columnwise=columnwise or is_first_microbatch is not None)
         wq = quantizer(high_precision(weight.detach()))  # a weight quantized otherwise: from its values
-        self._fp8_weight_cache = wq if is_first_microbatch is not None else None
+        if is_first_microbatch is not None or self._fp8_weight_cache is not None:  # (a write: a traced side effect)
+            self._fp8_weight_cache = wq if is_first_microbatch is not None else None
         return wq
 
     def _block_scaled_backward(self, ctx, dy, x_saved, w_saved):
         """(dx, dW): dx = dy @ W over out_features blocks, dW = dy.T @ x over token blocks."""
         n = self.local_out_features
         block, dx, dw = ctx.block, None, None
-        quantizer = ctx.grad_output_quantizer
-        quantizer.set_usage(rowwise=ctx.input_requires_grad, columnwise=ctx.weight_requires_grad)
+        quantizer = ctx.grad_output_quantizer.with_usage(rowwise=ctx.input_requires_grad,
+                                                         columnwise=ctx.weight_requires_grad)
         dyq = dy if isinstance(dy, QuantizedTensor) else quantizer(dy.reshape(-1, n))
         if ctx.input_requires_grad:
             if w_saved._columnwise_data is None:  # a weight parameter in 2-D blocks (saved_block_weight)
@@ -561,8 +565,8 @@ class BasicLinear(BasicOperation):
             dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), block, ctx.dtype)
         if ctx.weight_requires_grad:
             if ctx.input_quantizer is not None and not isinstance(x_saved, QuantizedTensor):  # the original input
-                ctx.input_quantizer.set_usage(rowwise=False, columnwise=True)
-                x_saved = ctx.input_quantizer(x_saved.reshape(-1, self.local_in_features))
+                quantizer = ctx.input_quantizer.with_usage(rowwise=False, columnwise=True)
+                x_saved = quantizer(x_saved.reshape(-1, self.local_in_features))
             # Queued: only dy's columnwise buffers (a new tensor over them); the rowwise ones go now.
             dy_cols = dyq if self.wgrad_queue is None else _columnwise_only(dyq)
             dw = self._wgrad(ctx, _block_scaled_wgrad, block, dy_cols, x_saved)
