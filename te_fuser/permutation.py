@@ -50,6 +50,14 @@ def _plain(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous()
 
 
+def _zero_probs(ctx, device):
+    """The gradient of the probs of an empty input: zeros of their shape (TE hands back the probs)."""
+    if ctx.probs_shape is None:
+        return None
+    shape, dtype = ctx.probs_shape
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 # -- FP8: permute the codes (and block scales), keep the scale -----------------------------------
 def _fp8_parts(inp):
     """(row bytes to gather, per-row scales to gather or None, rebuild(out, out_scales))."""
@@ -167,7 +175,7 @@ class _UnpermuteIndexMap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.empty:
-            probs = None if ctx.probs_shape is None else torch.zeros(*ctx.probs_shape, device=grad.device)
+            probs = _zero_probs(ctx, grad.device)
             return grad, None, probs
         grad = _plain(grad)
         if ctx.probs_shape is None:
@@ -213,7 +221,7 @@ class _PermuteMaskMap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _, probs_grad):
         if ctx.empty:
-            probs = None if ctx.probs_shape is None else torch.zeros(*ctx.probs_shape, device=grad.device)
+            probs = _zero_probs(ctx, grad.device)
             return grad, None, None, probs
         (row_id_map,) = ctx.saved_tensors
         if isinstance(grad, QuantizedTensor):
@@ -239,6 +247,10 @@ class _UnpermuteMaskMap(torch.autograd.Function):
         _check_cpu(inp, "inp")
         _check_cpu(row_id_map, "row_id_map")
         tokens, hidden = (inp.shape if restore_shape is None else restore_shape)
+        if row_id_map.dim() != 2 or row_id_map.shape[0] != tokens:
+            raise ValueError(f"row_id_map (shape {tuple(row_id_map.shape)}) is not for the {tokens} tokens of "
+                             f"restore_shape {tuple(restore_shape) if restore_shape is not None else None} "
+                             f"(None: inp's shape)")
         if hidden != inp.shape[1]:
             raise ValueError(f"restore_shape's hidden size {hidden} is not inp's {inp.shape[1]}")
         inp = inp.contiguous()
@@ -257,7 +269,7 @@ class _UnpermuteMaskMap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.empty:
-            probs = None if ctx.probs_shape is None else torch.zeros(*ctx.probs_shape, device=grad.device)
+            probs = _zero_probs(ctx, grad.device)
             return grad, None, probs, None
         if ctx.probs_shape is None:
             (row_id_map,) = ctx.saved_tensors
