@@ -264,13 +264,13 @@ tf_status tf_moe_unpermute_backward(tf_moe_map map, tf_moe_rows grad, tf_moe_row
       const float weight = load_f32(row_ptr(&w, t), w_dtype, col);
       const void *x = row_ptr(&fwd_in, dst);
       void *dx = row_ptr(&act_grad, dst);
-      float dot = 0.0f;
+      double dot = 0.0;
       for (int64_t h = 0; h < grad.cols; ++h) {
         const float gh = load_f32(g, dtype, h);
         store_f32(dx, dtype, h, gh * weight);
-        dot += load_f32(x, dtype, h) * gh;
+        dot += (double)load_f32(x, dtype, h) * gh;
       }
-      store_f32(wg, w_dtype, col, dot);
+      store_f32(wg, w_dtype, col, (float)dot);
     }
   }
   return TF_OK;

@@ -68,8 +68,9 @@ tf_status tf_moe_unpermute(tf_moe_map map, tf_moe_rows in, tf_dtype dtype, const
                            tf_dtype w_dtype, tf_moe_rows out, int64_t token_begin, int64_t token_end);
 
 /* Backward of tf_moe_unpermute with weights: act_grad[dst] = grad[t] * w[t][column] (rounded to
- * dtype) and w_grad[t][column] = sum_h fwd_in[dst][h] * grad[t][h] (float32, h ascending, rounded
- * to w_dtype); w_grad entries of no slot are 0. */
+ * dtype) and w_grad[t][column] = sum_h fwd_in[dst][h] * grad[t][h] (the exact float products added in
+ * double, h ascending, rounded once to w_dtype: a float32 running sum over a hidden size of thousands
+ * drifts by more than TE's tree-reduced sum); w_grad entries of no slot are 0. */
 tf_status tf_moe_unpermute_backward(tf_moe_map map, tf_moe_rows grad, tf_moe_rows fwd_in, tf_dtype dtype,
                                     tf_moe_rows w, tf_dtype w_dtype, tf_moe_rows act_grad, tf_moe_rows w_grad,
                                     int64_t token_begin, int64_t token_end);
