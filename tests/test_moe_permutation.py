@@ -317,6 +317,33 @@ def test_fp8_gradient_of_unpermute_stays_fp8(generator):
     assert torch.equal(dy.dequantize().double(), ref_permute(grad.dequantize(), dst, num_out))
 
 
+@pytest.mark.parametrize("kind", ["mxfp8", "block_1x128"])
+def test_block_scaled_rows_and_scales_permuted(kind, generator):
+    """MXFP8 and 1x128-block inputs: each output row holds its token's codes and per-row scales, exactly."""
+    from te_fuser.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from te_fuser.tensor.mxfp8_tensor import MXFP8Quantizer
+
+    tokens, experts, hidden = 128, 3, 256
+    if kind == "mxfp8":
+        quantizer = MXFP8Quantizer(fp8_dtype=torch.float8_e4m3fn, rowwise=True, columnwise=False)
+    else:
+        quantizer = Float8BlockQuantizer(fp8_dtype=torch.float8_e4m3fn, rowwise=True, columnwise=False,
+                                         block_scaling_dim=1)
+    xq = quantizer(torch.randn(tokens, hidden, generator=generator) * torch.rand(tokens, 1, generator=generator))
+    row_scales = xq._rowwise_scale_inv if kind == "mxfp8" else xq._rowwise_scale_inv.T
+    mask = routing(tokens, experts, generator)
+    num_out = int(mask.sum()) - 2
+    dst = mask_destinations(mask, num_out)
+    out, _ = moe_permute(xq, mask, num_out_tokens=num_out)
+    assert type(out) is type(xq)
+    out_scales = out._rowwise_scale_inv if kind == "mxfp8" else out._rowwise_scale_inv.T
+    assert out_scales.shape[0] == num_out
+    for (t, _), row in dst.items():
+        assert torch.equal(out._rowwise_data[row].view(torch.uint8), xq._rowwise_data[t].view(torch.uint8))
+        assert torch.equal(out_scales[row], row_scales[t])
+    assert torch.equal(out.dequantize().double(), ref_permute(xq.dequantize(), dst, num_out))
+
+
 # -- the raw ops under torch.compile's checks ------------------------------------------------------
 def test_opcheck_fake_kernels(generator):
     ops = torch.ops.te_fuser
