@@ -123,9 +123,14 @@ class _PermuteIndexMap(torch.autograd.Function):
         tokens, topk = index.shape
         index = index.to(torch.int32).contiguous()
         num_out = num_out_tokens if num_out_tokens > 0 else tokens * topk
-        experts = int(index.max()) + 1 if index.numel() else 0
         if index.numel() and int(index.min()) < 0:
             raise ValueError("routing_map (map_type 'index') holds a negative expert index")
+        experts = int(index.max()) + 1 if index.numel() else 0
+        if experts > index.numel():
+            # sparse expert ids: renumber them in order (the sort by expert is unchanged) so the kernel's
+            # per-expert counters stay as small as the routing
+            uniques, inverse = torch.unique(index, return_inverse=True)
+            index, experts = inverse.to(torch.int32).contiguous(), uniques.numel()
         row_id_map = _k.index_row_id_map(index, experts, num_out)
         out, _ = _permute_any(inp, row_id_map, _k.INDEX, num_out)
         ctx.save_for_backward(row_id_map)

@@ -213,6 +213,15 @@ def test_index_map_forward_backward(dtype, topk, drop, generator):
     torch.testing.assert_close(probs.grad.double(), ref_dp, rtol=TOL[dtype]["rtol"], atol=TOL[dtype]["atol"] * hidden)
 
 
+def test_index_map_with_sparse_expert_ids(generator):
+    """Expert ids far apart (up to 2^31 - 1) sort as their dense ranks would."""
+    index = torch.tensor([[2 ** 31 - 1, 7], [7, 100000], [0, 2 ** 31 - 1]], dtype=torch.int32)
+    x = torch.randn(3, 4, generator=generator)
+    out, row_id_map = moe_permute(x, index, map_type="index")
+    dst = index_destinations(index, 6)
+    assert torch.equal(out.double(), ref_permute(x, dst, 6))
+
+
 def test_index_unpermute_without_probs_restores_each_choice(generator):
     """Without probs TE's index unpermute gives one row per choice (tokens * topk rows), zero where dropped."""
     tokens, topk = 6, 2
