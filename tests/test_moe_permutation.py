@@ -353,6 +353,31 @@ def test_block_scaled_rows_and_scales_permuted(kind, generator):
     assert torch.equal(out.dequantize().double(), ref_permute(xq.dequantize(), dst, num_out))
 
 
+@pytest.mark.parametrize("kind", ["mxfp8", "block_1x128"])
+def test_block_scaled_quantizers_as_tes_test_builds_them(kind, generator):
+    """TE's test_permutation.py builds its FP8 inputs with TE's DType, make_empty and update_quantized."""
+    from te_fuser.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from te_fuser.tensor.mxfp8_tensor import MXFP8Quantizer
+    from te_fuser.te_dtype import DType
+
+    if kind == "mxfp8":
+        quantizer = MXFP8Quantizer(fp8_dtype=DType.kFloat8E5M2, rowwise=True, columnwise=False)
+    else:
+        quantizer = Float8BlockQuantizer(fp8_dtype=DType.kFloat8E5M2, rowwise=True, columnwise=False,
+                                         amax_epsilon=0.0, force_pow_2_scales=True, block_scaling_dim=1)
+    x = torch.rand(128, 64, generator=generator)
+    empty = quantizer.make_empty(x.shape, dtype=x.dtype, device=x.device)
+    quantizer.update_quantized(x, empty)
+    direct = quantizer(x)
+    assert torch.equal(empty._rowwise_data.view(torch.uint8), direct._rowwise_data.view(torch.uint8))
+    assert torch.equal(empty._rowwise_scale_inv, direct._rowwise_scale_inv)
+    mask = routing(128, 3, generator)
+    num_out = int(mask.sum())
+    out, _ = moe_permute(empty, mask, num_out_tokens=num_out)
+    assert torch.equal(out.dequantize().double(), ref_permute(direct.dequantize(), mask_destinations(mask, num_out),
+                                                              num_out))
+
+
 # -- the raw ops under torch.compile's checks ------------------------------------------------------
 def test_opcheck_fake_kernels(generator):
     ops = torch.ops.te_fuser
