@@ -51,7 +51,8 @@ def mask_row_id_map(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Ten
     def check():
         check_tensor(routing_map, "routing_map")
         if routing_map.dim() != 2 or routing_map.dtype != torch.bool:
-            raise ValueError(f"routing_map must be a 2-D bool tensor, got {routing_map.dtype} {tuple(routing_map.shape)}")
+            raise ValueError(f"routing_map must be a 2-D bool tensor, got {routing_map.dtype} "
+                             f"{tuple(routing_map.shape)}")
         if num_out_tokens < 0:
             raise ValueError(f"num_out_tokens must be >= 0, got {num_out_tokens}")
 

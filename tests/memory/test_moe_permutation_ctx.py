@@ -22,10 +22,9 @@ def _moe_step(expert: torch.nn.Module):
     num_out = int(mask.sum())
     out, permuted_probs, row_id_map = moe_permute_with_probs(x, probs * mask, mask, num_out_tokens=num_out)
     half = num_out // 2
-    out, permuted_probs = moe_sort_chunks_by_index_with_probs(out, permuted_probs, torch.tensor([half, num_out - half]),
-                                                              torch.tensor([1, 0]))
-    out, permuted_probs = moe_sort_chunks_by_index_with_probs(out, permuted_probs,
-                                                              torch.tensor([num_out - half, half]), torch.tensor([1, 0]))
+    for sizes in ([half, num_out - half], [num_out - half, half]):  # swap the halves, then swap them back
+        out, permuted_probs = moe_sort_chunks_by_index_with_probs(out, permuted_probs, torch.tensor(sizes),
+                                                                  torch.tensor([1, 0]))
     y = expert(out) * permuted_probs[:, None]
     merged = moe_unpermute(y, row_id_map, probs, restore_shape=x.shape)
     index = torch.randint(0, EXPERTS, (TOKENS, 2), dtype=torch.int32)
