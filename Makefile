@@ -36,7 +36,7 @@ JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 EMULATED_PARTS = c-check/emulated-attention c-check/emulated-fp8 c-check/emulated-ops c-check/emulated-block
 C_CHECK_PARTS = c-check/attention-native c-check/attention-amx-model c-check/emulated-attention \
 	c-check/fp8 c-check/emulated-fp8 c-check/emulated-block c-check/ops c-check/emulated-ops c-check/gemm \
-	c-check/fp8-block c-check/nvfp4 c-check/cross-entropy c-check/rope  # longest first
+	c-check/fp8-block c-check/nvfp4 c-check/cross-entropy c-check/rope c-check/moe-permute  # longest first
 .PHONY: $(C_CHECK_PARTS)
 
 c-check:
@@ -54,6 +54,8 @@ c-check/ops:
 	sh tests/c/run_ops.sh
 c-check/rope:
 	sh tests/c/run_rope.sh
+c-check/moe-permute:
+	sh tests/c/run_moe_permute.sh
 c-check/attention-native:
 	sh tests/c/run_attention.sh native
 c-check/attention-amx-model:

@@ -10,6 +10,8 @@ from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
 from .tensor.utils import cast_master_weights_to_fp8
+from .permutation import (moe_permute, moe_permute_with_probs, moe_sort_chunks_by_index,
+                          moe_sort_chunks_by_index_with_probs, moe_unpermute)
 from .module import Fp8Padding, Fp8Unpadding, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 from .transformer import TransformerLayer
 from .tensor import (Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, QuantizedTensor, prepare_for_saving,
@@ -46,6 +48,11 @@ __all__ = [
     "get_cpu_offload_context",
     "graph",
     "memory",
+    "moe_permute",
+    "moe_permute_with_probs",
+    "moe_sort_chunks_by_index",
+    "moe_sort_chunks_by_index_with_probs",
+    "moe_unpermute",
     "ops",
     "parallel_cross_entropy",
     "prepare_for_saving",

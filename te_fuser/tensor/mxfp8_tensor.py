@@ -13,7 +13,7 @@ from typing import Tuple
 import torch
 
 from ..kernels import fp8_block as kernels
-from ..kernels.validate import check_fp8_dtype
+from ..te_dtype import fp8_torch_dtype
 from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled, traced_quantizer
 
 MXFP8_BLOCK_SCALING_SIZE = kernels.MXFP8_BLOCK
@@ -44,10 +44,11 @@ class MXFP8Tensor(BlockScaledTensor):
 
 
 class MXFP8Quantizer(BlockScaledQuantizer):
-    """Quantizes a high-precision tensor to MXFP8 (TE's MXFP8Quantizer: both usages by default)."""
+    """Quantizes a high-precision tensor to MXFP8 (TE's MXFP8Quantizer: both usages by default).
+    fp8_dtype: a torch float8 dtype or TE's DType.kFloat8E4M3 / kFloat8E5M2."""
 
-    def __init__(self, fp8_dtype: torch.dtype, *, rowwise: bool = True, columnwise: bool = True):
-        check_fp8_dtype(fp8_dtype)
+    def __init__(self, fp8_dtype, *, rowwise: bool = True, columnwise: bool = True):
+        fp8_dtype = fp8_torch_dtype(fp8_dtype)
         self.dtype = fp8_dtype
         super().__init__(rowwise=rowwise, columnwise=columnwise)
 
@@ -59,6 +60,22 @@ class MXFP8Quantizer(BlockScaledQuantizer):
         return MXFP8Tensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=scale, columnwise_data=col_data,
                            columnwise_scale_inv=col_scale, fp8_dtype=self.dtype,
                            quantizer=traced_quantizer(self))
+
+    def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None,
+                   requires_grad: bool = False) -> MXFP8Tensor:
+        """An uninitialized MXFP8Tensor of `shape` with this quantizer's usages, for update_quantized to fill."""
+        shape = tuple(int(n) for n in shape)
+        if not shape:
+            raise ValueError("shape must have at least 1 dimension to be quantized to MXFP8")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        buffers = {}
+        for usage, columnwise in (("rowwise", False), ("columnwise", True)):
+            if getattr(self, usage):
+                buffers[f"{usage}_data"] = torch.empty(shape, dtype=self.dtype, device=device)
+                buffers[f"{usage}_scale_inv"] = torch.empty(self.get_scale_shape(shape, columnwise),
+                                                            dtype=torch.uint8, device=device)
+        return MXFP8Tensor(shape, dtype, fp8_dtype=self.dtype, quantizer=self, requires_grad=requires_grad,
+                           **buffers)
 
     def get_scale_shape(self, shape, columnwise: bool) -> Tuple[int, int]:
         return kernels.mxfp8_scale_shape(tuple(shape), columnwise)
