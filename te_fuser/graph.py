@@ -39,7 +39,6 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .distributed import get_all_rng_states
-from .module.base import _warn_on_recipe_change
 from .quantization import (_AUTOCAST_RECIPES, DelayedScalingState, FP8GlobalState, fp8_autocast,
                            get_default_fp8_recipe)
 from .recipe import DelayedScaling
@@ -489,9 +488,7 @@ def make_graphed_callables(
     for m in modules:
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"modules must be torch.nn.Module objects (TE graphs only modules), got {type(m).__name__}")
-        # te_fuser's own recipe-change warning (module/base.py) reads no tensor: it may stay outside the graph.
-        user_pre_hooks = [h for h in m._forward_pre_hooks.values() if h is not _warn_on_recipe_change]
-        if m._forward_hooks or user_pre_hooks or m._backward_hooks:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
             raise ValueError(f"modules must have no hooks when graphed ({type(m).__name__} has); register them after")
         if any(b.requires_grad for b in m.buffers()):
             raise ValueError(f"modules may train only parameters: a buffer of {type(m).__name__} requires grad")

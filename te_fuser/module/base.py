@@ -69,11 +69,11 @@ def _recipe_kind_changed(previous, recipe) -> bool:
     return not (isinstance(previous, type(recipe)) or isinstance(recipe, type(previous)))
 
 
-def _warn_on_recipe_change(module, args) -> None:
+def warn_on_recipe_change(module) -> None:
     """TE's warnings when a module's FP8 state is about to follow another recipe: of another kind ("Recipe
     type changed"), or, for FP8 weights, a delayed-scaling history of another length ("Quantizer is being
-    updated"). te_fuser's ops then remake their state, as TE's modules do."""
-    del args
+    updated"). te_fuser's ops then remake their state, as TE's modules do. Called by te_fuser's linear
+    modules at the start of their forward."""
     if torch.compiler.is_compiling() or not FP8GlobalStateManager.is_fp8_enabled():
         return  # (a diagnostic: not traced)
     recipe = FP8GlobalStateManager.get_fp8_recipe()
@@ -116,7 +116,6 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.tp_size = 1
         self.sequence_parallel = False
         if self._fp8_state_is_a_view:
-            self.register_forward_pre_hook(_warn_on_recipe_change)
             return
         # A user's subclass: the state prepare_forward keeps (te_fuser's modules keep theirs on their ops).
         self.fp8 = False

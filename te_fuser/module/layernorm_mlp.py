@@ -11,6 +11,7 @@ from ..ops.basic.bias import Bias
 from ..ops.basic.extra_output import MakeExtraOutput
 from ..ops.basic.linear import BasicLinear
 from ._linear_base import FusedModule, LinearWeights, check_unsupported, positive_int, returned_bias, rng_fork
+from .base import warn_on_recipe_change
 from .layernorm_linear import create_norm_params, make_norm_op, norm_kwargs
 from .linear import check_forward_input
 
@@ -158,6 +159,7 @@ class LayerNormMLP(FusedModule):
         kwargs += [{}, {"weight": self.fc2_weight, "is_first_microbatch": is_first_microbatch}]
         if self._fc2_bias_in_fuser:
             kwargs.append({"bias": self.fc2_bias})
+        warn_on_recipe_change(self)
         result = self._fuser(inp, kwargs)
         out, ln_out = result if self.return_layernorm_output else (result, None)
         if self.return_bias:

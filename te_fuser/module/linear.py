@@ -8,6 +8,7 @@ from ..ops import _tensor_parallel as tp
 from ..ops.basic.bias import Bias
 from ..ops.basic.linear import BasicLinear
 from ._linear_base import FusedModule, LinearWeights, check_unsupported, returned_bias, rng_fork
+from .base import warn_on_recipe_change
 
 _PARALLEL_MODES = (None, "column", "row")
 
@@ -134,5 +135,6 @@ class Linear(FusedModule):
         kwargs = [{"weight": weight, "is_first_microbatch": is_first_microbatch}]
         if self._bias_in_fuser:
             kwargs.append({"bias": bias})
+        warn_on_recipe_change(self)
         out = self._fuser(inp, kwargs, fp8_output=fp8_output, fp8_grad=fp8_grad)
         return (out, returned_bias(bias, inp)) if self.return_bias else out
