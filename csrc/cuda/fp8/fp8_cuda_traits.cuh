@@ -32,11 +32,22 @@ __device__ __forceinline__ float quieted(float nan) {
   return tf_f32_from_bits(tf_f32_bits(nan) | 0x00400000u);
 }
 
+// The CPU's NaN for an invalid operation on non-NaN operands (Inf * 0): x86's
+// "real indefinite" 0xFFC00000, AArch64's default NaN 0x7FC00000.
+#if defined(__aarch64__)
+#define TF_CPU_DEFAULT_NAN_BITS 0x7FC00000u
+#else
+#define TF_CPU_DEFAULT_NAN_BITS 0xFFC00000u
+#endif
+
 // a * b rounded to nearest (__fmul_rn: never contracted into an FMA), with the
 // CPU's NaN. When both are NaN the CPU's pick depends on operand order; a wins here.
 __device__ __forceinline__ float mul_like_cpu(float a, float b) {
   const float p = __fmul_rn(a, b);
-  return a != a ? quieted(a) : b != b ? quieted(b) : p;
+  return a != a   ? quieted(a)
+         : b != b ? quieted(b)
+         : p != p ? tf_f32_from_bits(TF_CPU_DEFAULT_NAN_BITS)
+                  : p;
 }
 
 // 1 / s rounded to nearest, with the CPU's NaN.

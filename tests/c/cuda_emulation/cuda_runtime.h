@@ -350,9 +350,19 @@ inline float atomicAdd(float *p, float value) {
 }
 
 // Built with -ffp-contract=off, so these are single IEEE operations as on the GPU.
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
+// The GPU's arithmetic returns the canonical NaN 0x7FFFFFFF for every NaN result (NaN operands or an
+// invalid operation such as Inf * 0), where the host's keeps a NaN operand's payload or gives its own
+// default NaN: emulated, so kernels that must write the CPU's NaN bytes are checked to do so explicitly.
+inline float gpu_nan_rule(float r) {
+  if (r == r) return r;
+  const unsigned int canonical = 0x7FFFFFFFu;
+  float out;
+  memcpy(&out, &canonical, sizeof out);
+  return out;
+}
+inline float __fmul_rn(float a, float b) { return gpu_nan_rule(a * b); }
+inline float __fadd_rn(float a, float b) { return gpu_nan_rule(a + b); }
+inline float __fdiv_rn(float a, float b) { return gpu_nan_rule(a / b); }
 
 // ---- dynamic shared memory --------------------------------------------------
 

@@ -321,9 +321,11 @@ void test_block_dequantize() {
             for (size_t i = 0; i < y.size(); ++i) y[i] = static_cast<uint8_t>(i % 3 ? rand_u32() : i / 3);
             std::vector<uint8_t> codes(static_cast<size_t>(sr * sc));
             std::vector<float> values(codes.size());
+            // Inf and 0 scales meet zero and Inf codes: Inf * 0 is the CPU's NaN on both
+            const float specials[] = {INFINITY, -INFINITY, 0.0f, NAN, 1e-45f};
             for (size_t i = 0; i < codes.size(); ++i) {
               codes[i] = static_cast<uint8_t>(i % 2 ? rand_u32() : i / 2);
-              values[i] = rand_float(false);
+              values[i] = i % 3 == 1 ? specials[(i / 3) % 5] : rand_float(false);
             }
             const void *scale = kind == TF_BLOCK_SCALE_E8M0 ? static_cast<const void *>(codes.data()) : values.data();
             const size_t bytes = y.size() * elem_size(d) + 1;
