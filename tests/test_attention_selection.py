@@ -129,6 +129,20 @@ def test_this_torch_has_the_schemas_te_fuser_was_written_for(expected):
     assert schema.schema_problem(expected) is None
 
 
+def test_any_accepted_form_of_a_schema_passes():
+    """An op may list each torch release's form of its schema (flash's packed forward: torch 2.11's lacks
+    block_table and num_splits); the one this torch has passes, and a miss names every accepted form."""
+    found = str(torch.ops.aten._flash_attention_forward.default._schema)
+    assert found in flash.PACKED_SCHEMAS["_flash_attention_forward"]
+    older = "aten::_flash_attention_forward(Tensor query)"
+    schema.clear()
+    assert schema.schema_problem({"_flash_attention_forward": (older, found)}) is None
+    schema.clear()
+    problem = schema.schema_problem({"_flash_attention_forward": (older, "aten::_flash_attention_forward()")})
+    assert f"found {found!r}, expected {older!r} or 'aten::_flash_attention_forward()'" in problem
+    schema.clear()
+
+
 def test_a_moved_schema_makes_its_backend_unavailable_with_the_reason(monkeypatch):
     schema.clear()
     moved = dict(cudnn.EXPECTED_SCHEMAS)

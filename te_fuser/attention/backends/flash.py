@@ -31,12 +31,14 @@ DENSE_SCHEMAS = {
         "float? scale=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)",
 }
 PACKED_SCHEMAS = {
-    "_flash_attention_forward":
+    # torch after 2.11 added block_table and num_splits, which _forward_packed does not pass: both forms take its call
+    "_flash_attention_forward": tuple(
         "aten::_flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, "
         "Tensor? cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, "
         "*, float? scale=None, SymInt? window_size_left=None, SymInt? window_size_right=None, "
-        "Tensor? seqused_k=None, Tensor? alibi_slopes=None, Tensor? block_table=None, int? num_splits=None) "
-        "-> (Tensor output, Tensor softmax_logsumexp, Tensor rng_state, Tensor unused, Tensor debug_attn_mask)",
+        f"Tensor? seqused_k=None, Tensor? alibi_slopes=None{added}) "
+        "-> (Tensor output, Tensor softmax_logsumexp, Tensor rng_state, Tensor unused, Tensor debug_attn_mask)"
+        for added in (", Tensor? block_table=None, int? num_splits=None", "")),
     "_flash_attention_backward":
         "aten::_flash_attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
         "Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, "

@@ -5,7 +5,7 @@ whose op is missing or whose schema differs is not chosen, with the difference a
 crashes on a call with the wrong arguments.
 """
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -14,8 +14,12 @@ from ...quantization import runs_while_tracing
 _checked: Dict[str, Optional[str]] = {}
 
 
-def schema_problem(expected: Dict[str, str]) -> Optional[str]:
-    """None when every aten op in expected (name -> schema string) exists with that schema, else the reason.
+Schemas = Union[str, Tuple[str, ...]]  # one schema, or each torch release's form of it that te_fuser's call fits
+
+
+def schema_problem(expected: Dict[str, Schemas]) -> Optional[str]:
+    """None when every aten op in expected (name -> schema string, or a tuple of accepted ones) exists with
+    one of its schemas, else the reason.
 
     The answer for each op is computed at its first check and kept.
     """
@@ -36,14 +40,16 @@ def _ensure_checked(ops: tuple) -> None:
             _checked[key] = _check(name, schema)
 
 
-def _check(name: str, expected: str) -> Optional[str]:
+def _check(name: str, expected: Schemas) -> Optional[str]:
     packet = getattr(torch.ops.aten, name, None)
     if packet is None:
         return f"torch {torch.__version__} has no aten::{name}"
     found = str(packet.default._schema)
-    if found != expected:
+    accepted = (expected,) if isinstance(expected, str) else expected
+    if found not in accepted:
+        wanted = repr(accepted[0]) if len(accepted) == 1 else " or ".join(map(repr, accepted))
         return (f"aten::{name} in torch {torch.__version__} has a schema te_fuser was not written for: "
-                f"found {found!r}, expected {expected!r}")
+                f"found {found!r}, expected {wanted}")
     return None
 
 
