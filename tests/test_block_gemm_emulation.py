@@ -1,14 +1,14 @@
-"""The device emulation of the block-scaled GEMM (te_fuser.ops.block_gemm_cuda.emulated_block_scaled_gemm_nt), run
-on the CPU: within docs/block_scaling.md's bound of te_fuser's C kernel and of the float64 product; and the bound
-stated there between the C kernel's split accumulation and a one-pass float32 accumulation of the same scaled
+"""The device engines of the block-scaled GEMM without a library (te_fuser.ops.block_gemm_cuda's split emulation
+and its one-pass GEMMs on scale-folded operands), run on the CPU: within docs/block_scaling.md's bounds of
+te_fuser's C kernel and of the float64 product; and the bound stated there between the C kernel's split accumulation and a one-pass float32 accumulation of the same scaled
 products (a model of Blackwell's block-scaled MMA), for MXFP8, Float8 block scaling and NVFP4."""
 
 import pytest
 import torch
 
-from block_gemm_bounds import exact64, magnitude64, one_pass_bound, split_bound
+from block_gemm_bounds import exact64, gamma, magnitude64, one_pass_bound, split_bound
 from te_fuser.kernels.gemm import block_scaled_gemm
-from te_fuser.ops.block_gemm_cuda import emulated_block_scaled_gemm_nt
+from te_fuser.ops.block_gemm_cuda import emulated_block_scaled_gemm_nt, folded, one_pass_block_scaled_gemm_nt
 
 # (m, n, k, block): each recipe's block, K a whole number of blocks, ragged (a shorter last block) and below one
 SHAPES = [(37, 29, 256, 32), (37, 29, 300, 32), (20, 33, 384, 128), (20, 33, 200, 128), (16, 24, 80, 16),
@@ -129,3 +129,43 @@ def test_nvfp4_alpha_at_the_end_against_the_c_kernels_factors(m, n, k, generator
     within(c_kernel, exact, split_bound(kp, 16, scale_roundings=4) * d, "C kernel vs float64")
     within(hardware, c_kernel.double(),
            (split_bound(kp, 16, scale_roundings=4) + one_pass_bound(kp, scale_roundings=2)) * d, "alpha vs split")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mxfp8_values_fold_into_bfloat16_exactly(dtype, generator):
+    """The bf16 one-pass engine's premise: an FP8 value (at most 4 significant bits) times an E8M0 scale is a
+    bfloat16 (8 bits, float32's exponents), while the product stays within bf16's normal range; odd scales
+    (Float8 block scaling's) are not, which is why that recipe folds in float32."""
+    a, sa, _, _, _ = random_case(generator, 37, 1, 300, 32, dtype, powers_of_two=True)
+    exact = a.double() * sa.double().repeat_interleave(32, dim=1)[:, :300]
+    assert torch.equal(folded(a, sa, 32, torch.bfloat16).double(), exact)
+    odd = sa * 1.3
+    assert not torch.equal(folded(a, odd, 32, torch.bfloat16).double(),
+                           a.double() * odd.double().repeat_interleave(32, dim=1)[:, :300])
+
+
+# the bf16 engine runs MXFP8's power-of-two scales only
+ONE_PASS_CASES = [(*s, torch.float32) for s in SHAPES] + [(*s, torch.bfloat16) for s in SHAPES if s[3] == 32]
+
+
+@pytest.mark.parametrize("m,n,k,block,operand_dtype", ONE_PASS_CASES)
+def test_one_pass_engines_within_their_bound(m, n, k, block, operand_dtype, generator):
+    """One GEMM over all of K on folded operands. float32: each term float32(float32(a sa) float32(b sb)) (3
+    roundings), K - 1 additions, the bias: gamma(K + 3). bf16 (power-of-two scales only): exact terms, so
+    gamma(K). Against the C kernel, that plus split_bound."""
+    a, sa, b, sb, bias = random_case(generator, m, n, k, block, powers_of_two=block == 32)
+    out = one_pass_block_scaled_gemm_nt(a, sa, b, sb, block, torch.float32, bias, operand_dtype)
+    d = magnitude64(a, sa, b, sb, block, bias)
+    bound = gamma(k + 3 if operand_dtype == torch.float32 else k) * d
+    within(out, exact64(a, sa, b, sb, block, bias), bound, "one pass vs float64")
+    c_kernel = block_scaled_gemm(a, sa, b, sb, block, torch.float32, bias)
+    within(out, c_kernel.double(), bound + split_bound(k, block, bias=True) * d, "one pass vs the C kernel")
+
+
+def test_one_pass_propagates_nan_codes_like_the_c_kernel(generator):
+    a, sa, b, sb, _ = random_case(generator, 12, 10, 64, 32, powers_of_two=True)
+    a.view(torch.uint8)[3, 5] = 0x7F  # E4M3 NaN
+    b.view(torch.uint8)[7, 40] = 0xFF
+    for operand_dtype in (torch.float32, torch.bfloat16):
+        out = one_pass_block_scaled_gemm_nt(a, sa, b, sb, 32, torch.float32, operand_dtype=operand_dtype)
+        assert torch.equal(out.isnan(), block_scaled_gemm(a, sa, b, sb, 32, torch.float32).isnan())

@@ -94,8 +94,9 @@ def test_mxfp8_on_sm100(aten, monkeypatch, cap):
     assert args[8] is None and args[9] == torch.bfloat16
 
 
-# (capability, m, n, k, block, dtypes, out_dtype): what each library cannot take goes to the emulation
-EMULATED = [
+# (capability, m, n, k, block, dtypes, out_dtype): what each library cannot take runs one GEMM on scale-folded
+# operands, in bf16 for MXFP8's power-of-two scales, else in float32
+ONE_PASS = [
     ((9, 0), 48, 64, 384, 32, (E4M3, E4M3), torch.bfloat16),     # MXFP8 on Hopper
     ((10, 0), 48, 64, 384, 128, (E4M3, E4M3), torch.bfloat16),   # 1x128 blocks on Blackwell
     ((10, 0), 48, 64, 384, 16, (E4M3, E4M3), torch.bfloat16),    # NVFP4 decode factors
@@ -108,14 +109,31 @@ EMULATED = [
 ]
 
 
-@pytest.mark.parametrize("cap,m,n,k,block,dtypes,out_dtype", EMULATED)
-def test_the_rest_runs_on_the_emulation(aten, monkeypatch, cap, m, n, k, block, dtypes, out_dtype):
+@pytest.mark.parametrize("allow_tf32", [False, True])
+@pytest.mark.parametrize("cap,m,n,k,block,dtypes,out_dtype", ONE_PASS)
+def test_the_rest_runs_one_pass_or_on_the_emulation(aten, monkeypatch, cap, m, n, k, block, dtypes, out_dtype,
+                                                     allow_tf32):
+    """TF32 would round the float32 engine's folded values: the split emulation (FP8 values, exact in TF32)
+    runs instead; the bf16 engine's operands are bf16 either way."""
     capability(monkeypatch, cap)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
     a, sa, b, sb = meta_case(m, n, k, block, dtypes)
-    assert gemm_kernels.block_gemm_engine(a, b, block, out_dtype) == "device_emulation"
+    engine = ("device_one_pass_bf16" if block == 32 else
+              "device_emulation" if allow_tf32 else "device_one_pass_f32")
+    assert gemm_kernels.block_gemm_engine(a, b, block, out_dtype) == engine
     out = block_scaled_gemm_nt(a, sa, b, sb, block, out_dtype, torch.empty(n, device=META))
-    assert gemm_kernels.last_block_gemm_engine() == "device_emulation"
+    assert gemm_kernels.last_block_gemm_engine() == engine
     assert out.shape == (m, n) and out.dtype == out_dtype and out.device == META
+    assert not any(name.startswith("_scaled_mm") for name, _ in aten.calls)
+
+
+def test_a_torch_without_block_scaled_mm_runs_one_pass(aten, monkeypatch):
+    """torch before 2.10 has neither _scaled_mm_v2 nor F.ScalingType: even sm90's 1x128 case runs one pass."""
+    capability(monkeypatch, (9, 0))
+    monkeypatch.setattr(block_gemm_cuda, "_TORCH_HAS_BLOCK_SCALED_MM", False)
+    a, sa, b, sb = meta_case(48, 64, 384, 128)
+    assert gemm_kernels.block_gemm_engine(a, b, 128, torch.bfloat16) == "device_one_pass_f32"
+    block_scaled_gemm_nt(a, sa, b, sb, 128, torch.bfloat16)
     assert not any(name.startswith("_scaled_mm") for name, _ in aten.calls)
 
 
