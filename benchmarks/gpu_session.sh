@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session.sh facts bench_layer                  # a Llama-3-8B layer's training step
 #   bash benchmarks/gpu_session.sh facts cuda_graphs                  # make_graphed_callables: tests, graphed step
 #   bash benchmarks/gpu_session.sh facts cpu_offload                  # get_cpu_offload_context: device memory drop
+#   bash benchmarks/gpu_session.sh facts block_cuda bench_block_gpu   # block-scaled recipes: kernels, Linear speed
 # Other stages: c_attention, bench_fp8_linear. bench_attention is te_fuser.DotProductAttention on each
 # attention backend against SDPA's flash and cuDNN (benchmarks/bench_attention_cuda.py). The test stages
 # need pytest-xdist and pytest-timeout.
@@ -51,8 +52,9 @@ print('te_fuser cuda kernels:', te_fuser._extension.has_cuda_kernels())
 print('cpu tier:', cpu.detected_isa(), cpu.available_isa())"
 }
 
-PYTEST="-q -p te_fuser.testing.pytest_plugin -p no:cacheprovider --timeout=300 tests --ignore=tests/c"
-export PYTEST
+PYTEST_FLAGS="-q -p te_fuser.testing.pytest_plugin -p no:cacheprovider --timeout=300"
+PYTEST="$PYTEST_FLAGS tests --ignore=tests/c"
+export PYTEST PYTEST_FLAGS
 
 cuda_tests() { $PY -m pytest $PYTEST -n 8 -k cuda; }
 cpu_tests() { $PY -m pytest $PYTEST -n 7 -k "not cuda"; }
@@ -78,6 +80,18 @@ cuda_graphs() {
 cpu_offload() {
   $PY -m pytest -q -p te_fuser.testing.pytest_plugin -p no:cacheprovider --timeout=300 -rs \
     tests/test_cpu_offload_cuda.py tests/test_cpu_offload.py
+  $PY benchmarks/bench_cpu_offload.py --module linear
+  $PY benchmarks/bench_cpu_offload.py --module layer --layers 4 --hidden 2048
+}
+# Issue 31's block-scaled recipes: the CUDA quantizers bit for bit against the CPU's, the block GEMM's engines,
+# the modules against the CPU; then each recipe's Linear step against bf16 at an LLM shape and a small one.
+block_cuda() {
+  $PY -m pytest $PYTEST_FLAGS -n 8 -rs tests/test_block_quantize_cuda.py tests/test_block_gemm_cuda.py \
+    tests/test_block_recipes_cuda.py
+}
+bench_block_gpu() {
+  $PY benchmarks/bench_block_linear.py --device cuda --tokens 8192 --features 4096 --repeats 10
+  $PY benchmarks/bench_block_linear.py --device cuda --tokens 2048 --features 1024 --repeats 10
 }
 bench_gpu() {
   $PY benchmarks/bench_quantize.py --device cuda
@@ -101,7 +115,7 @@ bench_cpu() {
 }
 
 export PY
-export -f bench_fp8_linear bench_layer cuda_graphs cpu_offload facts cuda_tests cpu_tests tests demo c_core c_attention bench_attention bench_gpu bench_cpu
+export -f bench_fp8_linear bench_layer cuda_graphs cpu_offload block_cuda bench_block_gpu facts cuda_tests cpu_tests tests demo c_core c_attention bench_attention bench_gpu bench_cpu
 prepare
 for stage in "$@"; do
   case $stage in
@@ -117,7 +131,9 @@ for stage in "$@"; do
     bench_fp8_linear) run_stage bench_fp8_linear 120 bench_fp8_linear ;;
     bench_layer) run_stage bench_layer 240 bench_layer ;;
     cuda_graphs) TAIL=40 run_stage cuda_graphs 240 cuda_graphs ;;
-    cpu_offload) run_stage cpu_offload 180 cpu_offload ;;
+    cpu_offload) TAIL=40 run_stage cpu_offload 150 cpu_offload ;;
+    block_cuda) run_stage block_cuda 150 block_cuda ;;
+    bench_block_gpu) run_stage bench_block_gpu 150 bench_block_gpu ;;
     bench_cpu) run_stage bench_cpu 450 bench_cpu ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -5,6 +5,7 @@ reaches no tensor. The CPU semantics (what moves, when, and the lifetime control
 tests/test_cpu_offload.py."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -39,6 +40,7 @@ def _step(models, fp8_recipe, offload, shape=(TOKENS, HIDDEN)):
     backward, the step's peak, host bytes the context reached between forward and backward)."""
     context, sync = (te_fuser.get_cpu_offload_context(True, len(models) - 1, len(models)) if offload
                      else (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), lambda t: t))
+    gc.collect()  # garbage of earlier tests freed inside the step would read as negative bytes
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
