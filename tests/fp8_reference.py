@@ -12,13 +12,15 @@ def fp8_max(fp8_dtype):
 
 
 def reference_quantize(x, scale, fp8_dtype):
-    """(x * scale) in float32, saturated to the largest finite value, cast by torch.
+    """(x * scale) in float32 on the CPU, saturated to the largest finite value, cast by torch: te_fuser's
+    kernels write the CPU's bytes on every device (Inf * 0 is x86's negative default NaN, where a GPU's
+    multiply gives +NaN).
 
     NaN keeps the input's sign. torch's CPU multiply keeps it too, but its GPU
     multiply returns +NaN, so the sign is taken from x itself.
     """
     m = fp8_max(fp8_dtype)
-    q = (x.float() * scale.float()).clamp(-m, m).to(fp8_dtype).view(torch.uint8)
+    q = (x.float().cpu() * scale.float().cpu()).clamp(-m, m).to(fp8_dtype).view(torch.uint8).to(x.device)
     negative = x.view({4: torch.int32, 2: torch.int16}[x.element_size()]) < 0
     nan_code = torch.where(negative, 0xFF, 0x7F).to(torch.uint8)
     return torch.where(x.isnan(), nan_code, q).view(fp8_dtype)
