@@ -16,6 +16,7 @@ from .kernels.multi_tensor import (multi_tensor_compute_scale_and_scale_inv, mul
                                    multi_tensor_unscale_l2norm)
 from .kernels.validate import FLOAT_DTYPES
 from .te_dtype import TORCH_DTYPE, DType, fp8_torch_dtype
+from .tensor.float8_blockwise_tensor import Float8BlockScaleTensorFormat
 from .tensor.quantized_tensor import QuantizedTensor
 
 
@@ -110,6 +111,6 @@ def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer: Optional[
                                            amax_compute_algo)
 
 
-__all__ = ["DType", "FP8BwdTensors", "FP8FwdTensors", "FP8TensorMeta", "dequantize",
+__all__ = ["DType", "FP8BwdTensors", "FP8FwdTensors", "FP8TensorMeta", "Float8BlockScaleTensorFormat", "dequantize",
            "fused_amax_and_scale_update_after_reduction", "multi_tensor_compute_scale_and_scale_inv",
            "multi_tensor_l2norm", "multi_tensor_scale", "multi_tensor_unscale_l2norm", "quantize"]

@@ -148,8 +148,9 @@ def test_block_make_empty_then_update_quantized_equals_quantize(block_dim, fp8_d
         assert (got is None) == (want is None)
         if got is not None:
             assert got.shape == want.shape and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    with pytest.raises(ValueError, match="shape"):
-        q.make_empty(())
+    scalar = torch.tensor(-3.5, dtype=torch.bfloat16)  # TE's 0-d tensor: a 1 x 1 matrix
+    filled = q.update_quantized(scalar, q.make_empty((), dtype=scalar.dtype))
+    assert filled.shape == () and torch.equal(filled.dequantize(), scalar)
     with pytest.raises(ValueError, match="fp8_dtype"):
         Float8BlockQuantizer(DType.kBFloat16, rowwise=True, columnwise=True)
 

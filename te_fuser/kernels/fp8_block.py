@@ -24,7 +24,8 @@ def _round_up(a: int, b: int) -> int:
 
 
 def _matrix(shape) -> Tuple[int, int]:
-    return math.prod(shape[:-1]), shape[-1]
+    """(rows, cols) of a tensor of `shape` as a matrix; a 0-d tensor is 1 x 1 (TE's M = K = 1)."""
+    return (math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1)
 
 
 def mxfp8_scale_shape(shape, columnwise: bool) -> Tuple[int, int]:

@@ -85,6 +85,7 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(t, Float8BlockwiseQTensor):
         raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor, an NVFP4Tensor or a "
                         f"Float8BlockwiseQTensor, got {type(t).__name__}")
+    t = t.gemm_ready()  # an all-gather's COMPACT buffers, re-laid
     if columnwise:
         codes, scale, n, k = t._columnwise_data.reshape(cols, rows), t._columnwise_scale_inv, cols, rows
     else:

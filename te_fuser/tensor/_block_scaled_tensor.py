@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..kernels.validate import FLOAT_DTYPES, check_fp8_dtype
+from ..te_dtype import DType, fp8_torch_dtype
 from . import _block_scaled_rows as row_cuts
 from .quantized_tensor import QuantizedTensor, Quantizer, to_op
 
@@ -46,6 +47,8 @@ class BlockScaledTensor(QuantizedTensor):
     def __new__(cls, shape, dtype: torch.dtype, *, rowwise_data=None, rowwise_scale_inv=None,
                 columnwise_data=None, columnwise_scale_inv=None, fp8_dtype=torch.float8_e4m3fn, quantizer=None,
                 requires_grad: bool = False, **meta):
+        if isinstance(fp8_dtype, DType):  # TE's enum, as TE's constructors take it
+            fp8_dtype = fp8_torch_dtype(fp8_dtype)
         cls._check_data(fp8_dtype, rowwise_data, columnwise_data)
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype (the nominal dtype) must be one of {FLOAT_DTYPES}, got {dtype}")
@@ -105,6 +108,43 @@ class BlockScaledTensor(QuantizedTensor):
         if self._columnwise_data is None:
             raise RuntimeError(f"this {type(self).__name__} was quantized without columnwise data")
         return self._dequantize_usage(True, dtype or self.dtype)
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """Keep (True) or drop (False) each usage's data and scales, TE's method; None keeps what is held. A
+        usage that is not held can be turned on only where the other one holds the same values (a 128x128-scaled
+        Float8BlockwiseQTensor's columnwise data: its rowwise bytes transposed); else ValueError."""
+        self._live()
+        held_rowwise, held_columnwise = self._rowwise_data is not None, self._columnwise_data is not None
+        rowwise = held_rowwise if rowwise_usage is None else bool(rowwise_usage)
+        columnwise = held_columnwise if columnwise_usage is None else bool(columnwise_usage)
+        if not (rowwise or columnwise):
+            raise ValueError("update_usage: rowwise_usage and columnwise_usage are both False: a "
+                             f"{type(self).__name__} must keep one of them")
+        if rowwise and not held_rowwise:
+            raise ValueError(f"update_usage: rowwise_usage=True, but this {type(self).__name__} holds no rowwise "
+                             "data, and its columnwise data has other scales: quantize again with both usages")
+        if columnwise and not held_columnwise:
+            made = type(self)._columnwise_from_rowwise_buffers(self)
+            if made is None:
+                raise ValueError(f"update_usage: columnwise_usage=True, but this {type(self).__name__} holds no "
+                                 "columnwise data, and its rowwise data has other scales: quantize again with "
+                                 "both usages")
+            self._columnwise_data, self._columnwise_scale_inv = made
+        if not rowwise:
+            self._rowwise_data = self._rowwise_scale_inv = None
+        if not columnwise:
+            self._columnwise_data = self._columnwise_scale_inv = None
+
+    def _adopt(self, other: "BlockScaledTensor") -> None:
+        for name in self._BUFFERS:
+            setattr(self, name, getattr(other, name))
+        self._fp8_dtype, self._quantizer = other._fp8_dtype, other._quantizer
+        self._set_meta(**other._meta())
+
+    def _columnwise_from_rowwise_buffers(self) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """(columnwise data, columnwise scale_inv) made from the rowwise usage where a format's two usages
+        hold the same values, else None."""
+        return None
 
     def quantize_(self, src: torch.Tensor) -> "BlockScaledTensor":
         """Requantize src (high precision) into this tensor's buffers with its quantizer."""

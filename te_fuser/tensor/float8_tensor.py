@@ -178,6 +178,10 @@ class Float8Tensor(QuantizedTensor):
         elif self._transpose is None:
             self._transpose = columnwise_bytes(self.fp8_data)
 
+    def _adopt(self, other: "Float8Tensor") -> None:
+        self._data, self._scale_inv, self._transpose = other._data, other._scale_inv, other._transpose
+        self._fp8_dtype, self._quantizer, self._whole = other._fp8_dtype, other._quantizer, other._whole
+
     def _live(self) -> "Float8Tensor":
         if self._data is None:
             raise RuntimeError(

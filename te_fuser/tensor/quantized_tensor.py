@@ -72,6 +72,30 @@ class QuantizedTensor(torch.Tensor):
         """Write src (high precision) into this tensor's buffers, with its own scaling."""
         raise NotImplementedError(f"{type(self).__name__} does not implement quantize_()")
 
+    def _adopt(self, other: "QuantizedTensor") -> None:
+        """Take other's buffers, format and quantizer (other: of this type and shape)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement _adopt()")
+
+    @torch.no_grad()
+    def _set_data(self, tensor: torch.Tensor) -> None:
+        """`t.data = tensor`, TE's semantics: a quantized tensor of t's kind and shape lends t its buffers (and
+        its nominal dtype and device); any other tensor is quantized into t's buffers with t's scaling."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{type(self).__name__}.data must be set to a tensor, got {type(tensor).__name__}")
+        if tuple(tensor.shape) != tuple(self.shape):
+            raise ValueError(f"{type(self).__name__}.data: a tensor of shape {tuple(tensor.shape)} cannot replace "
+                             f"the data of shape {tuple(self.shape)}")
+        if type(tensor) is type(self):
+            if tensor.dtype != self.dtype or tensor.device != self.device:
+                torch._C.TensorBase.data.__set__(self, tensor)  # the wrapper's nominal dtype and device
+            self._adopt(tensor)
+            return
+        self.quantize_(tensor)
+
+    # torch's own getter (a detached alias); torch's setter would replace only the wrapper's metadata and leave
+    # the quantized buffers as they were
+    data = property(torch._C.TensorBase.data.__get__, _set_data)
+
     @classmethod
     def _handled_op(cls, func, args, kwargs):
         """The op's result if cls gives it a quantized meaning, else NotImplemented."""
