@@ -209,6 +209,30 @@ def _split_for_rank(tensor: torch.Tensor, group) -> torch.Tensor:
     return tensor.detach().reshape(-1).chunk(world)[rank].clone()
 
 
+_FINGERPRINT_PARTS = 64
+
+
+def _check_replicated(tensor: torch.Tensor, group) -> None:
+    """ValueError unless every rank of the group holds the same first argument: the float64 sums of 64 equal
+    parts of it and its size, compared bit for bit (a sequence-parallel shard, different on each rank, would be
+    split and gathered back as a mix of the ranks' values)."""
+    flat = tensor.detach().reshape(-1)
+    sums = torch.zeros(_FINGERPRINT_PARTS + 1, dtype=torch.float64, device=flat.device)
+    for i, part in enumerate(flat.chunk(_FINGERPRINT_PARTS)):
+        sums[i] = part.double().sum()
+    sums[-1] = flat.numel()
+    world = torch.distributed.get_world_size(group)
+    gathered = [torch.empty_like(sums) for _ in range(world)]
+    torch.distributed.all_gather(gathered, sums, group=group)
+    mine = sums.view(torch.int64)
+    differing = [r for r, theirs in enumerate(gathered) if not torch.equal(theirs.view(torch.int64), mine)]
+    if differing:
+        raise ValueError(f"distribute_saved_activations: the first argument differs between the ranks of the "
+                         f"tensor-parallel group (this rank's differs from ranks {differing}): it must be "
+                         "replicated across the group. A sequence-parallel input is a different shard on each "
+                         "rank: checkpoint it with distribute_saved_activations=False")
+
+
 def _gather_from_ranks(chunk: torch.Tensor, group, shape) -> torch.Tensor:
     world = torch.distributed.get_world_size(group)
     full = torch.empty(chunk.numel() * world, dtype=chunk.dtype, device=chunk.device)
@@ -235,6 +259,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             outputs = frame.function(*args, **frame.kwargs)
         if frame.tp_group is not None:
             # Keep only this rank's 1-D chunk of the first argument until backward.
+            _check_replicated(args[0], frame.tp_group)
             frame.input_shape = args[0].shape
             args[0].data = _split_for_rank(args[0], frame.tp_group)
         ctx.frame = frame
@@ -308,7 +333,9 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
     use_reentrant=True (TE's default) runs an autograd Function that keeps the
     inputs; with distribute_saved_activations=True and a process group
     (tp_group, else the default group) it keeps only this rank's 1-D chunk of
-    the first argument and all-gathers it before the recompute. Without an
+    the first argument and all-gathers it before the recompute; that argument
+    must be the same on every rank of the group (ValueError otherwise: a
+    sequence-parallel shard cannot be distributed). Without an
     initialized process group distribute_saved_activations does nothing.
     use_reentrant=False runs torch's non-reentrant checkpoint (there, as in TE,
     distribute_saved_activations has no effect).

@@ -211,6 +211,17 @@ def _two_rank_worker(rank, world_size, port, out_dir):
         block(x_ref).sum().backward()
         result = (kept[0], tuple(x.shape), torch.equal(x.grad, x_ref.grad), torch.equal(grad_w, linear.weight.grad))
 
+        # A sequence-parallel input: each rank its own shard. Split and gathered back it would mix the ranks'
+        # values; every rank refuses it. One element apart is enough.
+        shard = x.detach().clone()
+        shard[5, 7] += rank
+        try:
+            ted.checkpoint(block, shard, distribute_saved_activations=True, tp_group=dist.group.WORLD)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        result += ("differs between the ranks" in refused and "sequence-parallel" in refused,)
+
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         wrapped = FullyShardedDataParallel(te_fuser.Linear(32, 32, device="cpu"), device_id=torch.device("cpu"))
@@ -223,4 +234,4 @@ def _two_rank_worker(rank, world_size, port, out_dir):
 def test_distribute_saved_activations_keeps_one_chunk_per_rank(tmp_path):
     mp.spawn(_two_rank_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        assert torch.load(tmp_path / f"rank{rank}.pt") == (16 * 32 // 2, (16, 32), True, True)
+        assert torch.load(tmp_path / f"rank{rank}.pt") == (16 * 32 // 2, (16, 32), True, True, True)
