@@ -373,8 +373,14 @@ class Float8Tensor(QuantizedTensor):
 
     def __reduce_ex__(self, protocol):
         self._live()
+        # As the block-scaled tensors pickle: a weight parameter's quantizer (optimizer steps write through it;
+        # its scale and amax are views of the module's scaling state, which torch.save keeps shared) and plain
+        # attributes (Parameter's _is_param, tensor-parallel tags) travel too.
+        attributes = {k: v for k, v in vars(self).items() if (not k.startswith("_") or k == "_is_param")
+                      and isinstance(v, (bool, int, float, str, type(None)))}
         return (_rebuild_float8_tensor,
-                (self._data, self._scale_inv, self.fp8_dtype, self.dtype, self._transpose, self.requires_grad))
+                (self._data, self._scale_inv, self.fp8_dtype, self.dtype, self._transpose, self.requires_grad,
+                 self._quantizer, attributes))
 
     def __deepcopy__(self, memo):
         self._live()
@@ -415,8 +421,12 @@ class Float8Record:
         return Float8Tensor(data, scale_inv, self.fp8_dtype, self.dtype, transpose, quantizer=self.quantizer)
 
 
-def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, transpose, requires_grad):
-    return Float8Tensor(data, scale_inv, fp8_dtype, dtype, transpose, requires_grad=requires_grad)
+def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, transpose, requires_grad, quantizer=None,
+                           attributes=None):
+    out = Float8Tensor(data, scale_inv, fp8_dtype, dtype, transpose, requires_grad=requires_grad, quantizer=quantizer)
+    for name, value in (attributes or {}).items():
+        setattr(out, name, value)
+    return out
 
 
 def _one_of(value, name: str, te_value, te_name: str):

@@ -4,6 +4,7 @@ weight's bytes as they are (no 16-bit copy), the master-weight cast, checkpoints
 References: torch's own float8 casts (bytes), a module with ordinary weights set to the dequantized
 FP8 values (outputs and gradients, bitwise)."""
 
+import copy
 import io
 
 import pytest
@@ -263,6 +264,31 @@ def test_checkpoint_round_trip_keeps_bytes_scales_and_outputs(kind, fp8_recipe, 
         cast_master_weights_to_fp8([p for _, p in fp8_params(m)], masters)
     for (_, p), (_, q) in zip(fp8_params(module), fp8_params(fresh)):
         assert torch.equal(p._data.view(torch.uint8), q._data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8_recipe", RECIPES, ids=RECIPE_IDS)
+def test_pickled_and_deepcopied_modules_keep_fp8_parameters(fp8_recipe, generator):
+    """A whole module through pickle (torch.save of a model) and deepcopy: its FP8 weights stay Parameters with
+    their quantizer, so the copy's optimizer step requantizes as the original's does."""
+    module = build("LayerNormMLP", fp8_recipe)
+    x = inputs(generator)
+    copies = [torch.load(_saved(module), weights_only=False), copy.deepcopy(module)]
+    for copied in [module] + copies:
+        for name, p in fp8_params(copied):
+            assert isinstance(p, torch.nn.Parameter) and p._quantizer is not None, name
+        with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
+            run("LayerNormMLP", copied, x).float().square().sum().backward()
+        torch.optim.SGD(copied.parameters(), lr=0.5).step()
+    for copied in copies:
+        for (name, p), (_, q) in zip(fp8_params(module), fp8_params(copied)):
+            assert torch.equal(p._data, q._data) and torch.equal(p._scale_inv, q._scale_inv), name
+
+
+def _saved(module) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 @pytest.mark.parametrize("fp8_recipe", RECIPES, ids=RECIPE_IDS)
