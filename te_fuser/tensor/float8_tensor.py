@@ -757,4 +757,4 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
 Float8Tensor.OPS = tuple(sorted(str(op) for op in _FP8_OPS))
 
 # torch.load(weights_only=True), torch's default, may rebuild Float8Tensors (state dicts, checkpoints).
-torch.serialization.add_safe_globals([Float8Tensor, _rebuild_float8_tensor])
+torch.serialization.add_safe_globals([Float8Tensor, _rebuild_float8_tensor, Float8Quantizer, Float8CurrentScalingQuantizer])
