@@ -29,8 +29,20 @@ RECIPES = {"mxfp8": recipe.MXFP8BlockScaling, "block": recipe.Float8BlockScaling
 TENSOR_CLASS = {"mxfp8": MXFP8Tensor, "block": Float8BlockwiseQTensor, "nvfp4": NVFP4Tensor}
 COLUMNWISE_KEPT = {"mxfp8": True, "block": False, "nvfp4": False}  # 2-D blocks: rowwise only
 
+class Grouped(torch.nn.Module):
+    """A GroupedLinear of 3 experts over fixed splits of the rows: 32, none, the rest (a ragged last block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = te_fuser.GroupedLinear(3, HIDDEN, FFN, params_dtype=BF16, device="cpu")
+
+    def forward(self, x):
+        return self.experts(x, [32, 0, x.shape[0] - 32])
+
+
 MAKERS = {
     "Linear": lambda: te_fuser.Linear(HIDDEN, FFN, params_dtype=BF16, device="cpu"),
+    "GroupedLinear": Grouped,
     "LayerNormLinear": lambda: te_fuser.LayerNormLinear(HIDDEN, FFN, params_dtype=BF16, device="cpu"),
     "LayerNormMLP": lambda: te_fuser.LayerNormMLP(HIDDEN, FFN, params_dtype=BF16, device="cpu"),
     "ops.BasicLinear": lambda: te_fuser.ops.Sequential(te_fuser.ops.BasicLinear(HIDDEN, FFN, device="cpu", dtype=BF16)),
@@ -42,7 +54,7 @@ MAKERS = {
                                                           fuse_qkv_params=True, attention_dropout=0.0,
                                                           hidden_dropout=0.0),
 }
-QUANTIZED_WEIGHTS = {"Linear": 1, "LayerNormLinear": 1, "LayerNormMLP": 2, "ops.BasicLinear": 1,
+QUANTIZED_WEIGHTS = {"Linear": 1, "GroupedLinear": 3, "LayerNormLinear": 1, "LayerNormMLP": 2, "ops.BasicLinear": 1,
                      "MultiheadAttention": 2, "TransformerLayer": 4}
 ATTENTION = ("MultiheadAttention", "TransformerLayer")
 
@@ -161,7 +173,7 @@ def test_outputs_and_gradients_equal_the_high_precision_module_under_the_recipe(
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
-@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear", "LayerNormMLP"])
 def test_the_gemms_read_the_parameters_bytes(kind, recipe_name, generator, monkeypatch):
     """Nothing quantizes or dequantizes a weight in forward or backward; what backward keeps of it is the
     parameter's own storage (no copy), and no 16-bit tensor of its shape is saved."""

@@ -9,7 +9,8 @@ parameter names weight0..weight{n-1}, bias0..bias{n-1}.
 
 Under the block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) each group runs
 BasicLinear's block-scaled GEMMs (ops/block_gemm.py), any group size (a ragged last block), and saves
-only the columnwise usages the gradients read, as BasicLinear does.
+only the columnwise usages the gradients read, as BasicLinear does; quantized weights (quantized_model_init)
+of the recipe's format are used as they are, as BasicLinear uses them.
 """
 
 from typing import List, Optional, Sequence
@@ -21,14 +22,14 @@ from ...kernels.bias_grad import bias_grad
 from ...quantization import is_block_scaled
 from ...tensor.quantized_tensor import QuantizedTensor
 from ...tensor.float8_tensor import Float8Tensor, fp8_data, fp8_data_transpose
-from .._fp8_io import with_transpose
+from .._fp8_io import high_precision, with_transpose
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from ..op import BasicOperation
 from .._gemm_kind import gemm_block
 from ..block_gemm import block_scaled_gemm_nt, gemm_operand
-from .linear import (_block_scaled_wgrad, _columnwise_only, fp8_wgrad, high_precision_wgrad, saved_weight,
-                     sync_weight_quantizer, transposed_data)
+from .linear import (_block_scaled_wgrad, _columnwise_only, _same_quantization, fp8_wgrad, high_precision_wgrad,
+                     saved_block_weight, saved_weight, sync_weight_quantizer, transposed_data)
 
 
 class GroupedBasicLinear(BasicOperation):
@@ -64,10 +65,10 @@ class GroupedBasicLinear(BasicOperation):
 
     def _quantized_weight(self, i: int, weight: torch.Tensor, is_first_microbatch: Optional[bool]) -> Float8Tensor:
         """As BasicLinear: True quantizes and caches, False reuses the cache, None never caches.
-        An FP8 weight (quantized_model_init) is used as it is."""
+        An FP8 weight (quantized_model_init) is used as it is; under a block-scaled recipe, a weight quantized
+        another way is quantized again from its values."""
         if isinstance(weight, QuantizedTensor) and is_block_scaled(self._fp8_recipe):
-            raise NotImplementedError(f"te_fuser does not run quantized weights (quantized_model_init) in a "
-                                      f"GroupedLinear under {type(self._fp8_recipe).__name__}")
+            weight = high_precision(weight.detach())
         if isinstance(weight, Float8Tensor):
             sync_weight_quantizer(weight, self._forward_quantizers[2 * i + 1])
             return weight
@@ -118,11 +119,15 @@ class GroupedBasicLinear(BasicOperation):
                 continue
             if block is not None:  # the columnwise usages only are saved, as new tensors (BasicLinear's)
                 xq = self._forward_quantizers[2 * i](xi)
-                wq = self._quantized_weight(i, w, is_first_microbatch)
+                if isinstance(w, QuantizedTensor) and _same_quantization(w, self._forward_quantizers[2 * i + 1]):
+                    wq = w  # quantized_model_init: the parameter's own bytes
+                    w_saved = saved_block_weight(w) if ctx.input_requires_grad else None
+                else:
+                    wq = self._quantized_weight(i, w, is_first_microbatch)
+                    w_saved = _columnwise_only(wq) if ctx.input_requires_grad else None
                 outs.append(block_scaled_gemm_nt(*gemm_operand(xq, False), *gemm_operand(wq, False), block, out_dtype,
                                                  b))
-                saved += [_columnwise_only(xq) if weight_requires_grad else None,
-                          _columnwise_only(wq) if ctx.input_requires_grad else None]
+                saved += [_columnwise_only(xq) if weight_requires_grad else None, w_saved]
             elif fp8:
                 xq = self._forward_quantizers[2 * i](xi)
                 wq = self._quantized_weight(i, w, is_first_microbatch)
@@ -167,6 +172,8 @@ class GroupedBasicLinear(BasicOperation):
                                                                      columnwise=ctx.weight_requires_grad)
                 dyq = quantizer(dy.contiguous())
                 if ctx.input_requires_grad:
+                    if w_saved._columnwise_data is None:  # a weight parameter in 2-D blocks (saved_block_weight)
+                        w_saved = w_saved.columnwise_from_rowwise()
                     dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), ctx.block,
                                               ctx.dtype)
                 if ctx.weight_requires_grad:
