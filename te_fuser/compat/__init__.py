@@ -43,8 +43,9 @@ from . import _metadata
 # The TE API level te_fuser follows, as transformer_engine.__version__. Megatron-core 0.16.1 gates on
 # it: >= 2.6.0dev0 lets it set Linear.save_original_input under non-delayed FP8 recipes and
 # >= 2.2 / 2.3 selects the Float8CurrentScaling recipe and the keyword-argument forms te_fuser takes,
-# while >= 2.7.0.dev makes `import megatron.core` import transformer_engine.pytorch.router (fused MoE
-# routing kernels), which te_fuser does not provide. So 2.6.0.
+# while >= 2.7.0.dev makes `import megatron.core` import transformer_engine.pytorch.router (te_fuser.router
+# has it) and turns on the later APIs Megatron gates on 2.7 and up, which te_fuser's tests do not cover.
+# So 2.6.0.
 TE_API_VERSION = "2.6.0"
 
 _ROOT = "transformer_engine"
