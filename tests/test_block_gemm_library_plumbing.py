@@ -116,7 +116,7 @@ def test_the_rest_runs_one_pass_or_on_the_emulation(aten, monkeypatch, cap, m, n
     """TF32 would round the float32 engine's folded values: the split emulation (FP8 values, exact in TF32)
     runs instead; the bf16 engine's operands are bf16 either way."""
     capability(monkeypatch, cap)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
+    monkeypatch.setattr(block_gemm_cuda, "_tf32_matmuls", lambda: allow_tf32)
     a, sa, b, sb = meta_case(m, n, k, block, dtypes)
     engine = ("device_one_pass_bf16" if block == 32 else
               "device_emulation" if allow_tf32 else "device_one_pass_f32")

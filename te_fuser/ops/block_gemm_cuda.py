@@ -17,7 +17,7 @@ one the last call took):
     "device_one_pass_f32"       the rest (NVFP4's float32 decode factors, Float8 block scaling off sm90 or its
                                 wgrad): each value times its scale rounded to float32, one float32 GEMM
     "device_emulation"          the C kernel's split accumulation in torch, where the float32 GEMM would run in
-                                TF32 (torch.backends.cuda.matmul.allow_tf32), which the one-pass engine's
+                                TF32 (_tf32_matmuls), which the one-pass engine's
                                 folded values do not survive and the emulation's FP8 values do
 
 The library runs only what torch's checks and cuBLASLt accept: E4M3 operands (MXFP8: not both E5M2), M, N, K
@@ -70,7 +70,13 @@ def engine_for(a: torch.Tensor, b: torch.Tensor, block: int, out_dtype: torch.dt
             return library[0]
     if block == 32 and _TORCH_HAS_MM_OUT_DTYPE:
         return "device_one_pass_bf16"
-    return "device_emulation" if torch.backends.cuda.matmul.allow_tf32 else "device_one_pass_f32"
+    return "device_emulation" if _tf32_matmuls() else "device_one_pass_f32"
+
+
+def _tf32_matmuls() -> bool:
+    """Whether torch runs float32 CUDA matmuls in TF32 (allow_tf32, which torch 2.14 still answers from its
+    fp32_precision settings)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def swizzle_32_4_4(scales: torch.Tensor) -> torch.Tensor:
