@@ -72,8 +72,13 @@ def test_te_layout_and_identity(alias):
 def test_missing_names_fail_loudly(alias):
     import transformer_engine.pytorch as tp
 
-    with pytest.raises(ModuleNotFoundError, match="'transformer_engine.pytorch.router': te_fuser does not provide"):
-        import transformer_engine.pytorch.router  # noqa: F401
+    with pytest.raises(ModuleNotFoundError,
+                       match="'transformer_engine.pytorch.onnx_extensions': te_fuser does not provide"):
+        import transformer_engine.pytorch.onnx_extensions  # noqa: F401
+    import transformer_engine.pytorch.router as router  # TE's module: te_fuser's of the same path
+    import te_fuser.router
+
+    assert router.fused_topk_with_score_function is te_fuser.router.fused_topk_with_score_function
     with pytest.raises(ModuleNotFoundError, match="te_fuser does not provide"):
         import transformer_engine.pytorch.tensor.storage.nvfp4_tensor_storage  # noqa: F401
     with pytest.raises(ModuleNotFoundError, match="transformer_engine.jax"):
