@@ -18,12 +18,12 @@ sqrt(v / bias_correction2) + eps).
 from copy import deepcopy
 from itertools import chain
 from typing import Optional
-import warnings
 
 import torch
 
 from ..tensor.float8_tensor import Float8Quantizer, Float8Tensor
 from ..te_dtype import DType
+from ._set_grad_none import resolved_set_to_none, warn_set_grad_none
 
 _STATE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 _STATE_NAMES = ("exp_avg", "exp_avg_sq", "master_param")
@@ -105,18 +105,11 @@ class FusedAdam(torch.optim.Optimizer):
         self.store_param_remainders = (store_param_remainders and self.master_weights
                                        and master_weight_dtype == torch.float32)
         self.set_grad_none = set_grad_none
-        if set_grad_none is not None:
-            warnings.warn("set_grad_none kwarg in FusedAdam constructor is deprecated. "
-                          "Use set_to_none kwarg in zero_grad instead.", DeprecationWarning)
+        warn_set_grad_none("FusedAdam", set_grad_none)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Gradients (or decoupled_grad) to None (the default) or zero."""
-        if self.set_grad_none is not None:
-            if set_to_none is not None and set_to_none != self.set_grad_none:
-                raise ValueError(f"Called zero_grad with set_to_none={set_to_none}, "
-                                 f"but FusedAdam was initialized with set_grad_none={self.set_grad_none}")
-            set_to_none = self.set_grad_none
-        set_to_none = True if set_to_none is None else set_to_none
+        set_to_none = resolved_set_to_none("FusedAdam", self.set_grad_none, set_to_none)
         if not self.use_decoupled_grad:
             super().zero_grad(set_to_none=set_to_none)
             return

@@ -7,10 +7,11 @@ apex's amp master copies, which te_fuser does not keep: it is accepted and has n
 """
 
 from typing import Optional
-import warnings
 
 import torch
 from torch.optim.optimizer import required
+
+from ._set_grad_none import resolved_set_to_none, warn_set_grad_none
 
 
 class FusedSGD(torch.optim.Optimizer):
@@ -35,9 +36,7 @@ class FusedSGD(torch.optim.Optimizer):
         self.most_recent_scale = 1.0
         self.scale_set_by_backward = False
         self.set_grad_none = set_grad_none
-        if set_grad_none is not None:
-            warnings.warn("set_grad_none kwarg in FusedSGD constructor is deprecated. "
-                          "Use set_to_none kwarg in zero_grad instead.", DeprecationWarning)
+        warn_set_grad_none("FusedSGD", set_grad_none)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -45,12 +44,7 @@ class FusedSGD(torch.optim.Optimizer):
             group.setdefault("nesterov", False)
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
-        if self.set_grad_none is not None:
-            if set_to_none is not None and set_to_none != self.set_grad_none:
-                raise ValueError(f"Called zero_grad with set_to_none={set_to_none}, "
-                                 f"but FusedSGD was initialized with set_grad_none={self.set_grad_none}")
-            set_to_none = self.set_grad_none
-        super().zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+        super().zero_grad(set_to_none=resolved_set_to_none("FusedSGD", self.set_grad_none, set_to_none))
 
     def get_momentums(self, params):
         """The momentum buffers of `params` (made, zero, where missing) and whether this is their first run."""
