@@ -58,8 +58,16 @@ def _record(saved):
     return pack
 
 
+def _requested(kind="current"):
+    """Bytes the tensors asked the caching allocator for. Not memory_allocated: the allocator may hand a
+    tensor a larger free block than it asked for (it does not split off a remainder under 1 MiB), so freeing a
+    moved tensor can free more device bytes than the tensor has, by an amount that depends on the allocator's
+    history (an H200 freed 3.2 MB more than moved in a fresh process)."""
+    return torch.cuda.memory_stats()[f"requested_bytes.all.{kind}"]
+
+
 def _step(models, fp8_recipe, offload, shape=(TOKENS, HIDDEN), saved=None):
-    """One forward and backward. Returns (output, parameter grads, bytes allocated between forward and
+    """One forward and backward. Returns (output, parameter grads, device bytes requested between forward and
     backward, the step's peak, host bytes the context reached between forward and backward). saved: a list
     that gets what _overhang reads of each tensor saved (without offload)."""
     pack = _record(saved) if saved is not None else (lambda t: t)
@@ -68,7 +76,7 @@ def _step(models, fp8_recipe, offload, shape=(TOKENS, HIDDEN), saved=None):
     gc.collect()  # garbage of earlier tests freed inside the step would read as negative bytes
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
+    start = _requested()
     # The input is not kept here: once offloaded, the device copy of every offloaded activation is free.
     h = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
     for model in models:
@@ -76,12 +84,12 @@ def _step(models, fp8_recipe, offload, shape=(TOKENS, HIDDEN), saved=None):
             h = model(h)
         h = sync(h)
     torch.cuda.synchronize()
-    between = torch.cuda.memory_allocated() - start
+    between = _requested() - start
     host = sum(t.untyped_storage().nbytes() for _, t in reachable_storages(context, follow_weakrefs=True)
                if t.device.type == "cpu")
     h.backward(torch.ones_like(h))
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start
+    peak = _requested("peak") - start
     return h.detach(), [p.grad.clone() for m in models for p in m.parameters()], between, peak, host
 
 
