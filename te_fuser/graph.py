@@ -3,9 +3,10 @@ transformer_engine/pytorch/graph.py, API level 2.6: the same signature, return v
 
 What a graphed call does, on either device: what the module does when called under its own
 outermost `fp8_autocast(fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group)`. Under delayed scaling
-that includes the update at that autocast's exit: the amaxes of the forward (and of the backward before
-it) all-reduced over fp8_group when the recipe reduces them, the scales and histories updated. The
-recipe is fixed when the callables are made; an fp8_autocast around a call changes nothing for it.
+that includes TE's updates: at that autocast's exit the forward's amaxes, at the end of the call's
+backward the backward's, all-reduced over fp8_group when the recipe reduces them, the scales and
+histories updated (on CUDA each update is captured with the pass it ends). The recipe is fixed when the
+callables are made; an fp8_autocast around a call changes nothing for it.
 
 Before anything is captured, every forward pass runs num_warmup_iters times, forward and backward
 (torch.autograd.grad: no parameter's .grad changes), under that autocast. Afterwards the modules'
@@ -296,13 +297,15 @@ def _plan(modules, sample_args, sample_kwargs, order, num_layers_per_chunk, weig
 def _outermost_autocast(autocast_args: dict):
     """The graphs' fp8_autocast as the outermost one, whatever encloses the call: its exit updates what
     the call recorded, as a replayed forward graph does, and the enclosing contexts see no change."""
-    saved = FP8GlobalState._stack, FP8GlobalState._pending, FP8GlobalState.is_first_module
+    saved = (FP8GlobalState._stack, FP8GlobalState._pending, FP8GlobalState.is_first_module,
+             FP8GlobalState.backward_update)
     FP8GlobalState._stack, FP8GlobalState._pending = [], []
     try:
         with fp8_autocast(**autocast_args):
             yield
     finally:
-        FP8GlobalState._stack, FP8GlobalState._pending, FP8GlobalState.is_first_module = saved
+        (FP8GlobalState._stack, FP8GlobalState._pending, FP8GlobalState.is_first_module,
+         FP8GlobalState.backward_update) = saved
 
 
 def _run_forward(p: _Pass, autocast_args: dict, function=None, args=None, kwargs=None):

@@ -1,12 +1,15 @@
 """FP8 global state: autocast / fp8_autocast, quantized_model_init, and the recipe states they drive.
 
 Inside autocast, te_fuser modules take their quantizers from a recipe state. Delayed-scaling states
-record amaxes while tensors are cast; when the outermost context exits, the recorded amaxes are
-all-reduced (MAX) over the amax reduction group, when one is given, and the scales are updated.
-Backward runs after the context has exited, so backward amaxes are folded in at the exit of the next
-context. TransformerEngine 2.6 updates the backward scales at the end of backward instead: the next
-backward casts with the same scales either way, but the state read between a backward and the next
-forward differs.
+record amaxes while tensors are cast, then the recorded amaxes are all-reduced (MAX) over the amax
+reduction group, when one is given, and the scales are updated, at TransformerEngine 2.6's times: the
+forward (input and weight) states when the outermost context exits, the backward (gradient) states at
+the end of the backward of the context's first module, the last backward of its graph to run. With
+several forwards before their backwards (pipeline schedules) each backward then updates, as in TE.
+That first module claims the update in its forward (claim_backward_update): an op-fuser chain run
+eagerly with a graph to differentiate. Where no module claims it (no graph, or under torch.compile,
+whose backward runs no Python), the exit updates the backward states too, as before the backward
+that records into them: the next backward casts with the same scales either way.
 
 FP8GlobalStateManager answers TE's global-state API from this state, CUDA-graph methods included:
 add_fp8_tensors_to_global_buffer marks a module's delayed-scaling states for the next update (what a
@@ -71,6 +74,8 @@ class FP8GlobalState:
     _live_states: "weakref.WeakSet[DelayedScalingState]" = weakref.WeakSet()
     _live_current_states: "weakref.WeakSet[CurrentScalingState]" = weakref.WeakSet()
     graph_capturing: bool = False  # inside te_fuser.make_graphed_callables (graph.set_capture_start)
+    # The outermost context's backward states, for the module that claims their update (made at its entry).
+    backward_update: Optional["BackwardUpdate"] = None
 
     @classmethod
     def is_enabled(cls) -> bool:
@@ -98,10 +103,57 @@ class FP8GlobalState:
     @classmethod
     def update_pending(cls, forward=None) -> None:
         """Update the states waiting for it (only the forward or backward ones when `forward` is given)."""
+        for state in cls.take_pending(forward):
+            state.update()
+
+    @classmethod
+    def take_pending(cls, forward=None) -> List["DelayedScalingState"]:
+        """Remove and return the states waiting for an update (the forward or backward ones when given)."""
         pending = [s for s in cls._pending if forward is None or s.forward == forward]
         chosen = {id(s) for s in pending}
         cls._pending = [s for s in cls._pending if id(s) not in chosen]
-        for state in pending:
+        return pending
+
+    @classmethod
+    def claim_backward_update(cls) -> Optional["BackwardUpdate"]:
+        """For the first module of an outermost fp8_autocast (TE's is_first_fp8_module, which this clears):
+        the object whose run(), at the end of that module's backward, updates the context's backward
+        states. None for any later module, outside autocast, in an activation-checkpoint recompute, and
+        under torch.compile (the exit updates them then)."""
+        holder = cls.backward_update
+        if (holder is None or holder.claimed or not cls.is_first_module or not cls._stack or cls._stack[-1].replay
+                or torch.compiler.is_compiling()):
+            return None
+        cls.is_first_module = False
+        holder.claimed = True
+        return holder
+
+    @classmethod
+    def exit_outermost(cls) -> None:
+        """The outermost context's exit: update the forward states, and the backward ones unless a module
+        claimed them for its backward."""
+        holder, cls.backward_update = cls.backward_update, None
+        if holder is not None and holder.claimed:
+            holder.states = cls.take_pending(forward=False)
+            cls.update_pending(forward=True)
+        else:
+            cls.update_pending()
+
+
+class BackwardUpdate:
+    """The backward states an outermost fp8_autocast marked, updated by run() at the end of the backward of
+    the module that claimed them (FP8GlobalState.claim_backward_update). The claiming module's autograd
+    context holds it until its backward, then drops it."""
+
+    __slots__ = ("claimed", "states")
+
+    def __init__(self):
+        self.claimed = False
+        self.states: List["DelayedScalingState"] = []
+
+    def run(self) -> None:
+        states, self.states = self.states, []
+        for state in states:
             state.update()
 
 
@@ -181,10 +233,14 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
     calibrating=True runs in high precision while still recording amaxes.
 
     Under torch.compile(fullgraph=True) it may be inside the compiled function (the exit's scale update is
-    then part of the graph) or around the compiled module. Inside, the graph's exit writes the backward
-    scaling state in the forward, and a backward records its amax over what that exit left: when the
-    forwards of several microbatches run before their backwards, only the last backward's amax counts.
-    Keep the context around the compiled module for such schedules.
+    then part of the graph) or around the compiled module. A compiled backward runs no Python, so a compiled
+    module's backward states are updated at the next outermost exit, not at the end of its backward: in a
+    plain loop the next backward casts with the same scales as eagerly. When the forwards of several
+    microbatches run before their backwards, eager updates after each backward (TE's order); around a
+    compiled module the backwards record into the live state and the next exit folds in their maximum;
+    inside the compiled function the graph's exit writes the backward state in the forward, and a backward
+    records its amax over what that exit left, so only the last backward's amax counts. Keep the context
+    around the compiled module for such schedules.
     """
     recipe = fp8_recipe if fp8_recipe is not None else DelayedScaling()
     if not isinstance(recipe, _AUTOCAST_RECIPES + (CustomRecipe,)):
@@ -194,13 +250,14 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe=Non
         recipe = canonical_recipe(recipe)
     if not FP8GlobalState._stack:
         FP8GlobalState.is_first_module = True
+        FP8GlobalState.backward_update = BackwardUpdate()
     FP8GlobalState._stack.append(_Context(bool(enabled), bool(calibrating), recipe, fp8_group))
     try:
         yield
     finally:
         FP8GlobalState._stack.pop()
         if not FP8GlobalState._stack:
-            FP8GlobalState.update_pending()
+            FP8GlobalState.exit_outermost()
 
 
 def checkpoint(function, *args, **kwargs):
@@ -763,6 +820,7 @@ class FP8GlobalStateManager:
         FP8GlobalState._stack.clear()
         FP8GlobalState._pending.clear()
         FP8GlobalState.is_first_module = False
+        FP8GlobalState.backward_update = None
         FP8GlobalState.graph_capturing = False
         QuantizationState.skip_fp8_weight_update_tensor = None
         cls._opened_by_set = None

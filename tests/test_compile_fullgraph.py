@@ -147,9 +147,12 @@ def _train_step(step_fn, module, xs, kwargs, recipe, autocast_inside, grad_seed)
     else:
         with te_fuser.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
             out = step_fn(*xs, **kwargs)
+    # The scaling state after the forward's autocast exit: eager updates the backward states at the end of
+    # backward (TE's time), a compiled module at the next exit (its backward runs no Python), so here, and
+    # only here, both have folded in the same backward amaxes.
+    state = scaling_state(module)
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype))
-    result = (out.detach(), [x.grad for x in xs], {n: p.grad for n, p in module.named_parameters()},
-              scaling_state(module))
+    result = (out.detach(), [x.grad for x in xs], {n: p.grad for n, p in module.named_parameters()}, state)
     with torch.no_grad():
         for p in module.parameters():
             p.sub_(1e-3 * p.grad)
@@ -232,12 +235,13 @@ def test_bf16_parameters(backend, generator, monkeypatch):
 
 
 @compiles_te_fuser_modules
-def test_interleaved_microbatches_under_an_outside_autocast_match_eager(generator):
+def test_interleaved_microbatches_under_an_outside_autocast(generator):
     """Two microbatches' forwards, then their backwards in reverse order (a pipeline schedule's order), each
-    forward under its own autocast around the compiled module: the backwards read and record into the live
-    backward scaling state, as eager does, so every amax counts. (With the autocast inside the compiled
-    function, the graph's exit update writes that state in the forward; a backward then records over the
-    value its own forward left, and the later backward's amax replaces the earlier one's.)"""
+    forward under its own autocast around the module. Eager updates the gradient's scaling state at the end of
+    each backward (TE's time): one roll per backward, in backward order. A compiled module's backward runs no
+    Python: both backwards record into the live state, which holds their maximum until the next autocast exit
+    folds it in. Every backward's amax counts either way (checked against the gradients' own amaxes), and the
+    forward states, updated at each exit, give both the same outputs."""
     recipe = RECIPES["delayed"]
     modules = []
     for _ in range(2):
@@ -248,6 +252,8 @@ def test_interleaved_microbatches_under_an_outside_autocast_match_eager(generato
     for step in range(2):
         xs = [torch.randn(SEQ, BATCH, HIDDEN, generator=generator) * scale for scale in (1.0, 10.0)]
         dys = [torch.randn(SEQ, BATCH, 16, generator=generator) * scale for scale in (1.0, 50.0)]
+        amaxes = [float(dy.abs().max()) for dy in dys]  # the Linear's gradient at its output is dy
+        results = []
         for forward in (eager_module, compiled):
             outs = []
             for x in xs:
@@ -255,11 +261,15 @@ def test_interleaved_microbatches_under_an_outside_autocast_match_eager(generato
                     outs.append(forward(x.clone().requires_grad_()))
             for out, dy in reversed(list(zip(outs, dys))):
                 out.backward(dy)
-        eager_state, compiled_state = scaling_state(eager_module), scaling_state(compiled_module)
-        for name in eager_state:
-            assert torch.equal(eager_state[name], compiled_state[name]), f"step {step}: {name} differs"
-        for p, q in zip(eager_module.parameters(), compiled_module.parameters()):
-            assert torch.equal(p.grad, q.grad)
+            results.append(outs)
+        for a, b in zip(*results):
+            assert torch.equal(a, b), f"step {step}: outputs differ"
+        eager_bwd, compiled_bwd = (m.fp8_meta["scaling_bwd"].amax_history[:, 0] for m in modules)
+        assert eager_bwd[-2:].tolist() == [amaxes[1], amaxes[0]] and eager_bwd[0].item() == 0.0
+        assert compiled_bwd[0].item() == max(amaxes)
+        if step:  # the first step's two backwards, folded in at the second step's first exit
+            assert compiled_bwd[-1].item() == max(previous)
+        previous = amaxes
 
 
 @compiles_te_fuser_modules
@@ -278,13 +288,14 @@ def test_recipe_made_inside_the_compiled_function(generator):
     for s in range(3):
         xs, _ = _inputs("Linear", generator, s)
         dy = torch.randn(SEQ, BATCH, 16, generator=generator)
-        outs = []
+        outs, states = [], []
         for fn, module in ((step, modules[0]), (compiled, modules[1])):
             out = fn(module, xs[0].clone().requires_grad_())
+            states.append(scaling_state(module))  # after the exit, before backward: see _train_step
             out.backward(dy)
             outs.append(out)
         assert torch.equal(outs[0], outs[1])
-        eager_state, compiled_state = scaling_state(modules[0]), scaling_state(modules[1])
+        eager_state, compiled_state = states
         for name in eager_state:
             assert torch.equal(eager_state[name], compiled_state[name]), f"step {s}: {name} differs"
     assert modules[1]._ops[0]._fp8_states[0].amax_history.shape[0] == 3
@@ -306,16 +317,17 @@ def test_weight_caching_across_microbatches(name, generator):
         for microbatch, first in enumerate((True, False, False)):
             xs, kwargs = _inputs(name, generator, microbatch)
             results = []
-            for forward in (modules[0], compiled):
+            for module, forward in zip(modules, (modules[0], compiled)):
                 x = xs[0].clone().requires_grad_()
                 with te_fuser.fp8_autocast(fp8_recipe=recipe):
                     out = forward(x, is_first_microbatch=first, **kwargs)
+                state = scaling_state(module)  # after the exit, before backward: see _train_step
                 out.backward(torch.ones_like(out))
-                results.append((out, x.grad))
+                results.append((out, x.grad, state))
             assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-        eager_state, compiled_state = scaling_state(modules[0]), scaling_state(modules[1])
-        for key in eager_state:
-            assert torch.equal(eager_state[key], compiled_state[key]), f"step {step}: {key} differs"
+            eager_state, compiled_state = results[0][2], results[1][2]
+            for key in eager_state:
+                assert torch.equal(eager_state[key], compiled_state[key]), f"step {step}.{microbatch}: {key} differs"
         for p, q in zip(modules[0].parameters(), modules[1].parameters()):
             assert torch.equal(p.grad, q.grad)
 

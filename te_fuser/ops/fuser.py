@@ -158,7 +158,7 @@ class _BackwardState:
     """Everything the backward needs besides the saved tensors; dropped once backward ran."""
 
     __slots__ = ("plan", "op_ctxs", "tensor_objects", "has_shells", "save_ranges", "num_params",
-                 "num_extra_inputs", "grad_input_quantizer")
+                 "num_extra_inputs", "grad_input_quantizer", "backward_update")
 
 
 def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer, autocast_dtype, extra_inputs=()):
@@ -236,6 +236,9 @@ def _backward(func_ctx, grad_output, *grad_extra_outputs):
         dy = state.grad_input_quantizer(high_precision(dy).contiguous())
     elif isinstance(dy, Float8Tensor):
         dy = dy.dequantize()
+    if state.backward_update is not None:  # the first chain of an fp8_autocast: TE's backward scale update
+        state.backward_update.run()
+        state.backward_update = None
 
     if _CLEAR_CTX_AFTER_BACKWARD and not compiling:
         # The restored Float8Tensors (tensor_objects), the per-op contexts and the
@@ -244,7 +247,7 @@ def _backward(func_ctx, grad_output, *grad_extra_outputs):
         for ctx in state.op_ctxs:
             ctx.clear()
         func_ctx.state = None
-    return (dy, None, None, None, None, *param_grads, *extra_grads)
+    return (dy, None, None, None, None, None, *param_grads, *extra_grads)
 
 
 _backward_once_differentiable = torch.autograd.function.once_differentiable(_backward)
@@ -253,7 +256,8 @@ _backward_once_differentiable = torch.autograd.function.once_differentiable(_bac
 class _FuserFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(func_ctx, input_, plan, kwargs_list, boundary_quantizers, autocast_dtype, *params_and_extra_inputs):
+    def forward(func_ctx, input_, plan, kwargs_list, boundary_quantizers, autocast_dtype, backward_update,
+                *params_and_extra_inputs):
         output_quantizer, grad_input_quantizer = boundary_quantizers
         extra_inputs = params_and_extra_inputs[plan.num_params:]
         x, extras, ctxs = _run_forward(plan, input_, kwargs_list, output_quantizer, autocast_dtype, extra_inputs)
@@ -273,6 +277,7 @@ class _FuserFunction(torch.autograd.Function):
         # Tensor.__eq__, a torch op per shell.
         state.has_shells = any(obj is not None for obj in objects)
         state.grad_input_quantizer = grad_input_quantizer
+        state.backward_update = backward_update
         func_ctx.state = state
         func_ctx.backward_done = False
         return (x, *extras) if extras else x
@@ -366,7 +371,11 @@ class OperationFuser:
             if not grad:  # no graph to build: the autograd Function would only cost its call (~13 us)
                 x, extras, _ = _run_forward(plan, input_, kwargs_list, boundary[0], dtype, extra_inputs)
                 return (x, *extras) if extras else x
-            return _FuserFunction.apply(input_, plan, kwargs_list, boundary, dtype, *params, *extra_inputs)
+            backward_update = None
+            if fp8 and (key[4] or any(params_rg) or any(extras_rg)):  # a backward will run
+                backward_update = FP8GlobalState.claim_backward_update()
+            return _FuserFunction.apply(input_, plan, kwargs_list, boundary, dtype, backward_update, *params,
+                                        *extra_inputs)
 
     # TE's names for the fusions found by the last call: forward order, and backward order (last op first).
     @property

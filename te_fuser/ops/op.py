@@ -11,7 +11,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..quantization import is_block_scaled, make_recipe_state, runs_while_tracing
+from ..quantization import (FP8GlobalStateManager, canonical_recipe, is_block_scaled, make_recipe_state,
+                            runs_while_tracing)
 from ._gemm_kind import require_per_tensor
 
 
@@ -160,6 +161,23 @@ class BasicOperation(FusibleOperation):
         for state in self._fp8_states:
             if hasattr(state, "amax") and state.amax.device != torch.device(device):
                 state.to(device)  # the module moved: its scaling state follows
+
+    def get_quantizer(self, mode: str, index: int):
+        """TE's BasicOperation.get_quantizer: quantizer `index` of this op's "forward" or "backward" recipe
+        state, which is made first if the op has none (for the innermost fp8_autocast's recipe, TE's default
+        DelayedScaling outside any). A delayed-scaling quantizer's scale and amax are views of the state, so
+        it sees every later update."""
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"get_quantizer: mode must be 'forward' or 'backward', got {mode!r}")
+        count = self.num_forward_quantizers if mode == "forward" else self.num_backward_quantizers
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+            raise IndexError(f"get_quantizer: {type(self).__name__} has {count} {mode} quantizer(s), "
+                             f"got index {index!r}")
+        if self._fp8_states is None:
+            param = next(self.parameters(), None)
+            self._ensure_fp8_states(canonical_recipe(FP8GlobalStateManager.get_fp8_recipe()),
+                                    param.device if param is not None else torch.device("cpu"))
+        return self._fp8_states[0 if mode == "forward" else 1].quantizer(index)
 
     def forward_quantizer_for_init(self, recipe, device, index: int):
         """Forward quantizer `index` of `recipe`'s state (made if needed), without marking the state for

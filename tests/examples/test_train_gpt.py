@@ -70,11 +70,12 @@ def test_no_tensor_stays_on_any_ctx_after_backward():
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
     after = audit_autograd(logits)  # the output, and so the graph, is still alive
     assert not after.findings, str(after)
-    # Before backward, ctx holds only Float8Tensor shells and the grad quantizers' scale/amax: views of
-    # the modules' recipe states (amax a row of the amax history, TE's layout), which live on with the
-    # modules anyway, not activations.
+    # Before backward, ctx holds only Float8Tensor shells, the grad quantizers' scale/amax (views of the
+    # modules' recipe states; amax a row of the amax history, TE's layout) and, on the first chain, the
+    # backward states whose update it runs at the end of its backward: recipe state, which lives on with
+    # the modules anyway, not activations.
     state_storages = {t.untyped_storage().data_ptr() for s in te.FP8GlobalState._live_states
-                      for t in (s.amax_history, s.scale)}
+                      for t in (s.amax_history, s.scale, s.scale_inv)}
     held = [h for finding in before.findings for h in finding.tensors]
     assert held and all(h.storage_key[1] in state_storages for h in held), str(before)
 

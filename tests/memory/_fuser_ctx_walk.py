@@ -17,12 +17,14 @@ from torch.autograd.function import BackwardCFunction
 
 from te_fuser.memory import MemoryTracker
 from te_fuser.ops.fuser import OperationFuser
+from te_fuser.quantization import DelayedScalingState
 from te_fuser.tensor.quantized_tensor import Quantizer
 
 from _reachable import reachable_storages
 
-# Parameter holders and scaling state: allowed to be reachable.
-ALIVE_ANYWAY = (torch.nn.Module, OperationFuser, Quantizer)
+# Parameter holders and scaling state (quantizers; the delayed-scaling states whose update an fp8_autocast's
+# first chain runs at the end of its backward): allowed to be reachable.
+ALIVE_ANYWAY = (torch.nn.Module, OperationFuser, Quantizer, DelayedScalingState)
 
 
 def reachable_from(obj, path: str = "") -> list:
