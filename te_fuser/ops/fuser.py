@@ -170,6 +170,8 @@ def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer, autocast_dt
         ctx.input_requires_grad = needs
         ctx.params_require_grad = plan.params_require_grad[start:end]
         ctxs.append(ctx)
+    # The chain's ends: an op there may hand a quantized tensor out of the chain (Quantize does, as in TE).
+    ctxs[0].first_in_chain = ctxs[-1].last_in_chain = True
     x, extras = input_, []
     for op, idx, prev_op, next_op, extra_ops, extra_in in plan.forward_steps:
         for j, where in extra_in:
@@ -184,7 +186,7 @@ def _run_forward(plan: _Plan, input_, kwargs_list, output_quantizer, autocast_dt
             extras.extend(ctxs[j].__dict__.pop("extra_outputs"))
     if output_quantizer is not None:
         x = output_quantizer(high_precision(x).contiguous())
-    elif isinstance(x, Float8Tensor):
+    elif isinstance(x, Float8Tensor) and not getattr(ctxs[-1], "quantized_output", False):
         x = x.dequantize()
     return x, extras, ctxs
 
@@ -234,7 +236,7 @@ def _backward(func_ctx, grad_output, *grad_extra_outputs):
             extra_grads[where] = ctxs[j].__dict__.pop("grad_extra_inputs")
     if state.grad_input_quantizer is not None and dy is not None:
         dy = state.grad_input_quantizer(high_precision(dy).contiguous())
-    elif isinstance(dy, Float8Tensor):
+    elif isinstance(dy, Float8Tensor) and not getattr(ctxs[0], "quantized_grad_input", False):
         dy = dy.dequantize()
     if state.backward_update is not None:  # the first chain of an fp8_autocast: TE's backward scale update
         state.backward_update.run()

@@ -9,8 +9,10 @@ class Quantize(BasicOperation):
     """Casts the forward input (forward=True) and/or the gradient (backward=True) to FP8.
 
     When the neighbouring op takes FP8 it receives the Float8Tensor made with
-    its own quantizer; otherwise the values go on dequantized, so the chain
-    sees the FP8 rounding (the op's own quantizer and amax history).
+    its own quantizer. At the chain's end (the last op's output, the first op's
+    input gradient) the Float8Tensor leaves the chain, as TE's Quantize hands it
+    out. Otherwise the values go on dequantized, so the chain sees the FP8
+    rounding (the op's own quantizer and amax history).
     """
 
     num_forward_quantizers = 1
@@ -27,16 +29,20 @@ class Quantize(BasicOperation):
         ctx.own_grad_quantizer = self._backward_quantizers[0] if self._fp8_enabled else None
         if not (self._fp8_enabled and self.quantize_forward):
             return input_
-        return self._cast(high_precision(input_), next_op_input_quantizer, self._forward_quantizers[0])
+        ctx.quantized_output = getattr(ctx, "last_in_chain", False)
+        return self._cast(high_precision(input_), next_op_input_quantizer, self._forward_quantizers[0],
+                          ctx.quantized_output)
 
     def op_backward(self, ctx, grad_output):
         if not (ctx.fp8 and self.quantize_backward):
             return grad_output, ()
-        return self._cast(high_precision(grad_output), ctx.grad_input_quantizer, ctx.own_grad_quantizer), ()
+        ctx.quantized_grad_input = getattr(ctx, "first_in_chain", False)
+        return self._cast(high_precision(grad_output), ctx.grad_input_quantizer, ctx.own_grad_quantizer,
+                          ctx.quantized_grad_input), ()
 
     @staticmethod
-    def _cast(x, neighbour_quantizer, own_quantizer):
+    def _cast(x, neighbour_quantizer, own_quantizer, leaves_chain: bool):
         if neighbour_quantizer is not None:
             return neighbour_quantizer(x.contiguous())
         q: Float8Tensor = own_quantizer(x.contiguous())
-        return q.dequantize()
+        return q if leaves_chain else q.dequantize()
