@@ -134,10 +134,7 @@ def test_transformer_layers_match_and_drop(fp8):
     moves once per saving op but frees its device bytes once) and the rest of the storages behind saved
     views."""
     _needs(fp8)
-    # Both runs' layers built alike, not deep-copied: a deep copy gives the split q/k/v weights storages of
-    # their own, so its forward concatenates them into a copy it saves (6 MiB a layer), where the original's
-    # concatenation is a view of the parameters that offload leaves on the device (on an H200 the copied
-    # reference held 3 such copies, and the device seemed to free 18.9 MB that never moved).
+    # Both runs' layers built alike from one seed.
     torch.manual_seed(0)
     models = [MODULES["TransformerLayer"]() for _ in range(3)]
     torch.manual_seed(0)

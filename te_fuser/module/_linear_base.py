@@ -2,6 +2,7 @@
 BasicLinear (with parameters_split), their initialization and the FP8 `_extra_state`."""
 
 import contextlib
+import copy
 from collections import OrderedDict
 from typing import Optional
 
@@ -16,7 +17,7 @@ from ..ops.basic.linear import BasicLinear
 from ..ops.fuser import OperationFuser
 from ._extra_state import get_fp8_extra_state, set_fp8_extra_state
 from ._fp8_meta import fp8_meta_view
-from ._noop_cat import noop_cat
+from ._noop_cat import adjacent_in_one_storage, noop_cat
 from .base import TransformerEngineBaseModule
 
 _DEFAULT_INIT_STD = 0.023  # TransformerEngine's default init_method: normal(0, 0.023)
@@ -90,6 +91,24 @@ class FusedModule(TransformerEngineBaseModule):
 
     def _param_device(self) -> torch.device:
         return next(iter(self.parameters())).device
+
+    # -- split parameters stay views of one storage (LinearWeights.share_storage) ---------
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        self._share_split_storage()
+        return result
+
+    def __deepcopy__(self, memo):
+        cls = type(self)
+        copied = cls.__new__(cls)
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))  # what deepcopy does for a Module
+        copied._share_split_storage()
+        return copied
+
+    def _share_split_storage(self) -> None:
+        for weights in getattr(self, "_linear_weights", ()):
+            weights.share_storage(self)
 
     # -- parameters: subclasses define _create_parameters(device) and reset_parameters() -----
     def _build_parameters(self, device) -> None:
@@ -234,6 +253,24 @@ class LinearWeights:
                 b.zero_()
         if self.fp8_init.enabled:  # weight slot 1 of BasicLinear's forward quantizers
             quantize_weights(module, [(name, self.op, 1) for name in self._weight_names], self.fp8_init)
+
+    def share_storage(self, module) -> None:
+        """Make split parameters views of one storage again, values kept (torch gives each parameter its
+        own storage when it deep-copies a module or moves it to another device or dtype; the forward would
+        then concatenate them into a copy, and save that copy for backward, at every step)."""
+        if self.split is None:
+            return
+        for params in (self.weights(module), self.biases(module)):
+            # Plain tensors only: a sharded (DTensor) or quantized parameter keeps its own layout.
+            if (not all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor for p in params)
+                    or adjacent_in_one_storage(params)):
+                continue
+            with torch.no_grad():
+                full = torch.cat([p.detach() for p in params])
+            start = 0
+            for p in params:
+                p.data = full[start:start + p.shape[0]]
+                start += p.shape[0]
 
     def weights(self, module):
         return [getattr(module, n) for n in self._weight_names]

@@ -22,7 +22,7 @@ class _NoopCat(torch.autograd.Function):
         return (None, *grad.split(ctx.sizes, dim=0))
 
 
-def _adjacent(tensors: Sequence[torch.Tensor]) -> bool:
+def adjacent_in_one_storage(tensors: Sequence[torch.Tensor]) -> bool:
     first = tensors[0]
     offset = first.storage_offset()
     for t in tensors:
@@ -39,7 +39,7 @@ def noop_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return tensors[0]
     # Under torch.compile the storage checks and set_() do not trace: the compiler gets the concatenation
     # (inductor folds it into its consumers; the values and gradients are the same).
-    if torch.compiler.is_compiling() or not _adjacent(tensors):
+    if torch.compiler.is_compiling() or not adjacent_in_one_storage(tensors):
         return torch.cat(list(tensors), dim=0)
     full_shape = (sum(t.shape[0] for t in tensors),) + tuple(tensors[0].shape[1:])
     return _NoopCat.apply(full_shape, *tensors)
