@@ -1,6 +1,6 @@
 """Quantize: casts to FP8 in the forward and/or backward pass (a no-op outside fp8_autocast)."""
 
-from ...tensor.float8_tensor import Float8Tensor
+from ...tensor.quantized_tensor import QuantizedTensor
 from .._fp8_io import high_precision
 from ..op import BasicOperation
 
@@ -17,6 +17,7 @@ class Quantize(BasicOperation):
 
     num_forward_quantizers = 1
     num_backward_quantizers = 1
+    supports_block_scaling = True  # its quantizers are the recipe's, whatever the format
 
     def __init__(self, forward: bool = True, backward: bool = False):
         super().__init__()
@@ -44,5 +45,5 @@ class Quantize(BasicOperation):
     def _cast(x, neighbour_quantizer, own_quantizer, leaves_chain: bool):
         if neighbour_quantizer is not None:
             return neighbour_quantizer(x.contiguous())
-        q: Float8Tensor = own_quantizer(x.contiguous())
+        q: QuantizedTensor = own_quantizer(x.contiguous())
         return q if leaves_chain else q.dequantize()
