@@ -33,6 +33,7 @@ RNG tracker (get_rng_state_tracker) cannot be captured: its fork sets generator 
 """
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -175,6 +176,11 @@ class _Pass:
         self.flat_sample = tuple(flat_args) + tuple(tree_flatten([self.kwargs[k] for k in self.kwargs_keys])[0])
         self.inputs = tuple(a for a in self.flat_sample if isinstance(a, torch.Tensor))
         self.params = tuple(self.module.parameters())
+        # A container (torch.nn.Sequential of te_fuser modules) takes no is_first_microbatch: its linear ops
+        # read the pass's from FP8GlobalState.first_microbatch instead (TE sets a global flag for them too).
+        parameters = inspect.signature(self.module.forward).parameters.values()
+        self.takes_first_microbatch = any(q.name == "is_first_microbatch" or q.kind is q.VAR_KEYWORD
+                                          for q in parameters)
 
     def call_kwargs(self, kwargs: dict) -> dict:
         """The keyword arguments the module runs with: is_first_microbatch is the pass's (weight caching),
@@ -308,11 +314,23 @@ def _outermost_autocast(autocast_args: dict):
          FP8GlobalState.backward_update) = saved
 
 
+@contextlib.contextmanager
+def _first_microbatch(first: Optional[bool]):
+    """is_first_microbatch for the linear ops of a module that does not take the argument."""
+    saved, FP8GlobalState.first_microbatch = FP8GlobalState.first_microbatch, first
+    try:
+        yield
+    finally:
+        FP8GlobalState.first_microbatch = saved
+
+
 def _run_forward(p: _Pass, autocast_args: dict, function=None, args=None, kwargs=None):
     """p's module (or `function`, its original forward) under the graphs' fp8_autocast."""
     function = p.module if function is None else function
-    with _outermost_autocast(autocast_args):
-        return function(*(p.args if args is None else args), **p.call_kwargs(p.kwargs if kwargs is None else kwargs))
+    kwargs = p.call_kwargs(p.kwargs if kwargs is None else kwargs)
+    first = None if p.takes_first_microbatch else kwargs.pop("is_first_microbatch", None)
+    with _outermost_autocast(autocast_args), _first_microbatch(first):
+        return function(*(p.args if args is None else args), **kwargs)
 
 
 def _grad_targets(p: _Pass):

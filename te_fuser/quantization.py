@@ -76,6 +76,9 @@ class FP8GlobalState:
     graph_capturing: bool = False  # inside te_fuser.make_graphed_callables (graph.set_capture_start)
     # The outermost context's backward states, for the module that claims their update (made at its entry).
     backward_update: Optional["BackwardUpdate"] = None
+    # is_first_microbatch for linear ops called without one: set by make_graphed_callables while a graphed
+    # container (one whose forward takes no is_first_microbatch) runs under fp8_weight_caching.
+    first_microbatch: Optional[bool] = None
 
     @classmethod
     def is_enabled(cls) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from ... import amp
 from ...kernels.bias_grad import bias_grad
-from ...quantization import is_block_scaled
+from ...quantization import FP8GlobalState, is_block_scaled
 from ...tensor.quantized_tensor import QuantizedTensor
 from ...tensor.float8_tensor import Float8Tensor, fp8_data, fp8_data_transpose
 from .._fp8_io import high_precision, with_transpose
@@ -95,6 +95,8 @@ class GroupedBasicLinear(BasicOperation):
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
                    weights=(), biases=(), m_splits: Sequence[int] = (), is_first_microbatch=None):
         del prev_op_grad_output_quantizer, next_op_input_quantizer
+        if is_first_microbatch is None:  # a graphed container's pass under fp8_weight_caching may set it
+            is_first_microbatch = FP8GlobalState.first_microbatch
         k, n = self.in_features, self.out_features
         x = input_.reshape(-1, k)
         xs = x.split(list(m_splits))
