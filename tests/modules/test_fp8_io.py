@@ -85,7 +85,7 @@ def test_fp8_grad_is_the_cast_of_the_plain_input_gradient(kind, fp8_recipe, gene
     module = _layer(kind)
     x = _x(generator)
     dy = torch.randn(32, 32, generator=generator)
-    for step in range(3):  # backward amaxes reach the scale at the exit of the next context
+    for step in range(3):  # from the second step on, the delayed scale holds earlier backwards' amaxes
         x8, xp = (x.detach().clone().requires_grad_() for _ in range(2))
         with te_fuser.fp8_autocast(fp8_recipe=fp8_recipe):
             out8 = module(x8, fp8_grad=True)
