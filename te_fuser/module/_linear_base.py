@@ -262,7 +262,8 @@ class LinearWeights:
             return
         for params in (self.weights(module), self.biases(module)):
             # Plain tensors only: a sharded (DTensor) or quantized parameter keeps its own layout.
-            if (not all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor for p in params)
+            if (len(params) < 2
+                    or not all(isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor for p in params)
                     or adjacent_in_one_storage(params)):
                 continue
             with torch.no_grad():

@@ -81,9 +81,11 @@ def test_a_deep_copy_saves_what_the_original_saves(repack, generator, monkeypatc
         assert copied == original + 192 * 64 * 4
 
 
-def test_a_transformer_layer_copy_trains_as_the_original(generator):
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_transformer_layer_copy_trains_as_the_original(bias, generator):
     torch.manual_seed(0)
-    layer = te_fuser.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0, device="cpu")
+    layer = te_fuser.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0, bias=bias,
+                                      device="cpu")
     twin = copy.deepcopy(layer)
     x = torch.randn(8, 2, 64, generator=generator)
     outs = []
