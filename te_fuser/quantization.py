@@ -81,6 +81,11 @@ class FP8GlobalState:
     first_microbatch: Optional[bool] = None
 
     @classmethod
+    def microbatch_flag(cls, is_first_microbatch: Optional[bool]) -> Optional[bool]:
+        """A linear op's is_first_microbatch: the one it was given, else a graphed container pass's."""
+        return cls.first_microbatch if is_first_microbatch is None else is_first_microbatch
+
+    @classmethod
     def is_enabled(cls) -> bool:
         return bool(cls._stack) and cls._stack[-1].enabled
 

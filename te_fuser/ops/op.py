@@ -174,9 +174,7 @@ class BasicOperation(FusibleOperation):
             raise IndexError(f"get_quantizer: {type(self).__name__} has {count} {mode} quantizer(s), "
                              f"got index {index!r}")
         if self._fp8_states is None:
-            param = next(self.parameters(), None)
-            self._ensure_fp8_states(canonical_recipe(FP8GlobalStateManager.get_fp8_recipe()),
-                                    param.device if param is not None else torch.device("cpu"))
+            self._ensure_fp8_states(canonical_recipe(FP8GlobalStateManager.get_fp8_recipe()), self._state_device())
         return self._fp8_states[0 if mode == "forward" else 1].quantizer(index)
 
     def forward_quantizer_for_init(self, recipe, device, index: int):
@@ -199,8 +197,12 @@ class BasicOperation(FusibleOperation):
         return self.fp8_extra_state()
 
     def set_extra_state(self, state) -> None:
+        self.load_fp8_extra_state(state, self._state_device())
+
+    def _state_device(self) -> torch.device:
+        """Where this op's recipe state goes when nothing says: its parameters' device, else the CPU."""
         param = next(self.parameters(), None)
-        self.load_fp8_extra_state(state, param.device if param is not None else torch.device("cpu"))
+        return param.device if param is not None else torch.device("cpu")
 
     def load_fp8_extra_state(self, state, device) -> None:
         if not state:

@@ -95,8 +95,7 @@ class GroupedBasicLinear(BasicOperation):
     def op_forward(self, ctx, input_, prev_op_grad_output_quantizer, next_op_input_quantizer,
                    weights=(), biases=(), m_splits: Sequence[int] = (), is_first_microbatch=None):
         del prev_op_grad_output_quantizer, next_op_input_quantizer
-        if is_first_microbatch is None:  # a graphed container's pass under fp8_weight_caching may set it
-            is_first_microbatch = FP8GlobalState.first_microbatch
+        is_first_microbatch = FP8GlobalState.microbatch_flag(is_first_microbatch)
         k, n = self.in_features, self.out_features
         x = input_.reshape(-1, k)
         xs = x.split(list(m_splits))

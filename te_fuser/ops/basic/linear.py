@@ -344,8 +344,7 @@ class BasicLinear(BasicOperation):
 
         Under torch.autocast (ctx.autocast_dtype) y is in the autocast dtype: x, W and the bias are
         cast to it, except that FP8 quantizes W from the parameter itself (TE's order)."""
-        if is_first_microbatch is None:  # a graphed container's pass under fp8_weight_caching may set it
-            is_first_microbatch = FP8GlobalState.first_microbatch
+        is_first_microbatch = FP8GlobalState.microbatch_flag(is_first_microbatch)
         if x.shape[-1] != self.local_in_features:
             raise ValueError(f"input's last dimension must be in_features = {self.local_in_features}"
                              f"{' (local to this TP rank)' if self.tensor_parallel_size > 1 else ''}, "
