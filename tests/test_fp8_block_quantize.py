@@ -16,7 +16,7 @@ from te_fuser.kernels import cpu
 from te_fuser.kernels import fp8_block as k
 
 ISA_PATHS = [tier for tier in ("portable", "avx2", "avx512") if tier in cpu.available_isa()]
-SHAPES = [(1, 1), (31, 33), (33, 100), (129, 300), (2, 3, 160), (17, 15), (200, 127)]
+SHAPES = [(1, 1), (31, 33), (33, 100), (129, 300), (2, 3, 160), (17, 15), (200, 127), (70, 1060)]
 
 
 @pytest.fixture(autouse=True, params=ISA_PATHS)
@@ -100,6 +100,27 @@ def test_mxfp8_every_code_point(fp8_dtype, e):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mxfp8_every_16bit_value(dtype, fp8_dtype):
     check_mxfp8(all_16bit_patterns(dtype).reshape(-1, 256), fp8_dtype)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+def test_mxfp8_scale_code_edges(generator, fp8_dtype):
+    """Blocks whose amax / fp8_max lands on each edge of the E8M0 rounding: a power of two (kept), one
+    ulp above it (rounded up), 2^-127 (code 0, kept) and just above it, 2^-149, the float32 maximum and
+    Inf. Each amax heads a block rowwise and a block columnwise (the block's other elements smaller)."""
+    fp8_max = 448.0 if fp8_dtype == torch.float8_e4m3fn else 57344.0
+    targets = [2.0**e for e in (-149, -130, -127, -126, -125, -60, 0, 1, 100, 127)]
+    amaxes = []
+    for v in targets:
+        a = torch.tensor(v * fp8_max, dtype=torch.float64).float()  # amax * rcp is v where it rounds so
+        amaxes += [a, torch.nextafter(a, torch.tensor(math.inf)), torch.nextafter(a, torch.tensor(0.0))]
+    amaxes += [torch.tensor(torch.finfo(torch.float32).max), torch.tensor(math.inf)]
+    amax = torch.stack(amaxes).float()
+    n = amax.numel()
+    x = (torch.rand(32 * n, 64, generator=generator) * 0.5 + 0.25) * amax.repeat_interleave(32)[:, None]
+    x[torch.isnan(x)] = 0.0
+    x[::32, ::32] = amax.repeat_interleave(1)[:, None]  # each 32-row group's first row: the amax itself
+    check_mxfp8(x, fp8_dtype)
+    check_mxfp8(x.t().contiguous(), fp8_dtype)
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)

@@ -5,6 +5,7 @@
 #include "../common/tf_checks.h"
 #include "../common/tf_isa_clones.h"
 #include "fp8_block_format.h"
+#include "mxfp8_band.h"
 
 /*
  * A band is worked in tiles of one block of rows by up to TILE_FLOATS / (block rows) columns, widened
@@ -71,18 +72,7 @@ TF_ISA_INLINE void encode_columns(const float *restrict f, int64_t n, const floa
 
 /* ---- MXFP8 ------------------------------------------------------------------------------------- */
 
-typedef struct mx_args {
-  const void *x;
-  tf_dtype dtype;
-  int64_t rows, cols, ld_x;
-  tf_fp8_format format;
-  uint8_t *y, *scale;
-  int64_t ld_scale;
-  uint8_t *y_col, *scale_col;
-  int64_t ld_scale_col;
-} mx_args;
-
-TF_ISA_INLINE void mx_band_body(const mx_args *a, int64_t row_begin, int64_t row_end) {
+TF_ISA_INLINE void mx_band_body(const tf_mxfp8_args *a, int64_t row_begin, int64_t row_end) {
   float tile[TF_MXFP8_BLOCK][MX_TILE_COLS];
   int32_t amax[MX_TILE_COLS];
   float multiplier[MX_TILE_COLS];
@@ -120,7 +110,7 @@ TF_ISA_INLINE void mx_band_body(const mx_args *a, int64_t row_begin, int64_t row
   }
 }
 
-TF_ISA_CLONES(mx_band, (const mx_args *a, int64_t row_begin, int64_t row_end), (a, row_begin, row_end))
+TF_ISA_CLONES(mx_band, (const tf_mxfp8_args *a, int64_t row_begin, int64_t row_end), (a, row_begin, row_end))
 
 static int dtype_ok(tf_dtype dtype) {
   return dtype == TF_FLOAT32 || dtype == TF_BFLOAT16 || dtype == TF_FLOAT16;
@@ -164,7 +154,13 @@ tf_status tf_mxfp8_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t
     if (!tf_mul_fits(ceil_div(rows, TF_MXFP8_BLOCK), ld_scale_col)) return TF_ERR_OVERFLOW;
   }
   if (row_end == row_begin || cols == 0 || (!y && !y_col)) return TF_OK;
-  const mx_args a = {x, dtype, rows, cols, ld_x, format, y, scale, ld_scale, y_col, scale_col, ld_scale_col};
+  const tf_mxfp8_args a = {x, dtype, rows, cols, ld_x, format, y, scale, ld_scale, y_col, scale_col, ld_scale_col};
+#if TF_X86
+  if (tf_cpu_isa() >= TF_ISA_AVX512) {
+    tf_mxfp8_band_avx512(&a, row_begin, row_end);
+    return TF_OK;
+  }
+#endif
   mx_band(&a, row_begin, row_end);
   return TF_OK;
 }

@@ -7,5 +7,6 @@ exe="${TMPDIR:-/tmp}/te_fuser_test_fp8_block_core.$$"
 trap 'rm -f "$exe"' EXIT
 "${CC:-cc}" -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined \
   -fno-sanitize-recover=all -fno-omit-frame-pointer -I"$root/csrc" \
-  "$root/tests/c/test_fp8_block_core.c" "$root/csrc/fp8/fp8_block.c" "$root"/csrc/common/*.c -lm -o "$exe"
+  "$root/tests/c/test_fp8_block_core.c" "$root/csrc/fp8/fp8_block.c" \
+  "$root/csrc/fp8/mxfp8_quantize_avx512.c" "$root"/csrc/common/*.c -lm -o "$exe"
 "$exe"
