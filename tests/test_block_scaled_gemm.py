@@ -189,13 +189,29 @@ def test_e8m0_values_of_every_code():
 
 def test_mxfp8_columnwise_operand_is_the_transpose(generator):
     """gemm_operand's columnwise MXFP8 operand: the columnwise codes transposed (K along the rows), its scales
-    the columnwise E8M0 codes' values, transposed."""
+    the columnwise E8M0 codes, transposed."""
     x = torch.randn(96, 70, generator=generator).to(torch.bfloat16)
     q = MXFP8Quantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True)(x)
     codes, scales = gemm_operand(q, True)
     assert isinstance(q, MXFP8Tensor) and codes.shape == (70, 96) and codes.is_contiguous()
     assert torch.equal(codes.view(torch.uint8), q._columnwise_data.view(torch.uint8).reshape(96, 70).t())
-    assert torch.equal(scales, e8m0_values(q._columnwise_scale_inv[:3, :70]).t())
+    assert torch.equal(scales, q._columnwise_scale_inv[:3, :70].t())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_e8m0_code_scales_are_their_values(generator, isa):
+    """uint8 scales are E8M0 codes: the GEMM gives the bits it gives for their float32 values, over every code
+    (0, the subnormal 2^-127; 254; 255, NaN) and through a transposed view's strides."""
+    a, _, b, _, block, out_dtype, bias = random_case(generator, 40, 24, 96, 32)
+    codes_a = torch.randint(0, 256, (3, 40), dtype=torch.uint8, generator=generator).t()  # strided
+    codes_b = torch.randint(100, 150, (24, 3), dtype=torch.uint8, generator=generator)
+    codes_a[:8, 0] = torch.tensor([0, 1, 126, 127, 128, 253, 254, 255], dtype=torch.uint8)
+    with cpu.isa(isa):
+        got = block_scaled_gemm_nt(a, codes_a, b, codes_b, block, out_dtype, bias)
+        want = block_scaled_gemm_nt(a, e8m0_values(codes_a), b, e8m0_values(codes_b), block, out_dtype, bias)
+    assert_same_bits(got, want)
+    with pytest.raises(TypeError, match="b_scales"):
+        block_scaled_gemm(a, codes_a, b, codes_b.to(torch.int32), block, out_dtype, bias)
 
 
 def test_opcheck_and_fake_kernel(generator):

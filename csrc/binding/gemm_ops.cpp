@@ -1,5 +1,5 @@
-// te_fuser::block_scaled_gemm: the same with one float32 scale per (row, K block) of a and b
-// (csrc/gemm/block_scaled_gemm.h), the scales read through their strides.
+// te_fuser::block_scaled_gemm: the same with one scale per (row, K block) of a and b
+// (csrc/gemm/block_scaled_gemm.h), float32 values read through their strides or E8M0 codes.
 //
 // te_fuser::fp8_gemm: a @ b.T for row-major FP8 a (m, k) and b (n, k), scaled by their scale_inv,
 // plus an optional bias, in out_dtype (csrc/gemm/fp8_gemm.h). The CPU kernel spreads the output
@@ -13,6 +13,7 @@
 
 extern "C" {
 #include "../common/cpu_features.h"
+#include "../fp8/fp8_block_format.h"
 #include "../gemm/block_scaled_gemm.h"
 #include "../gemm/fp8_gemm.h"
 }
@@ -98,12 +99,26 @@ Tensor fp8_gemm_cpu(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, 
   return result;
 }
 
-// A (rows, blocks) float32 CPU tensor of scales, any strides.
+// A (rows, blocks) CPU tensor of scales, any strides: float32 values, or uint8 E8M0 codes (MXFP8's).
 void check_block_scales(const Tensor& t, const char* arg, int64_t rows, int64_t blocks) {
   STD_TORCH_CHECK(t.is_cpu(), arg, " must be a CPU tensor");
-  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float, arg, " must be float32");
+  STD_TORCH_CHECK(t.scalar_type() == ScalarType::Float || t.scalar_type() == ScalarType::Byte, arg,
+                  " must be float32 (values) or uint8 (E8M0 codes)");
   STD_TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == blocks, arg, " must have shape (",
                   rows, ", ", blocks, ") (one scale per row and K block)");
+}
+
+// Checked scales as float32: the tensor itself, or E8M0 codes decoded (tf_e8m0_decode) into a
+// contiguous copy, which costs a pass over (rows, blocks) bytes instead of torch ops on the Python side.
+Tensor float_block_scales(const Tensor& t) {
+  if (t.scalar_type() == ScalarType::Float) return t;
+  const int64_t rows = t.size(0), blocks = t.size(1), s0 = t.stride(0), s1 = t.stride(1);
+  Tensor out = new_empty(t, {rows, blocks}, ScalarType::Float);
+  const uint8_t* codes = t.const_data_ptr<uint8_t>();
+  float* values = out.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t kb = 0; kb < blocks; ++kb) values[r * blocks + kb] = tf_e8m0_decode(codes[r * s0 + kb * s1]);
+  return out;
 }
 
 Tensor block_scaled_gemm_cpu(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, int64_t block,
@@ -116,6 +131,8 @@ Tensor block_scaled_gemm_cpu(Tensor a, Tensor a_scales, Tensor b, Tensor b_scale
   const int64_t blocks = tf_block_scaled_gemm_blocks(k, block);
   check_block_scales(a_scales, "a_scales", m, blocks);
   check_block_scales(b_scales, "b_scales", n, blocks);
+  a_scales = float_block_scales(a_scales);
+  b_scales = float_block_scales(b_scales);
   const tf_block_operand pa = {static_cast<const uint8_t*>(a.const_data_ptr()),
                                to_tf_fp8_format(a.scalar_type(), "a"),
                                a_scales.const_data_ptr<float>(), a_scales.stride(0), a_scales.stride(1)};

@@ -67,8 +67,9 @@ def _check_operands_out_and_bias(a, b, out_dtype, bias):
 def block_scaled_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                       block: int, out_dtype: torch.dtype = torch.float32,
                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """a @ b.T for row-major FP8 a (M, K) and b (N, K) with float32 scales a_scales (M, ceil(K / block))
-    and b_scales (N, ceil(K / block)), one per row and K block (any strides), plus bias, in out_dtype:
+    """a @ b.T for row-major FP8 a (M, K) and b (N, K) with scales a_scales (M, ceil(K / block)) and
+    b_scales (N, ceil(K / block)), one per row and K block (any strides): float32 values, or uint8 E8M0
+    codes (2^(code - 127), MXFP8's; CPU only), plus bias, in out_dtype:
     total = sum over K blocks kb in order of (a_kb @ b_kb.T) * (a_scales[:, kb] * b_scales[:, kb]),
     each block's sum from fp8_gemm's engine, every step in float32, then one rounding to out_dtype."""
     return call_checked(lambda: _check_block_scaled_gemm_args(a, a_scales, b, b_scales, block, out_dtype, bias),
@@ -106,7 +107,7 @@ def _check_block_scaled_gemm_args(a, a_scales, b, b_scales, block, out_dtype, bi
     _check_operands_out_and_bias(a, b, out_dtype, bias)
     blocks = -(-a.shape[1] // block)
     for scales, name, rows, operand in ((a_scales, "a_scales", a.shape[0], "a"), (b_scales, "b_scales", b.shape[0], "b")):
-        check_dtype(scales, name, (torch.float32,))
+        check_dtype(scales, name, (torch.float32, torch.uint8))
         if scales.shape != (rows, blocks):
             raise ValueError(f"{name} must have shape ({rows}, {blocks}): one scale per row of {operand} and "
                              f"K block of {block} (the last may be shorter), got {tuple(scales.shape)}")

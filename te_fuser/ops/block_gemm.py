@@ -68,7 +68,7 @@ def _blocks(n: int, block: int) -> int:
 
 def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a block-scaled tensor as a GEMM operand: codes (rows, K) row-major FP8 with K
-    the reduction dimension, scales (rows, ceil(K / block)) float32. Rowwise: the tensor as a matrix (the
+    the reduction dimension, scales (rows, ceil(K / block)): float32, or MXFP8's uint8 E8M0 codes. Rowwise: the tensor as a matrix (the
     reduction runs along its last dimension); columnwise: its transpose (along the leading ones).
     NVFP4's K is rounded up to 16 (its zero padding)."""
     cols = t.shape[-1]
@@ -76,12 +76,11 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     block = block_of(t)
     if isinstance(t, NVFP4Tensor):  # columnwise: the transposed data (Hadamard-transformed under with_rht)
         return NVFP4Tensor._codes_and_factors(t, columnwise)  # (not a method call: dynamo would make it a graph op)
-    if isinstance(t, MXFP8Tensor):
+    if isinstance(t, MXFP8Tensor):  # the E8M0 codes themselves: the CPU GEMM decodes them in C
         if not columnwise:
-            return (t._rowwise_data.reshape(rows, cols),
-                    e8m0_values(t._rowwise_scale_inv[:rows, : _blocks(cols, block)]))
+            return t._rowwise_data.reshape(rows, cols), t._rowwise_scale_inv[:rows, : _blocks(cols, block)]
         codes = _transposed(t._columnwise_data.reshape(rows, cols))
-        return codes, e8m0_values(t._columnwise_scale_inv[: _blocks(rows, block), :cols]).t()
+        return codes, t._columnwise_scale_inv[: _blocks(rows, block), :cols].t()
     if not isinstance(t, Float8BlockwiseQTensor):
         raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor, an NVFP4Tensor or a "
                         f"Float8BlockwiseQTensor, got {type(t).__name__}")
@@ -97,9 +96,11 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                          block: int, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """a @ b.T for FP8 a (M, K), b (N, K) with per-(row, K block) scales (M or N, ceil(K / block)), as the
-    module docstring says; the last K block may be shorter. Operands on a GPU take block_gemm_cuda's engines."""
+    """a @ b.T for FP8 a (M, K), b (N, K) with per-(row, K block) scales (M or N, ceil(K / block); float32, or
+    uint8 E8M0 codes), as the module docstring says; the last K block may be shorter. Operands on a GPU take
+    block_gemm_cuda's engines."""
     if a.device.type != "cpu":
+        a_scales, b_scales = (e8m0_values(s) if s.dtype == torch.uint8 else s for s in (a_scales, b_scales))
         return block_gemm_cuda.device_block_scaled_gemm_nt(a, a_scales, b, b_scales, block, out_dtype, bias)
     gemm_kernels.record_block_gemm_engine("cpu")
     return gemm_kernels.block_scaled_gemm(a.contiguous(), a_scales, b.contiguous(), b_scales, block, out_dtype, bias)
