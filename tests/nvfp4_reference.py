@@ -128,12 +128,13 @@ def _up16(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
-def quantize(x, columnwise=False, block_2d=False, rht=False, seed=None):
+def quantize(x, columnwise=False, block_2d=False, rht=False, seed=None, amax=None):
     """(codes (n, m) unpacked, scale codes (n, m / 16), amax) of x's rowwise data (n, m = rows, cols) or of
     its columnwise data (the transposed matrix, Hadamard-transformed when rht); stochastic rounding with
     the stream `seed` when it is given (rowwise counters r * cols + c, columnwise rows * cols + c * rows + r).
     Sizes not multiples of 16: those of x zero-padded to (rows_p, cols_p), multiples of 16, n then x's rows
-    or columns and m rounded up to 16 (counters r * cols_p + c and rows_p * cols_p + c * rows_p + r)."""
+    or columns and m rounded up to 16 (counters r * cols_p + c and rows_p * cols_p + c * rows_p + r).
+    amax: the tensor amax to take the global scale from (a group's), instead of the data's own."""
     rows, cols = x.shape
     x64 = torch.zeros(_up16(rows), _up16(cols), dtype=torch.float64)
     x64[:rows, :cols] = x.to(torch.float64)
@@ -142,7 +143,8 @@ def quantize(x, columnwise=False, block_2d=False, rht=False, seed=None):
     v = x64.t() if columnwise else x64
     if rht:
         v = hadamard_rows(v)
-    amax = float(v.abs().max()) if v.numel() else 0.0
+    if amax is None:
+        amax = float(v.abs().max()) if v.numel() else 0.0
     s_enc = global_scale(amax)
     codes_s = block_scale_codes(_block_amax(v, block_2d), s_enc)
     scaled = round_f32(v * encode_multipliers(codes_s, s_enc).repeat_interleave(BLOCK, 1))

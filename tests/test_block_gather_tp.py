@@ -1,17 +1,20 @@
 """The sequence-parallel all-gathers under the block-scaled recipes move the quantized bytes (issue 31).
 
-2 gloo ranks on the CPU, bf16 parameters. MXFP8BlockScaling and Float8BlockScaling (1x128 tiles) gather
-each rank's quantized shard, data and scales (ops/_block_gather.py, as TE's distributed.py); NVFP4BlockScaling
-gathers high precision (te_fuser's NVFP4 quantizer cannot take the group's amax). Checked:
+2 gloo ranks on the CPU, bf16 parameters. MXFP8BlockScaling, Float8BlockScaling (1x128 tiles) and
+NVFP4BlockScaling gather each rank's quantized shard, data and scales (ops/_block_gather.py, as TE's
+distributed.py; NVFP4's shards quantized under the group's amaxes, its stochastically rounded gradients gathered
+in high precision). Checked:
   * the helper: the gathered tensor is bitwise the quantization of the gathered high-precision tensor, every
     buffer, rowwise for any shard size and columnwise for shards of whole blocks (edge values: a zero block,
-    an outlier, tiny values, ragged columns);
+    an outlier, tiny values, ragged columns); NVFP4 shards under their own amaxes (the bug-on control) are
+    refused by the gather;
   * modules (Linear column and row, LayerNormLinear, LayerNormMLP): outputs and gradients bitwise those of
     the same module gathering in high precision (the bug-on switch); column-parallel outputs and weight
     gradients bitwise the single-process module's; everything within the single-process module's own
     quantization error of its bf16 result (each recipe's TP run differs from the single-process one only by
     the sums of the row-parallel halves and, under NVFP4, each shard's own global scale);
-  * bytes: each gather sends one byte per element plus the scales, half of bf16's; the high-precision switch
+  * bytes: each gather sends one byte per element plus the scales, half of bf16's (NVFP4: half a byte and an
+    E4M3 scale per 16 elements, under 0.3x); the high-precision switch
     (the bug-on control) sends bf16's bytes and the check flags it; a shard whose rows split a columnwise block
     gathers in high precision, and its rowwise-only gather still in low precision;
   * 4 ranks as two strided TP groups of 2: each group gathers its own shards, bitwise as above;
@@ -19,6 +22,7 @@ gathers high precision (te_fuser's NVFP4 quantizer cannot take the group's amax)
     nothing stays on the autograd node after backward.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -44,7 +48,7 @@ RECIPES = {
                                                            fp8_quant_bwd_grad=recipe.QParams(False)),
     "nvfp4": recipe.NVFP4BlockScaling,
 }
-LOW_PRECISION = {"mxfp8": True, "block": True, "block_fp32_scales": True, "nvfp4": False}
+LOW_PRECISION = {"mxfp8": True, "block": True, "block_fp32_scales": True, "nvfp4": True}
 # (bytes of a scale, elements of a block: along a row rowwise, along a column columnwise): E8M0 1 byte a 32,
 # float32 4 bytes a 128
 SCALES = {"mxfp8": (1, 32), "block": (4, 128), "block_fp32_scales": (4, 128)}
@@ -85,22 +89,33 @@ def _helper_case(rank):
     quantizers = [lambda: MXFP8Quantizer(torch.float8_e4m3fn), lambda: MXFP8Quantizer(torch.float8_e5m2),
                   lambda: Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1),
                   lambda: Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1,
-                                               force_pow_2_scales=False, amax_epsilon=1e-3)]
+                                               force_pow_2_scales=False, amax_epsilon=1e-3),
+                  lambda: NVFP4Quantizer(with_rht=True), NVFP4Quantizer]
     for make in quantizers:
         for rows, cols, columnwise in ((512, 200, True), (512, 256, True), (2 * 24, 200, False), (2 * 7, 33, False)):
             torch.manual_seed(SEED)
             x = _edge_input(rows, cols)
             shard = _shard(x, rank)
             assert gathers_low_precision(make(), shard, columnwise)
-            got = all_gather_rows(quantize_rows(shard, make(), rowwise=True, columnwise=columnwise), group)
+            got = all_gather_rows(quantize_rows(shard, make(), rowwise=True, columnwise=columnwise, group=group),
+                                  group)
             want = quantize_rows(x, make(), rowwise=True, columnwise=columnwise)
             _assert_same_bytes(got, want, (make(), rows, cols, columnwise))
-    # A columnwise block split by the shards, NVFP4 (its global scale) and 128x128 tiles: high precision.
+    # NVFP4 under each shard's own amax (the bug-on control: no reduction): the shard holding the outlier has a
+    # larger global scale than the other's, which the gather refuses (one tensor holds one amax).
+    torch.manual_seed(SEED)
+    x = _edge_input(512, 256)
+    with pytest.raises(RuntimeError, match="hold different _amax_rowwise"):
+        all_gather_rows(NVFP4Quantizer(with_rht=True)(_shard(x, rank)), group)
+    # A columnwise block split by the shards, NVFP4's stochastic rounding (each element's bits depend on its place
+    # in the whole tensor) and 2-D blocks (16x16, 128x128): high precision.
     shard = torch.randn(24, 64, dtype=DT)
     assert not gathers_low_precision(MXFP8Quantizer(torch.float8_e4m3fn), shard, True)
+    assert not gathers_low_precision(NVFP4Quantizer(with_rht=True), shard, True)
     assert not gathers_low_precision(Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True,
                                                           block_scaling_dim=1), torch.randn(64, 64), True)
-    assert not gathers_low_precision(NVFP4Quantizer(), torch.randn(64, 64), False)
+    assert not gathers_low_precision(NVFP4Quantizer(stochastic_rounding=True), torch.randn(64, 64), False)
+    assert not gathers_low_precision(NVFP4Quantizer(with_2d_quantization=True), torch.randn(64, 64), False)
     assert not gathers_low_precision(Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=False,
                                                           block_scaling_dim=2), torch.randn(128, 128), False)
 
@@ -251,8 +266,13 @@ def _bytes_case(rank, recipe_name):
     # no second gather)
     assert _sent(forward_hp) == [2 * elems] and not backward_hp, (forward_hp, backward_hp)
     assert _sent(row_backward_hp) == [2 * dy] and not row_forward, (row_backward_hp, row_forward)
-    if not LOW_PRECISION[recipe_name]:  # NVFP4: high precision, the input not kept for a second gather
-        assert _sent(forward) == [2 * elems] and not backward and _sent(row_backward) == [2 * dy]
+    if recipe_name == "nvfp4":  # a byte per two elements, an E4M3 scale per 16, the 4-byte global amax
+        assert sorted(_sent(forward)) == sorted([elems // 2, rows * HIDDEN // 16, 4]), forward
+        assert sorted(_sent(backward)) == sorted([elems // 2, HIDDEN * rows // 16, 4]), backward
+        assert all(dtype == torch.uint8 for dtype, _, _ in forward + backward)
+        assert sum(_sent(forward)) < sum(_sent(forward_hp)) * 0.3
+        # the output gradient's quantizer rounds stochastically: gathered in bf16
+        assert _sent(row_backward) == [2 * dy], row_backward
         return
     rowwise_scales = rows * -(-HIDDEN // col_block) * per_scale
     columnwise_scales = rows // col_block * HIDDEN * per_scale
@@ -313,8 +333,9 @@ def _saved_case(rank, recipe_name):
     x_shard, x_whole = x.detach().reshape(-1, HIDDEN), torch.cat([x.detach()] * WORLD).reshape(-1, HIDDEN)
 
     def columnwise_bytes(t):
-        q = MXFP8Quantizer(torch.float8_e4m3fn) if recipe_name == "mxfp8" else \
-            Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1)
+        q = {"mxfp8": lambda: MXFP8Quantizer(torch.float8_e4m3fn), "nvfp4": lambda: NVFP4Quantizer(with_rht=True),
+             "block": lambda: Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True,
+                                                   block_scaling_dim=1)}[recipe_name]()
         q.set_usage(rowwise=False, columnwise=True)
         qt = q(t)
         return sum(b.numel() * b.element_size() for b in (qt._columnwise_data, qt._columnwise_scale_inv))
@@ -322,7 +343,8 @@ def _saved_case(rank, recipe_name):
     kept, kept_hp = saved_bytes(True), saved_bytes(False)
     # the shard's columnwise bytes, not the gathered input's: the difference is (WORLD - 1) shards' worth
     assert kept_hp - kept == columnwise_bytes(x_whole) - columnwise_bytes(x_shard), (kept, kept_hp)
-    assert kept_hp - kept >= (WORLD - 1) * x_shard.numel()
+    per_element = 0.5 if recipe_name == "nvfp4" else 1  # NVFP4: two values a byte
+    assert kept_hp - kept >= (WORLD - 1) * x_shard.numel() * per_element
 
 
 def _subgroup_case(rank):
@@ -381,7 +403,7 @@ def test_modules_match_the_high_precision_gather_and_the_single_process_module()
 
 def test_gathers_send_the_quantized_bytes():
     run_cases([(_bytes_case, name) for name in RECIPES] + [(_unaligned_case, name) for name in ("mxfp8", "block")]
-              + [(_saved_case, name) for name in ("mxfp8", "block")]
+              + [(_saved_case, name) for name in ("mxfp8", "block", "nvfp4")]
               + [(_save_original_input_case, name) for name in ("mxfp8", "block")], world=WORLD)
 
 

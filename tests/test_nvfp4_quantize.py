@@ -209,6 +209,45 @@ def test_2d_blocks_share_one_scale(generator):
     assert amax.item() == col_amax.item()
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_amaxes_from_outside(isa_path, generator, mode):
+    """nvfp4_amax is the amax each usage's quantization takes (rowwise; columnwise after the transform), and
+    quantizing under given amaxes (a tensor-parallel group's maximum: this tensor's or larger) matches the float64
+    reference under those amaxes, every code and scale; under x's own amaxes it is the plain quantization."""
+    block_2d, rht, stochastic = MODES[mode]
+    x = edge_input((48, 80), torch.bfloat16, generator)
+    own = k.nvfp4_quantize(x, True, True, block_2d, rht, stochastic, 7)
+    amax, amax_t = k.nvfp4_amax(x), k.nvfp4_amax(x, rht=rht)
+    assert torch.equal(amax, own[2]) and torch.equal(amax_t, own[5])
+    same = k.nvfp4_quantize(x, True, True, block_2d, rht, stochastic, 7, amaxes=(amax, amax_t))
+    assert all(torch.equal(a, b) for a, b in zip(own, same))
+    group = (amax * 3.7, amax_t * 1.3) if not block_2d else (amax * 3.7, amax * 3.7)
+    data, scale, got_amax, col_data, col_scale, got_amax_t = k.nvfp4_quantize(
+        x, True, True, block_2d, rht, stochastic, 7, amaxes=group)
+    for got_data, got_scale, columnwise, a in ((data, scale, False, group[0]), (col_data, col_scale, True, group[1])):
+        codes, scale_codes, want_amax = ref.quantize(x, columnwise, block_2d, rht and columnwise,
+                                                     7 if stochastic else None, amax=a.item())
+        n, m = scale_codes.shape
+        assert torch.equal(got_data, ref.pack(codes)) and torch.equal(got_scale[:n, :m], scale_codes)
+    assert got_amax.item() == group[0].item() and got_amax_t.item() == group[1].item()
+    assert not torch.equal(scale, own[1])  # the larger amax changed the block scales
+
+
+def test_amaxes_bad_arguments():
+    x = torch.randn(16, 32)
+    a = k.nvfp4_amax(x)
+    with pytest.raises(ValueError, match=r"amaxes\[1\]"):
+        k.nvfp4_quantize(x, amaxes=(a, a.double()))
+    with pytest.raises(ValueError, match="amaxes must be a pair"):
+        k.nvfp4_quantize(x, amaxes=a)
+    with pytest.raises(ValueError, match="seed"):
+        k.nvfp4_quantize(x, stochastic=True, seed=torch.tensor(3), amaxes=(a, a))
+    with pytest.raises(RuntimeError, match="Inf or NaN"):
+        k.nvfp4_quantize(x, amaxes=(a, torch.tensor([float("nan")])))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        k.nvfp4_amax(x.to(torch.int32))
+
+
 def test_fake_kernels_and_opcheck():
     x = torch.randn(2, 16, 64)
     meta = x.to("meta")
@@ -219,6 +258,10 @@ def test_fake_kernels_and_opcheck():
     torch.library.opcheck(torch.ops.te_fuser.nvfp4_dequantize, (data.reshape(32, 32), scale, amax, torch.bfloat16))
     only_col = k.nvfp4_quantize(x, rowwise=False, columnwise=True)
     assert only_col[:3] == (None, None, None) and only_col[3].shape == (64, 16)
+    a, at = k.nvfp4_amax(x), k.nvfp4_amax(x, rht=True)
+    torch.library.opcheck(torch.ops.te_fuser.nvfp4_amax, (x, True))
+    torch.library.opcheck(torch.ops.te_fuser.nvfp4_quantize_with_amax, (x, a, at, True, True, False, True, False, 5))
+    assert k.nvfp4_amax(meta).shape == (1,)
 
 
 def test_bad_arguments_name_themselves():

@@ -1,4 +1,4 @@
-// Schemas of the NVFP4 ops (quantize, dequantize) and their CPU implementations, which call
+// Schemas of the NVFP4 ops (quantize, with given amaxes too, amax, dequantize) and their CPU implementations, which call
 // csrc/fp4/nvfp4.h over bands of whole 16-row blocks spread on torch's intra-op thread pool. Data
 // and scale tensors have TransformerEngine's shapes, the scales' padding zeroed
 // (docs/block_scaling.md, "NVFP4").
@@ -63,27 +63,43 @@ Tensor scalar_f32(const Tensor& like, float v) {
   return out;
 }
 
-// (data, scale, amax, columnwise data, columnwise scale, columnwise amax); an unused usage's are empty.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cpu(Tensor input, bool rowwise,
-                                                                              bool columnwise, bool block_2d,
-                                                                              bool rht, bool stochastic, int64_t seed) {
+using Quantized = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// The matrix rows of input (its leading dims flattened), checked.
+int64_t matrix_rows(const Tensor& input) {
+  STD_TORCH_CHECK(input.dim() >= 1, "input must have at least 1 dimension");
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < input.dim(); ++d)
+    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), "input's leading dims overflow int64");
+  return rows;
+}
+
+// One float32 value from a CPU tensor of one element, named in the error.
+float given_amax(const Tensor& t, const char* arg) {
+  STD_TORCH_CHECK(t.is_cpu(), arg, " must be a CPU tensor");
+  STD_TORCH_CHECK(t.numel() == 1 && t.scalar_type() == ScalarType::Float, arg, " must be one float32 value");
+  return *t.const_data_ptr<float>();
+}
+
+// (data, scale, amax, columnwise data, columnwise scale, columnwise amax); an unused usage's are empty. The
+// amaxes are given (a group's, all-reduced) or, when amax is null, the input's own.
+Quantized quantize(const Tensor& input, bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,
+                   int64_t seed, const float* amax_given, const float* amax_t_given) {
   check_contiguous(input, "input");
   STD_TORCH_CHECK(rowwise || columnwise, "at least one of rowwise and columnwise must be true");
   STD_TORCH_CHECK(!(block_2d && rht), "block_2d and rht cannot both be set (2D blocks are the weights', "
                                       "the Hadamard transform the wgrad operands')");
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
-  STD_TORCH_CHECK(input.dim() >= 1, "input must have at least 1 dimension");
-  int64_t rows = 1;
-  for (int64_t d = 0; d + 1 < input.dim(); ++d)
-    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), "input's leading dims overflow int64");
+  const int64_t rows = matrix_rows(input);
   const int64_t cols = input.size(input.dim() - 1);
   // Sizes not multiples of 16 quantize the zero-padded matrix (nvfp4.h): the packed rows hold cols_p values.
   const int64_t rows_p = round_up(rows, TF_NVFP4_BLOCK), cols_p = round_up(cols, TF_NVFP4_BLOCK);
   const void* x = input.const_data_ptr();
-  const float amax = band_amax(x, dtype, rows, cols, 0);
-  const float amax_t = columnwise && rht ? band_amax(x, dtype, rows, cols, 1) : amax;
+  const float amax = amax_given ? *amax_given : band_amax(x, dtype, rows, cols, 0);
+  const float amax_t = amax_given ? *amax_t_given : columnwise && rht ? band_amax(x, dtype, rows, cols, 1) : amax;
   STD_TORCH_CHECK(amax <= 3.4028234663852886e38f && amax_t <= 3.4028234663852886e38f,
                   "input holds Inf or NaN, which NVFP4 cannot represent");
+  STD_TORCH_CHECK(amax >= 0.0f && amax_t >= 0.0f, "amax and amax_t must not be negative");
   const int64_t ld_scale = round_up(cols_p / TF_NVFP4_BLOCK, 4), ld_scale_t = round_up(rows_p / TF_NVFP4_BLOCK, 4);
   std::vector<int64_t> data_shape(input.sizes().begin(), input.sizes().end());
   data_shape.back() = cols_p / 2;
@@ -100,6 +116,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cpu(Te
   Tensor a = rowwise ? scalar_f32(input, amax) : new_empty(input, {0}, ScalarType::Float);
   Tensor at = columnwise ? scalar_f32(input, amax_t) : new_empty(input, {0}, ScalarType::Float);
   return std::make_tuple(y, s, a, yt, st, at);
+}
+
+Quantized nvfp4_quantize_cpu(Tensor input, bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,
+                             int64_t seed) {
+  return quantize(input, rowwise, columnwise, block_2d, rht, stochastic, seed, nullptr, nullptr);
+}
+
+// The same under amaxes from outside (a tensor-parallel group's maximum of each rank's nvfp4_amax).
+Quantized nvfp4_quantize_with_amax_cpu(Tensor input, Tensor amax, Tensor amax_t, bool rowwise, bool columnwise,
+                                       bool block_2d, bool rht, bool stochastic, int64_t seed) {
+  const float a = given_amax(amax, "amax"), at = given_amax(amax_t, "amax_t");
+  return quantize(input, rowwise, columnwise, block_2d, rht, stochastic, seed, &a, &at);
+}
+
+// The amax nvfp4_quantize takes of input: of its values, or (rht) of the Hadamard transform of each 16
+// consecutive values of a column.
+Tensor nvfp4_amax_cpu(Tensor input, bool rht) {
+  check_contiguous(input, "input");
+  const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
+  const int64_t rows = matrix_rows(input);
+  return scalar_f32(input, band_amax(input.const_data_ptr(), dtype, rows, input.size(input.dim() - 1), rht ? 1 : 0));
 }
 
 // The values of packed data (rows x cols / 2 bytes) under its scales and amax, as out_dtype (rows x cols).
@@ -134,10 +171,16 @@ STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
   m.def(
       "nvfp4_quantize(Tensor input, bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,"
       " int seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "nvfp4_quantize_with_amax(Tensor input, Tensor amax, Tensor amax_t, bool rowwise, bool columnwise,"
+      " bool block_2d, bool rht, bool stochastic, int seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("nvfp4_amax(Tensor input, bool rht) -> Tensor");
   m.def("nvfp4_dequantize(Tensor data, Tensor scale, Tensor amax, ScalarType out_dtype) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
   m.impl("nvfp4_quantize", TORCH_BOX(&te_fuser::nvfp4_quantize_cpu));
+  m.impl("nvfp4_quantize_with_amax", TORCH_BOX(&te_fuser::nvfp4_quantize_with_amax_cpu));
+  m.impl("nvfp4_amax", TORCH_BOX(&te_fuser::nvfp4_amax_cpu));
   m.impl("nvfp4_dequantize", TORCH_BOX(&te_fuser::nvfp4_dequantize_cpu));
 }

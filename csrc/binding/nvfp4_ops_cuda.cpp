@@ -1,4 +1,4 @@
-// CUDA implementations of nvfp4_quantize and nvfp4_dequantize (schemas and CPU versions in nvfp4_ops.cpp):
+// CUDA implementations of nvfp4_quantize (with given amaxes too), nvfp4_amax and nvfp4_dequantize (schemas and CPU versions in nvfp4_ops.cpp):
 // the same argument checks and TE's output shapes, then the launchers of csrc/cuda/block on the current
 // stream of the input's device. The amaxes stay on the device and the quantizer reads them there, so
 // nothing waits for the GPU; for the same reason Inf or NaN input is not refused here, as the CPU op
@@ -23,20 +23,36 @@ int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 Tensor nothing(const Tensor& like, ScalarType dtype) { return new_empty(like, {0}, dtype); }
 
-// (data, scale, amax, columnwise data, columnwise scale, columnwise amax); an unused usage's are empty.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cuda(Tensor input, bool rowwise,
-                                                                               bool columnwise, bool block_2d,
-                                                                               bool rht, bool stochastic,
-                                                                               int64_t seed) {
+using Quantized = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+// The matrix rows of input (its leading dims flattened), checked.
+int64_t matrix_rows(const Tensor& input) {
+  STD_TORCH_CHECK(input.dim() >= 1, "input must have at least 1 dimension");
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < input.dim(); ++d)
+    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), "input's leading dims overflow int64");
+  return rows;
+}
+
+// input's amax on the device (tf_nvfp4_amax_cuda; rht: of the transformed column blocks), into a new tensor.
+Tensor device_amax(const Tensor& input, tf_dtype dtype, int64_t rows, int64_t cols, bool rht, void* stream) {
+  Tensor a = torch::stable::new_zeros(input, {1}, ScalarType::Float);
+  check_status(tf_nvfp4_amax_cuda(input.const_data_ptr(), dtype, rows, cols, cols, rht ? 1 : 0,
+                                  a.mutable_data_ptr<float>(), stream),
+               "nvfp4_quantize (amax)");
+  return a;
+}
+
+// (data, scale, amax, columnwise data, columnwise scale, columnwise amax); an unused usage's are empty. The
+// amaxes are given (a group's, as device tensors of one float32) or, when amax_given is null, the input's own.
+Quantized quantize(const Tensor& input, bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,
+                   int64_t seed, const Tensor* amax_given, const Tensor* amax_t_given) {
   check_contiguous(input, "input");
   STD_TORCH_CHECK(rowwise || columnwise, "at least one of rowwise and columnwise must be true");
   STD_TORCH_CHECK(!(block_2d && rht), "block_2d and rht cannot both be set (2D blocks are the weights', "
                                       "the Hadamard transform the wgrad operands')");
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
-  STD_TORCH_CHECK(input.dim() >= 1, "input must have at least 1 dimension");
-  int64_t rows = 1;
-  for (int64_t d = 0; d + 1 < input.dim(); ++d)
-    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), "input's leading dims overflow int64");
+  const int64_t rows = matrix_rows(input);
   const int64_t cols = input.size(input.dim() - 1);
   // Sizes not multiples of 16 quantize the zero-padded matrix, as the CPU op does (nvfp4_ops.cpp): the packed
   // rows hold cols_p values (rowwise) or rows_p (columnwise).
@@ -44,17 +60,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cuda(T
   const DeviceGuard guard(input.get_device_index());
   void* stream = current_cuda_stream(input, "input");
   const void* x = input.const_data_ptr();
-  // Each usage's amax in a tensor of its own (outputs must not alias); 2D blocks quantize both usages
-  // under the rowwise one.
-  Tensor a = torch::stable::new_zeros(input, {1}, ScalarType::Float);
-  check_status(tf_nvfp4_amax_cuda(x, dtype, rows, cols, cols, 0, a.mutable_data_ptr<float>(), stream),
-               "nvfp4_quantize (amax)");
+  // Each usage's amax in a tensor of its own (outputs must not alias each other or the inputs); 2D blocks
+  // quantize both usages under the rowwise one.
+  Tensor a = amax_given ? torch::stable::clone(*amax_given) : device_amax(input, dtype, rows, cols, false, stream);
   Tensor at = nothing(input, ScalarType::Float);
-  if (columnwise) {
-    at = torch::stable::new_zeros(input, {1}, ScalarType::Float);
-    check_status(tf_nvfp4_amax_cuda(x, dtype, rows, cols, cols, rht ? 1 : 0, at.mutable_data_ptr<float>(), stream),
-                 "nvfp4_quantize (amax)");
-  }
+  if (columnwise)
+    at = amax_given ? torch::stable::clone(*amax_t_given) : device_amax(input, dtype, rows, cols, rht, stream);
   const float* amax = a.const_data_ptr<float>();
   const float* amax_t = columnwise && !block_2d ? at.const_data_ptr<float>() : amax;
   const int64_t ld_scale = round_up(cols_p / kBlock, 4), ld_scale_t = round_up(rows_p / kBlock, 4);
@@ -73,6 +84,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> nvfp4_quantize_cuda(T
                "nvfp4_quantize");
   if (!rowwise) a = nothing(input, ScalarType::Float);
   return std::make_tuple(y, s, a, yt, st, at);
+}
+
+Quantized nvfp4_quantize_cuda(Tensor input, bool rowwise, bool columnwise, bool block_2d, bool rht, bool stochastic,
+                              int64_t seed) {
+  return quantize(input, rowwise, columnwise, block_2d, rht, stochastic, seed, nullptr, nullptr);
+}
+
+Quantized nvfp4_quantize_with_amax_cuda(Tensor input, Tensor amax, Tensor amax_t, bool rowwise, bool columnwise,
+                                        bool block_2d, bool rht, bool stochastic, int64_t seed) {
+  for (const Tensor* t : {&amax, &amax_t}) {
+    const char* arg = t == &amax ? "amax" : "amax_t";
+    check_same_device(input, *t, "input", arg);
+    STD_TORCH_CHECK(t->numel() == 1 && t->scalar_type() == ScalarType::Float, arg, " must be one float32 value");
+  }
+  return quantize(input, rowwise, columnwise, block_2d, rht, stochastic, seed, &amax, &amax_t);
+}
+
+Tensor nvfp4_amax_cuda(Tensor input, bool rht) {
+  check_contiguous(input, "input");
+  const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
+  const int64_t rows = matrix_rows(input);
+  const DeviceGuard guard(input.get_device_index());
+  return device_amax(input, dtype, rows, input.size(input.dim() - 1), rht, current_cuda_stream(input, "input"));
 }
 
 // The values of packed data (rows x cols / 2 bytes) under its scales and amax (read on the device).
@@ -104,5 +138,7 @@ Tensor nvfp4_dequantize_cuda(Tensor data, Tensor scale, Tensor amax, ScalarType 
 
 STABLE_TORCH_LIBRARY_IMPL(te_fuser, CUDA, m) {
   m.impl("nvfp4_quantize", TORCH_BOX(&te_fuser::nvfp4_quantize_cuda));
+  m.impl("nvfp4_quantize_with_amax", TORCH_BOX(&te_fuser::nvfp4_quantize_with_amax_cuda));
+  m.impl("nvfp4_amax", TORCH_BOX(&te_fuser::nvfp4_amax_cuda));
   m.impl("nvfp4_dequantize", TORCH_BOX(&te_fuser::nvfp4_dequantize_cuda));
 }

@@ -7,7 +7,7 @@ to multiples of 16, whose packed data keeps the matrix's rows (TE's quantizer ta
 """
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -65,14 +65,21 @@ def _check_quantize_args(x, rowwise, columnwise, block_2d, rht):
 
 
 def nvfp4_quantize(x: torch.Tensor, rowwise: bool = True, columnwise: bool = True, block_2d: bool = False,
-                   rht: bool = False, stochastic: bool = False, seed: int = 0):
+                   rht: bool = False, stochastic: bool = False, seed: int = 0,
+                   amaxes: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
     """(data, scale, amax, columnwise data, columnwise scale, columnwise amax); an unused usage's are None.
     Data and scales in nvfp4_data_shape's and nvfp4_scale_shape's layouts.
+
+    amaxes: the (rowwise, columnwise) amaxes to quantize under, float32 tensors of one element on x's device,
+    instead of x's own (nvfp4_amax's): a tensor-parallel group's maximum of each rank's, so that every rank's
+    shard shares the whole tensor's global scale.
 
     block_2d: one scale per 16x16 block (both usages); rht: the columnwise data quantizes the random
     Hadamard transform of each 16 consecutive values along the rows; stochastic: stochastic rounding
     drawing from the counter-based stream `seed` (an int in [0, 2^63), or an int64 tensor of one element holding
     it: a seed drawn in a torch.compile'd graph, a graph value until the graph runs), else round to nearest even."""
+    if amaxes is not None:
+        return _quantize_with_amaxes(x, rowwise, columnwise, block_2d, rht, stochastic, seed, amaxes)
     if isinstance(seed, torch.Tensor):
         if seed.dtype != torch.int64 or seed.numel() != 1:
             raise ValueError(f"seed must be an int or an int64 tensor of one element, got {seed.dtype} of "
@@ -86,6 +93,44 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool = True, columnwise: bool = Tru
                        x, bool(rowwise), bool(columnwise), bool(block_2d), bool(rht), bool(stochastic), seed)
     row, col = out[:3], out[3:]
     return (*(row if rowwise else (None,) * 3), *(col if columnwise else (None,) * 3))
+
+
+def _check_amaxes(x, amaxes):
+    for name, a in zip(("amaxes[0]", "amaxes[1]"), amaxes):
+        check_tensor(a, name)
+        if a.dtype != torch.float32 or a.numel() != 1 or a.device != x.device:
+            raise ValueError(f"{name} must be one float32 value on {x.device}, got dtype {a.dtype}, shape "
+                             f"{tuple(a.shape)} on {a.device}")
+
+
+def _quantize_with_amaxes(x, rowwise, columnwise, block_2d, rht, stochastic, seed, amaxes):
+    if not isinstance(amaxes, (tuple, list)) or len(amaxes) != 2:
+        raise ValueError(f"amaxes must be a pair of tensors (rowwise, columnwise), got {amaxes!r}")
+    if isinstance(seed, torch.Tensor) or not 0 <= int(seed) < 2**63:
+        raise ValueError(f"seed must be an int in [0, 2**63) when amaxes are given, got {seed!r}")
+
+    def check():
+        _check_quantize_args(x, rowwise, columnwise, block_2d, rht)
+        _check_amaxes(x, amaxes)
+
+    out = call_checked(check, _ops.nvfp4_quantize_with_amax, x, amaxes[0].reshape(1), amaxes[1].reshape(1),
+                       bool(rowwise), bool(columnwise), bool(block_2d), bool(rht), bool(stochastic), int(seed))
+    row, col = out[:3], out[3:]
+    return (*(row if rowwise else (None,) * 3), *(col if columnwise else (None,) * 3))
+
+
+def _check_amax_args(x):
+    check_dtype(x, "x")
+    check_contiguous(x, "x")
+    if x.dim() < 1:
+        raise ValueError("x must have at least 1 dimension")
+
+
+def nvfp4_amax(x: torch.Tensor, rht: bool = False) -> torch.Tensor:
+    """The amax nvfp4_quantize takes of x, a float32 tensor of one element on x's device: max |x|, or (rht) max
+    |the Hadamard transform of 16 consecutive values of a column| (the columnwise usage's under the transform).
+    Inf or NaN in x shows in it (NaN above Inf above every finite value)."""
+    return call_checked(lambda: _check_amax_args(x), _ops.nvfp4_amax, x, bool(rht))
 
 
 def _check_dequantize_args(data, scale, amax, dtype):
@@ -141,6 +186,16 @@ def _quantize_seeded(x: torch.Tensor, rowwise: bool, columnwise: bool, block_2d:
 
 
 _quantize_seeded.register_fake(_fake_quantize)
+
+
+@torch.library.register_fake("te_fuser::nvfp4_quantize_with_amax")
+def _(x, amax, amax_t, rowwise, columnwise, block_2d, rht, stochastic, seed):
+    return _fake_quantize(x, rowwise, columnwise, block_2d, rht, stochastic, seed)
+
+
+@torch.library.register_fake("te_fuser::nvfp4_amax")
+def _(x, rht):
+    return x.new_empty((1,), dtype=torch.float32)
 
 
 @torch.library.register_fake("te_fuser::nvfp4_dequantize")

@@ -11,12 +11,17 @@ bitwise the quantization of the gathered high-precision tensor wherever no block
     back so too, for sizes its is_quantizable refuses). TE gathers Float8's columnwise tiles in their
     compact (untransposed) layout and transposes after the gather; te_fuser sends the transposed data
     with its rows first and moves them back after: the same bytes.
+NVFP4 (1x16 blocks rowwise, 16x1 columnwise, whose Hadamard transform also runs over 16 rows) takes its
+per-tensor scale from the whole tensor's amax: as TE does (with_amax_reduction), each rank quantizes its
+shard under the group's maximum of the shards' amaxes (rowwise and transformed columnwise), which is the
+gathered tensor's own, so the gathered bytes are again its quantization.
 Not gathered in low precision (high precision, quantized after the gather):
-  * NVFP4: its per-tensor scale comes from the whole tensor's amax, which TE all-reduces over the TP
-    group before quantizing the shard (with_amax_reduction); te_fuser's nvfp4_quantize takes no amax
-    (it computes the shard's own), so a shard cannot be quantized with the group's scale;
-  * Float8 block scaling in 128x128 blocks (a CustomRecipe's input or gradient quantizer): TE refuses
-    it (only 1-D tiles are gathered); its blocks span rows in both usages.
+  * NVFP4 with stochastic rounding (TE's gradient quantizer): each element's random bits come from its
+    place in the tensor quantized, which a shard does not know, so a gathered tensor would not be the
+    whole tensor's quantization;
+  * NVFP4 in 16x16 blocks and Float8 block scaling in 128x128 blocks (a CustomRecipe's input or
+    gradient quantizer): TE refuses them (only 1-D blocks are gathered); their blocks span rows in both
+    usages.
 """
 
 import torch
@@ -24,6 +29,7 @@ import torch
 from ..tensor import _block_scaled_rows as row_cuts
 from ..tensor.float8_blockwise_tensor import BLOCK_LEN, Float8BlockQuantizer
 from ..tensor.mxfp8_tensor import MXFP8_BLOCK_SCALING_SIZE, MXFP8Quantizer
+from ..tensor.nvfp4_tensor import NVFP4_BLOCK_SCALING_SIZE, NVFP4Quantizer
 from . import _tensor_parallel as tp
 
 
@@ -34,6 +40,8 @@ def _row_block(quantizer):
         return MXFP8_BLOCK_SCALING_SIZE
     if isinstance(quantizer, Float8BlockQuantizer) and quantizer.block_scaling_dim == 1:
         return BLOCK_LEN
+    if isinstance(quantizer, NVFP4Quantizer) and not (quantizer.with_2d_quantization or quantizer.stochastic_rounding):
+        return NVFP4_BLOCK_SCALING_SIZE
     return None
 
 
@@ -48,10 +56,14 @@ def gathers_low_precision(quantizer, shard: torch.Tensor, columnwise: bool) -> b
     return not columnwise or rows % block == 0
 
 
-def quantize_rows(x: torch.Tensor, quantizer, *, rowwise: bool, columnwise: bool):
+def quantize_rows(x: torch.Tensor, quantizer, *, rowwise: bool, columnwise: bool, group=None):
     """x as a 2-D (rows, last dim) block-scaled tensor of the usages asked for: the matrix whose rows the
-    all-gather concatenates."""
-    return quantizer.with_usage(rowwise=rowwise, columnwise=columnwise)(x.reshape(-1, x.shape[-1]))
+    all-gather over `group` concatenates (NVFP4: quantized under the group's amaxes)."""
+    q = quantizer.with_usage(rowwise=rowwise, columnwise=columnwise)
+    if isinstance(q, NVFP4Quantizer) and tp.world_size(group) > 1:
+        q = q.copy()  # with_usage may hand back the module's own quantizer
+        q.with_amax_reduction, q.amax_reduction_group = True, group
+    return q(x.reshape(-1, x.shape[-1]))
 
 
 def all_gather_rows(t, group):

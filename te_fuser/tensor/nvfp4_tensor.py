@@ -174,8 +174,10 @@ class NVFP4Quantizer(BlockScaledQuantizer):
     random Hadamard transform's (TE: the wgrad operands), its amax taken after the transform
     (with_post_rht_amax, which follows with_rht unless given); stochastic_rounding: each quantize() draws a
     seed from torch's default CPU generator (so torch.manual_seed makes it reproducible), else round to
-    nearest even. Not implemented (NotImplementedError): with_amax_reduction (an amax all-reduced over a
-    group), with_random_sign_mask=False, with_rht without the post-transform amax."""
+    nearest even. with_amax_reduction: the amaxes (rowwise, and the transformed columnwise one) are all-reduced
+    (MAX) over amax_reduction_group (default: the whole world) before the tensor is quantized, so every rank's
+    shard takes the global scale of the tensor the shards make up (TE's sequence-parallel gathers). Not
+    implemented (NotImplementedError): with_random_sign_mask=False, with_rht without the post-transform amax."""
 
     def __init__(self, fp4_dtype=DType.kFloat4E2M1, rowwise: bool = True, columnwise: bool = True,
                  with_amax_reduction: bool = False, amax_reduction_group=None, with_rht: bool = False,
@@ -183,8 +185,6 @@ class NVFP4Quantizer(BlockScaledQuantizer):
                  stochastic_rounding: bool = False, with_random_sign_mask: bool = True):
         if fp4_dtype != DType.kFloat4E2M1:
             raise ValueError(f"fp4_dtype must be DType.kFloat4E2M1, got {fp4_dtype!r}")
-        if with_amax_reduction:
-            raise NotImplementedError("te_fuser's NVFP4Quantizer does not implement with_amax_reduction=True")
         if not with_random_sign_mask:
             raise NotImplementedError("te_fuser's NVFP4Quantizer does not implement with_random_sign_mask=False "
                                       "(its transform always uses TE's wgrad signs)")
@@ -196,7 +196,7 @@ class NVFP4Quantizer(BlockScaledQuantizer):
             raise ValueError("with_rht and with_2d_quantization cannot both be set (TE's recipe uses 2D blocks for "
                              "weights and the transform for the wgrad operands)")
         self.dtype = fp4_dtype
-        self.with_amax_reduction = False
+        self.with_amax_reduction = bool(with_amax_reduction)
         self.amax_reduction_group = amax_reduction_group
         self.with_rht = bool(with_rht)
         self.with_post_rht_amax = with_post_rht_amax
@@ -215,13 +215,31 @@ class NVFP4Quantizer(BlockScaledQuantizer):
         if self.stochastic_rounding:  # compiled, the graph draws it each run (an int would be a constant)
             seed = torch.randint(0, 2**62, ())
             seed = seed if torch.compiler.is_compiling() else int(seed)
+        x = x.detach().contiguous()
+        amaxes = self._group_amaxes(x) if self.with_amax_reduction else None
         data, scale, amax, col_data, col_scale, col_amax = kernels.nvfp4_quantize(
-            x.detach().contiguous(), self.rowwise, self.columnwise, self.with_2d_quantization, self.with_rht,
-            self.stochastic_rounding, seed)
+            x, self.rowwise, self.columnwise, self.with_2d_quantization, self.with_rht, self.stochastic_rounding,
+            seed, amaxes=amaxes)
         return NVFP4Tensor(x.shape, x.dtype, rowwise_data=data, rowwise_scale_inv=scale, columnwise_data=col_data,
                            columnwise_scale_inv=col_scale, amax_rowwise=amax, amax_columnwise=col_amax,
                            fp8_dtype=torch.uint8, quantizer=traced_quantizer(self),
                            columnwise_rht=self.with_rht and self.columnwise)
+
+    def _group_amaxes(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(rowwise, columnwise) amaxes of x, each the group's maximum: one all-reduce of both."""
+        if not torch.distributed.is_initialized():
+            raise RuntimeError("with_amax_reduction=True needs torch.distributed to be initialized")
+        own = kernels.nvfp4_amax(x)
+        if self.columnwise and self.with_rht:
+            own = torch.cat([own, kernels.nvfp4_amax(x, rht=True)])
+        amaxes = own.clone()
+        torch.distributed.all_reduce(amaxes, op=torch.distributed.ReduceOp.MAX, group=self.amax_reduction_group)
+        # The group's amax says nothing of this rank's Inf or NaN (the other ranks have already reduced, so no
+        # rank waits on this one): refused here, as the kernel refuses them through its own amax. A CUDA tensor is
+        # not checked (that would wait for the device), as the CUDA kernel does not check either.
+        if x.device.type == "cpu" and not bool(torch.isfinite(own).all()):
+            raise ValueError("x holds Inf or NaN, which NVFP4 cannot represent (no E2M1 code stands for them)")
+        return amaxes[0:1], amaxes[-1:]
 
     def get_scale_shape(self, shape, columnwise: bool) -> Tuple[int, int]:
         return kernels.nvfp4_scale_shape(tuple(shape), columnwise)
@@ -243,7 +261,8 @@ class NVFP4Quantizer(BlockScaledQuantizer):
 
     def __repr__(self) -> str:
         return (f"NVFP4Quantizer(rowwise={self.rowwise}, columnwise={self.columnwise}, with_rht={self.with_rht}, "
-                f"with_2d_quantization={self.with_2d_quantization}, stochastic_rounding={self.stochastic_rounding})")
+                f"with_2d_quantization={self.with_2d_quantization}, stochastic_rounding={self.stochastic_rounding}, "
+                f"with_amax_reduction={self.with_amax_reduction})")
 
 
 torch.serialization.add_safe_globals([NVFP4Tensor, NVFP4Quantizer, _rebuild_block_scaled, DType])

@@ -45,9 +45,9 @@ def record_quantizations(monkeypatch):
     calls = []
     kernel = nvfp4_kernels.nvfp4_quantize
 
-    def spy(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic=False, seed=0):
+    def spy(x, rowwise=True, columnwise=True, block_2d=False, rht=False, stochastic=False, seed=0, amaxes=None):
         calls.append((x.detach().clone(), block_2d, rht, stochastic, seed))
-        return kernel(x, rowwise, columnwise, block_2d, rht, stochastic, seed)
+        return kernel(x, rowwise, columnwise, block_2d, rht, stochastic, seed, amaxes=amaxes)
 
     monkeypatch.setattr(nvfp4_kernels, "nvfp4_quantize", spy)
     return calls

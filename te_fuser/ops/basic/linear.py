@@ -386,7 +386,7 @@ class BasicLinear(BasicOperation):
             x = all_gather_fp8_dim0(x_shard, group)
         elif block_gather:
             x_shard = quantize_rows(high_precision(x), self._forward_quantizers[0], rowwise=True,
-                                    columnwise=shard_columnwise)
+                                    columnwise=shard_columnwise, group=group)
             x = all_gather_rows(_usage_only(x_shard, "rowwise"), group)
             x_shard = _columnwise_only(x_shard) if shard_columnwise else None
         elif gather:
@@ -463,7 +463,7 @@ class BasicLinear(BasicOperation):
                                                                                 ctx.weight_requires_grad):
                 dy = all_gather_rows(quantize_rows(high_precision(dy), ctx.grad_output_quantizer,
                                                    rowwise=ctx.input_requires_grad,
-                                                   columnwise=ctx.weight_requires_grad), group)
+                                                   columnwise=ctx.weight_requires_grad, group=group), group)
             else:
                 dy = tp.all_gather_dim0(high_precision(dy), group)
         k, n = self.local_in_features, self.local_out_features
@@ -583,8 +583,8 @@ class BasicLinear(BasicOperation):
             if isinstance(x_saved, QuantizedTensor):
                 return all_gather_rows(x_saved, group)
             if _GATHER_IN_FP8 and gathers_low_precision(ctx.input_quantizer, x_saved, True):
-                return all_gather_rows(quantize_rows(x_saved, ctx.input_quantizer, rowwise=False, columnwise=True),
-                                       group)
+                return all_gather_rows(quantize_rows(x_saved, ctx.input_quantizer, rowwise=False, columnwise=True,
+                                                     group=group), group)
             return tp.all_gather_dim0(x_saved, group)
         if not ctx.fp8:
             return tp.all_gather_dim0(x_saved, group)
