@@ -1,7 +1,7 @@
-// Schemas of the NVFP4 ops (quantize, with given amaxes too, amax, dequantize) and their CPU implementations, which call
-// csrc/fp4/nvfp4.h over bands of whole 16-row blocks spread on torch's intra-op thread pool. Data
-// and scale tensors have TransformerEngine's shapes, the scales' padding zeroed
-// (docs/block_scaling.md, "NVFP4").
+// Schemas of the NVFP4 ops (quantize, with given amaxes too, amax, dequantize) and their CPU
+// implementations, which call csrc/fp4/nvfp4.h over bands of whole 16-row blocks spread on torch's
+// intra-op thread pool. Data and scale tensors have TransformerEngine's shapes, the scales' padding
+// zeroed (docs/block_scaling.md, "NVFP4").
 #include <cstring>
 #include <tuple>
 #include <vector>

@@ -1,8 +1,9 @@
-// CUDA implementations of nvfp4_quantize (with given amaxes too), nvfp4_amax and nvfp4_dequantize (schemas and CPU versions in nvfp4_ops.cpp):
-// the same argument checks and TE's output shapes, then the launchers of csrc/cuda/block on the current
-// stream of the input's device. The amaxes stay on the device and the quantizer reads them there, so
-// nothing waits for the GPU; for the same reason Inf or NaN input is not refused here, as the CPU op
-// does from its amax: te_fuser.kernels.nvfp4.nvfp4_quantize refuses it before calling either.
+// CUDA implementations of nvfp4_quantize (with given amaxes too), nvfp4_amax and nvfp4_dequantize
+// (schemas and CPU versions in nvfp4_ops.cpp): the same argument checks and TE's output shapes, then
+// the launchers of csrc/cuda/block on the current stream of the input's device. The amaxes stay on the
+// device and the quantizer reads them there, so nothing waits for the GPU; for the same reason Inf or
+// NaN input is not refused here, as the CPU op does from its amax: te_fuser.kernels.nvfp4.nvfp4_quantize
+// refuses it before calling either.
 #include <tuple>
 #include <vector>
 

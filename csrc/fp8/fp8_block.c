@@ -156,8 +156,9 @@ tf_status tf_mxfp8_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t
   if (row_end == row_begin || cols == 0 || (!y && !y_col)) return TF_OK;
   const tf_mxfp8_args a = {x, dtype, rows, cols, ld_x, format, y, scale, ld_scale, y_col, scale_col, ld_scale_col};
 #if TF_X86
-  if (tf_cpu_isa() >= TF_ISA_AVX512) {
-    tf_mxfp8_band_avx512(&a, row_begin, row_end);
+  const tf_isa isa = tf_cpu_isa();
+  if (isa >= TF_ISA_AVX2) {
+    (isa >= TF_ISA_AVX512 ? tf_mxfp8_band_avx512 : tf_mxfp8_band_avx2)(&a, row_begin, row_end);
     return TF_OK;
   }
 #endif

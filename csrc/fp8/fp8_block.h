@@ -10,8 +10,8 @@
  * partial: their amax covers the elements that exist.
  *
  * Built per x86-64 level (baseline, x86-64-v3, x86-64-v4; tf_isa_clones.h) and chosen per call by
- * tf_cpu_isa(); MXFP8 on AVX-512 runs its own kernel (mxfp8_quantize_avx512.c). Every path gives the
- * same bytes.
+ * tf_cpu_isa(); MXFP8 on AVX2 and AVX-512 runs kernels of its own (mxfp8_quantize_avx2.c,
+ * mxfp8_quantize_avx512.c). Every path gives the same bytes.
  */
 #ifndef TF_FP8_BLOCK_H
 #define TF_FP8_BLOCK_H

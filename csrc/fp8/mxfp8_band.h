@@ -1,7 +1,7 @@
 /*
  * One band of rows of tf_mxfp8_quantize (fp8_block.h), its arguments already checked there: the
- * portable loops (fp8_block.c) and the AVX-512 kernel (mxfp8_quantize_avx512.c) take the same
- * arguments and write the same bytes.
+ * portable loops (fp8_block.c) and the AVX2 and AVX-512 kernels (mxfp8_quantize_avx2.c,
+ * mxfp8_quantize_avx512.c) take the same arguments and write the same bytes.
  */
 #ifndef TF_MXFP8_BAND_H
 #define TF_MXFP8_BAND_H
@@ -24,8 +24,10 @@ typedef struct tf_mxfp8_args {
 } tf_mxfp8_args;
 
 #if TF_X86
-/* The rows [row_begin, row_end) on AVX-512 F + BW + VL; only called where the CPU has them. */
+/* The rows [row_begin, row_end) on AVX-512 F + BW + VL, or on AVX2 + F16C; each only called where the CPU
+ * has its extensions. */
 void tf_mxfp8_band_avx512(const tf_mxfp8_args *a, int64_t row_begin, int64_t row_end);
+void tf_mxfp8_band_avx2(const tf_mxfp8_args *a, int64_t row_begin, int64_t row_end);
 #endif
 
 #endif /* TF_MXFP8_BAND_H */

@@ -214,7 +214,8 @@ TF_AVX512_INLINE __m256i bf16_codes(__m512i x, __m512 s_even, __m512 s_odd, __m5
                                     tf_fp8_format f) {
   if (!fast) {
     const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(x)), 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
+    const __m512 hi =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(x, 1)), 16));
     return _mm256_inserti128_si256(_mm256_castsi128_si256(generic_codes16(_mm512_mul_ps(lo, m_lo), f)),
                                    generic_codes16(_mm512_mul_ps(hi, m_hi), f), 1);
   }
@@ -272,7 +273,8 @@ TF_AVX512_INLINE void columnwise_bf16(const tf_mxfp8_args *a, int64_t g, int64_t
       const scales16 lo = scales_of(bits_lo, f), hi = scales_of(bits_hi, f); /* past nc: amax 0, fast */
       const int64_t n = nc - k * WIDTH;
       if (n > 0)
-        _mm256_mask_storeu_epi8(scale + c0 + k * WIDTH, n >= WIDTH ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1u),
+        _mm256_mask_storeu_epi8(scale + c0 + k * WIDTH,
+                                n >= WIDTH ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1u),
                                 _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(lo.code)),
                                                         _mm512_cvtepi32_epi8(hi.code), 1));
       s_even[k] = _mm512_permutex2var_ps(lo.fast_multiplier, even, hi.fast_multiplier);
@@ -304,11 +306,14 @@ TF_AVX512_INLINE void band(const tf_mxfp8_args *a, int64_t row_begin, int64_t ro
 TF_TARGET_AVX512 void tf_mxfp8_band_avx512(const tf_mxfp8_args *a, int64_t row_begin, int64_t row_end) {
   const int e4m3 = a->format == TF_FP8_E4M3;
   if (a->dtype == TF_FLOAT32)
-    e4m3 ? band(a, row_begin, row_end, TF_FLOAT32, TF_FP8_E4M3) : band(a, row_begin, row_end, TF_FLOAT32, TF_FP8_E5M2);
+    e4m3 ? band(a, row_begin, row_end, TF_FLOAT32, TF_FP8_E4M3)
+         : band(a, row_begin, row_end, TF_FLOAT32, TF_FP8_E5M2);
   else if (a->dtype == TF_BFLOAT16)
-    e4m3 ? band(a, row_begin, row_end, TF_BFLOAT16, TF_FP8_E4M3) : band(a, row_begin, row_end, TF_BFLOAT16, TF_FP8_E5M2);
+    e4m3 ? band(a, row_begin, row_end, TF_BFLOAT16, TF_FP8_E4M3)
+         : band(a, row_begin, row_end, TF_BFLOAT16, TF_FP8_E5M2);
   else
-    e4m3 ? band(a, row_begin, row_end, TF_FLOAT16, TF_FP8_E4M3) : band(a, row_begin, row_end, TF_FLOAT16, TF_FP8_E5M2);
+    e4m3 ? band(a, row_begin, row_end, TF_FLOAT16, TF_FP8_E4M3)
+         : band(a, row_begin, row_end, TF_FLOAT16, TF_FP8_E5M2);
 }
 
 #endif

@@ -8,5 +8,5 @@ trap 'rm -f "$exe"' EXIT
 "${CC:-cc}" -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined \
   -fno-sanitize-recover=all -fno-omit-frame-pointer -I"$root/csrc" \
   "$root/tests/c/test_fp8_block_core.c" "$root/csrc/fp8/fp8_block.c" \
-  "$root/csrc/fp8/mxfp8_quantize_avx512.c" "$root"/csrc/common/*.c -lm -o "$exe"
+  "$root/csrc/fp8/mxfp8_quantize_avx512.c" "$root/csrc/fp8/mxfp8_quantize_avx2.c" "$root"/csrc/common/*.c -lm -o "$exe"
 "$exe"
