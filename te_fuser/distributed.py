@@ -255,7 +255,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, frame, *args):
-        with torch.no_grad(), frame.forward_context():
+        with torch.no_grad(), frame.forward_context(), FP8GlobalState.expecting_backward(frame.backward_expected):
             outputs = frame.function(*args, **frame.kwargs)
         if frame.tp_group is not None:
             # Keep only this rank's 1-D chunk of the first argument until backward.
@@ -301,6 +301,7 @@ class _CheckpointFrame:
         self.autocast = [(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                          for device in ("cpu", "cuda") if device == "cpu" or torch.cuda.is_available()]
         self.input_shape = None
+        self.backward_expected = False  # whether the reentrant Function will be differentiated (checkpoint sets it)
 
     def forward_context(self):
         return _contexts(self.rng.capture(), self.user_forward,
@@ -354,6 +355,8 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
         if determinism_check != "default" or debug:
             raise ValueError("determinism_check and debug need use_reentrant=False")
         frame = _CheckpointFrame(function, kwargs, get_rng_state_tracker, group, context_fn)
+        # The Function's forward runs without grad; it is differentiated when an input requires grad.
+        frame.backward_expected = torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad for a in args)
         if group is not None and not (args and torch.is_tensor(args[0])):
             raise TypeError("distribute_saved_activations needs a tensor as the first argument")
         return _ReentrantCheckpoint.apply(frame, *args)

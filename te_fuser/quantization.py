@@ -79,6 +79,26 @@ class FP8GlobalState:
     # is_first_microbatch for linear ops called without one: set by make_graphed_callables while a graphed
     # container (one whose forward takes no is_first_microbatch) runs under fp8_weight_caching.
     first_microbatch: Optional[bool] = None
+    # Set while te_fuser's reentrant activation checkpoint runs its forward without grad for a backward to come.
+    backward_expected: bool = False
+
+    @classmethod
+    def forward_has_backward(cls) -> bool:
+        """Whether a forward running now will be differentiated, so that the backward states it uses are
+        marked for update: grad mode, or a reentrant checkpoint's forward (whose backward is a replay, which
+        marks nothing). An evaluation forward (no_grad, inference_mode) leaves them alone, as in TE, whose
+        backward states update only at the end of a backward."""
+        return torch.is_grad_enabled() or cls.backward_expected
+
+    @classmethod
+    @contextlib.contextmanager
+    def expecting_backward(cls, expected: bool):
+        """backward_expected while the body runs (a reentrant checkpoint's forward)."""
+        saved, cls.backward_expected = cls.backward_expected, bool(expected)
+        try:
+            yield
+        finally:
+            cls.backward_expected = saved
 
     @classmethod
     def microbatch_flag(cls, is_first_microbatch: Optional[bool]) -> Optional[bool]:
@@ -474,14 +494,16 @@ class DelayedScalingState(_TERecipeStateNames):
         return self.amax_history[0]
 
     def quantizers(self, group=None) -> List[Float8Quantizer]:
-        """One quantizer per tensor, writing into this state's buffers; marks the state for update.
+        """One quantizer per tensor, writing into this state's buffers; marks the state for update (a backward
+        state only for a forward that will be differentiated: FP8GlobalState.forward_has_backward).
 
         The same quantizer objects every call (made once per set of buffers, as TE's modules keep
         theirs): making them cost about 14 us per op and forward. Their scale and amax are views,
         so they see every update; ops set their usages each forward (configure_quantizers)."""
         if self.group is not group:
             self.group = group
-        FP8GlobalState.mark_pending(self)
+        if self.forward or FP8GlobalState.forward_has_backward():
+            FP8GlobalState.mark_pending(self)
         return list(self._quantizers)
 
     def quantizer(self, i: int) -> Float8Quantizer:

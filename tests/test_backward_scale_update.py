@@ -100,3 +100,47 @@ def test_the_graph_holds_the_claim_until_its_backward():
     assert holder is not None and [s is layer.fp8_meta["scaling_bwd"] for s in holder.states] == [True]
     out.backward(torch.ones_like(out))
     assert holder.states == [] and out.grad_fn.state is None
+
+
+def _linear_step(module, recipe, x_val, dy_val, train=True, checkpointed=False):
+    x = torch.full((16, 16), x_val, requires_grad=train)
+    with te_fuser.fp8_autocast(fp8_recipe=recipe):
+        y = te_fuser.distributed.checkpoint(module, x) if checkpointed else module(x)
+    if train:
+        y.backward(torch.full((16, 16), dy_val))
+
+
+@pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
+def test_evaluation_forward_leaves_backward_states_alone(no_grad):
+    """A forward without grad inside fp8_autocast (an evaluation pass) has no backward: as in TE, the gradient's
+    state keeps its history and scale, while the forward states update. The next training step's gradient scale
+    then comes from the training amaxes alone."""
+    module = te_fuser.Linear(16, 16, bias=False, params_dtype=torch.float32)
+    recipe = DelayedScaling(margin=MARGIN, fp8_format=Format.HYBRID, amax_history_len=2, amax_compute_algo="max")
+    _linear_step(module, recipe, 0.5, 3.0)
+    bwd, fwd = module.fp8_meta["scaling_bwd"], module.fp8_meta["scaling_fwd"]
+    before = (bwd.amax_history.clone(), bwd.scale.clone())
+    fwd_history = fwd.amax_history.clone()
+    with no_grad():
+        for _ in range(2):
+            _linear_step(module, recipe, 0.25, None, train=False)
+    assert torch.equal(bwd.amax_history, before[0]) and torch.equal(bwd.scale, before[1])
+    assert not torch.equal(fwd.amax_history, fwd_history)  # the evaluation's input amaxes were recorded
+    _linear_step(module, recipe, 0.5, 1.0)
+    assert bwd.scale[0].item() == _scale([3.0, 1.0], "max", E5M2_MAX)  # a rolled-in zero would leave 1.0 alone
+
+
+def test_reentrant_checkpoint_still_updates_backward_states():
+    """te_fuser's reentrant checkpoint runs its forward without grad and its backward's recompute is a replay
+    that marks nothing: the checkpoint's forward marks the gradient states itself, since a backward follows, so
+    they still update (at the next exit: no module claimed them). A checkpointed evaluation leaves the amax the
+    last backward recorded for the next training step's exit (before, the evaluation's exit consumed it)."""
+    module = te_fuser.Linear(16, 16, bias=False, params_dtype=torch.float32)
+    recipe = DelayedScaling(margin=MARGIN, fp8_format=Format.HYBRID, amax_history_len=4, amax_compute_algo="max")
+    _linear_step(module, recipe, 0.5, 3.0, checkpointed=True)
+    _linear_step(module, recipe, 0.5, 2.0, checkpointed=True)
+    assert module.fp8_meta["scaling_bwd"].scale[0].item() == _scale([3.0], "max", E5M2_MAX)
+    with torch.no_grad():  # a checkpointed evaluation: no backward follows, nothing rolls in
+        history = module.fp8_meta["scaling_bwd"].amax_history.clone()
+        _linear_step(module, recipe, 0.5, None, train=False, checkpointed=True)
+        assert torch.equal(module.fp8_meta["scaling_bwd"].amax_history, history)
