@@ -278,11 +278,12 @@ TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin,
           /* Value i of column c draws t_base + c * rows_p + g + i. */
           const uint64_t counter = t_base + (uint64_t)((c0 + b) * a->rows_p + g);
           if (a->stochastic) {
+            uint32_t u24[BLOCK][BLOCK]; /* drawn in loops of their own, as encode_run does */
             for (int i = 0; i < BLOCK; ++i)
               for (int k = 0; k < BLOCK; ++k)
-                codes_t[i][k] = encode_sr_lanes(
-                    t[i][k] * mult_t[k],
-                    tf_nvfp4_random24(a->seed, counter + (uint64_t)k * (uint64_t)a->rows_p + (uint64_t)i));
+                u24[i][k] = tf_nvfp4_random24(a->seed, counter + (uint64_t)k * (uint64_t)a->rows_p + (uint64_t)i);
+            for (int i = 0; i < BLOCK; ++i)
+              for (int k = 0; k < BLOCK; ++k) codes_t[i][k] = encode_sr_lanes(t[i][k] * mult_t[k], u24[i][k]);
           } else {
             for (int i = 0; i < BLOCK; ++i)
               for (int k = 0; k < BLOCK; ++k) codes_t[i][k] = tf_e2m1_encode_rn(t[i][k] * mult_t[k]);
