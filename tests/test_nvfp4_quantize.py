@@ -248,6 +248,21 @@ def test_amaxes_bad_arguments():
         k.nvfp4_amax(x.to(torch.int32))
 
 
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 256, 4103])
+def test_e2m1_as_e4m3_is_torchs_cast_of_each_value(isa_path, generator, n):
+    """The GEMM's unpacking of packed E2M1 bytes (low nibble first) into E4M3 codes: torch's float8_e4m3fn cast of
+    each float64 E2M1 value (zeros of both signs included), every byte value, lengths around the 32-byte step."""
+    data = torch.randint(0, 256, (3, n), dtype=torch.uint8, generator=generator)
+    data.view(-1)[: min(256, data.numel())] = torch.arange(min(256, data.numel()), dtype=torch.uint8)
+    codes = torch.stack((data & 15, data >> 4), dim=-1).reshape(3, 2 * n)
+    want = ref.e2m1_decode(codes).float().to(torch.float8_e4m3fn)
+    got = k.e2m1_as_e4m3(data)
+    assert got.dtype == torch.float8_e4m3fn and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert k.e2m1_as_e4m3(data.to("meta")).shape == (3, 2 * n)
+    with pytest.raises(TypeError, match="data must have dtype"):
+        k.e2m1_as_e4m3(data.to(torch.int16))
+
+
 def test_fake_kernels_and_opcheck():
     x = torch.randn(2, 16, 64)
     meta = x.to("meta")

@@ -1,4 +1,4 @@
-// Schemas of the NVFP4 ops (quantize, with given amaxes too, amax, dequantize) and their CPU
+// Schemas of the NVFP4 ops (quantize, with given amaxes too, amax, dequantize, unpack) and their CPU
 // implementations, which call csrc/fp4/nvfp4.h over bands of whole 16-row blocks spread on torch's
 // intra-op thread pool. Data and scale tensors have TransformerEngine's shapes, the scales' padding
 // zeroed (docs/block_scaling.md, "NVFP4").
@@ -164,6 +164,21 @@ Tensor nvfp4_dequantize_cpu(Tensor data, Tensor scale, Tensor amax, ScalarType o
   return out;
 }
 
+// The E4M3 codes of packed E2M1 data (..., m / 2 bytes) as float8_e4m3fn (..., m): the block GEMM's operand.
+Tensor nvfp4_unpack_e4m3_cpu(Tensor data) {
+  check_contiguous(data, "data");
+  STD_TORCH_CHECK(data.scalar_type() == ScalarType::Byte && data.dim() >= 1, "data must be a uint8 tensor of at "
+                  "least 1 dimension");
+  std::vector<int64_t> shape(data.sizes().begin(), data.sizes().end());
+  STD_TORCH_CHECK(!__builtin_mul_overflow(shape.back(), 2, &shape.back()), "data's last dimension overflows");
+  Tensor out = new_empty(data, shape, ScalarType::Float8_e4m3fn);
+  // One thread: a vector shuffle a byte, memory-bound well before a pool would pay off.
+  check_status(tf_nvfp4_unpack_e4m3(static_cast<const uint8_t*>(data.const_data_ptr()), 0, data.numel(),
+                                    static_cast<uint8_t*>(out.mutable_data_ptr())),
+               "nvfp4_unpack_e4m3");
+  return out;
+}
+
 }  // namespace
 }  // namespace te_fuser
 
@@ -175,6 +190,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(te_fuser, m) {
       "nvfp4_quantize_with_amax(Tensor input, Tensor amax, Tensor amax_t, bool rowwise, bool columnwise,"
       " bool block_2d, bool rht, bool stochastic, int seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("nvfp4_amax(Tensor input, bool rht) -> Tensor");
+  m.def("nvfp4_unpack_e4m3(Tensor data) -> Tensor");
   m.def("nvfp4_dequantize(Tensor data, Tensor scale, Tensor amax, ScalarType out_dtype) -> Tensor");
 }
 
@@ -182,5 +198,6 @@ STABLE_TORCH_LIBRARY_IMPL(te_fuser, CPU, m) {
   m.impl("nvfp4_quantize", TORCH_BOX(&te_fuser::nvfp4_quantize_cpu));
   m.impl("nvfp4_quantize_with_amax", TORCH_BOX(&te_fuser::nvfp4_quantize_with_amax_cpu));
   m.impl("nvfp4_amax", TORCH_BOX(&te_fuser::nvfp4_amax_cpu));
+  m.impl("nvfp4_unpack_e4m3", TORCH_BOX(&te_fuser::nvfp4_unpack_e4m3_cpu));
   m.impl("nvfp4_dequantize", TORCH_BOX(&te_fuser::nvfp4_dequantize_cpu));
 }

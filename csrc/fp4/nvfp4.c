@@ -6,6 +6,10 @@
 #include "../common/tf_isa_clones.h"
 #include "nvfp4_format.h"
 
+#if TF_X86
+#include <immintrin.h>
+#endif
+
 /* A band is worked in tiles of 16 rows by up to TILE_COLS columns, widened to float32 once (32 KiB
  * on the stack), so rowwise and columnwise blocks come from one read of x. */
 enum { TILE_COLS = 512, DEQUANTIZE_CHUNK = 1024 };
@@ -385,5 +389,50 @@ tf_status tf_nvfp4_dequantize(const uint8_t *y, int64_t rows, int64_t cols, int6
   if (!y || !x || !scale) return TF_ERR_NULL_POINTER;
   const dequantize_args a = {y, cols, scale, ld_scale, amax, x, dtype};
   dequantize_band(&a, row_begin, row_end);
+  return TF_OK;
+}
+
+/* ---- unpacking to E4M3 ------------------------------------------------------------------------- */
+
+/* The E4M3 code of each E2M1 code: 0, 0.5, 1, 1.5, 2, 3, 4, 6, then the same negated. */
+static const uint8_t E4M3_OF_E2M1[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                                         0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
+
+static void unpack_portable(const uint8_t *y, int64_t begin, int64_t end, uint8_t *codes) {
+  for (int64_t i = begin; i < end; ++i) {
+    codes[2 * i] = E4M3_OF_E2M1[y[i] & 15];
+    codes[2 * i + 1] = E4M3_OF_E2M1[y[i] >> 4];
+  }
+}
+
+#if TF_X86
+/* 32 bytes a step: each nibble looked up by vpshufb, the low and high codes interleaved in order. */
+TF_TARGET_AVX2 static void unpack_avx2(const uint8_t *y, int64_t begin, int64_t end, uint8_t *codes) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E4M3_OF_E2M1));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  int64_t i = begin;
+  for (; end - i >= 32; i += 32) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(y + i));
+    const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(b, nibble));
+    const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble));
+    /* Per 128-bit lane: bytes 0-7 (and 16-23) in a0, 8-15 (and 24-31) in a1. */
+    const __m256i a0 = _mm256_unpacklo_epi8(lo, hi), a1 = _mm256_unpackhi_epi8(lo, hi);
+    _mm256_storeu_si256((__m256i *)(codes + 2 * i), _mm256_permute2x128_si256(a0, a1, 0x20));
+    _mm256_storeu_si256((__m256i *)(codes + 2 * i + 32), _mm256_permute2x128_si256(a0, a1, 0x31));
+  }
+  unpack_portable(y, i, end, codes);
+}
+#endif
+
+tf_status tf_nvfp4_unpack_e4m3(const uint8_t *y, int64_t begin, int64_t end, uint8_t *codes) {
+  if (begin < 0 || end < begin || !tf_mul_fits(end, 2)) return TF_ERR_BAD_SIZE;
+  if (end > begin && (!y || !codes)) return TF_ERR_NULL_POINTER;
+#if TF_X86
+  if (tf_cpu_isa() >= TF_ISA_AVX2) {
+    unpack_avx2(y, begin, end, codes);
+    return TF_OK;
+  }
+#endif
+  unpack_portable(y, begin, end, codes);
   return TF_OK;
 }

@@ -47,6 +47,13 @@ tf_status tf_nvfp4_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t
                             int64_t ld_scale, uint8_t *y_t, uint8_t *scale_t, int64_t ld_scale_t);
 
 /*
+ * codes[2i] and codes[2i + 1] = the E4M3 codes of packed byte y[i]'s low and high E2M1 values (every
+ * E2M1 value is an E4M3 value), for i in [begin, end): the block GEMM's operands. AVX2's byte shuffle
+ * where the CPU has it.
+ */
+tf_status tf_nvfp4_unpack_e4m3(const uint8_t *y, int64_t begin, int64_t end, uint8_t *codes);
+
+/*
  * x[r * cols + c] = dtype(float32(e2m1(y, r, c) * decode factor)) for the rows [row_begin, row_end) of
  * the packed rows x cols matrix y (either usage's data: y_t is a cols x rows one), the factor from
  * the element's block scale scale[r * ld_scale + c / 16] and the tensor's amax.

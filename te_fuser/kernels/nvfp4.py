@@ -133,6 +133,19 @@ def nvfp4_amax(x: torch.Tensor, rht: bool = False) -> torch.Tensor:
     return call_checked(lambda: _check_amax_args(x), _ops.nvfp4_amax, x, bool(rht))
 
 
+def _check_unpack_args(data):
+    check_dtype(data, "data", (torch.uint8,))
+    check_contiguous(data, "data")
+    if data.dim() < 1:
+        raise ValueError("data must have at least 1 dimension")
+
+
+def e2m1_as_e4m3(data: torch.Tensor) -> torch.Tensor:
+    """The E4M3 codes (float8_e4m3fn, (..., 2 m)) of packed E2M1 data (uint8, (..., m), the low nibble first):
+    every E2M1 value is an E4M3 value, so the block GEMM runs NVFP4 operands as FP8 ones (CPU tensors)."""
+    return call_checked(lambda: _check_unpack_args(data), _ops.nvfp4_unpack_e4m3, data)
+
+
 def _check_dequantize_args(data, scale, amax, dtype):
     check_dtype(data, "data", (torch.uint8,))
     check_contiguous(data, "data")
@@ -191,6 +204,11 @@ _quantize_seeded.register_fake(_fake_quantize)
 @torch.library.register_fake("te_fuser::nvfp4_quantize_with_amax")
 def _(x, amax, amax_t, rowwise, columnwise, block_2d, rht, stochastic, seed):
     return _fake_quantize(x, rowwise, columnwise, block_2d, rht, stochastic, seed)
+
+
+@torch.library.register_fake("te_fuser::nvfp4_unpack_e4m3")
+def _(data):
+    return data.new_empty((*data.shape[:-1], data.shape[-1] * 2), dtype=torch.float8_e4m3fn)
 
 
 @torch.library.register_fake("te_fuser::nvfp4_amax")

@@ -92,8 +92,11 @@ class NVFP4Tensor(BlockScaledTensor):
         else:
             data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
             n, m = rows, kernels.padded_len(cols)
-        packed = data.reshape(n * (m // 2)).to(torch.int32)
-        codes = _BYTE_AS_E4M3_PAIR.to(data.device).index_select(0, packed).view(torch.float8_e4m3fn).reshape(n, m)
+        if data.device.type == "cpu":
+            codes = kernels.e2m1_as_e4m3(data.reshape(n, m // 2).contiguous())
+        else:
+            packed = data.reshape(n * (m // 2)).to(torch.int32)
+            codes = _BYTE_AS_E4M3_PAIR.to(data.device).index_select(0, packed).view(torch.float8_e4m3fn).reshape(n, m)
         block_scales = scale[:n, : m // NVFP4_BLOCK_SCALING_SIZE].contiguous().view(torch.float8_e4m3fn).float()
         return codes, block_scales * amax.reshape(()) * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
 

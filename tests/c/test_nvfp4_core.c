@@ -370,6 +370,35 @@ static void test_checks(void) {
   CHECK(tf_nvfp4_dequantize(y, INT64_MAX / 2, 64, 0, 0, s, 4, 1.0f, out, TF_FLOAT32) == TF_ERR_OVERFLOW, "dequantize overflows");
 }
 
+/* Unpacking to E4M3 on every tier: each byte (twice, at ragged offsets around the 32-byte step) against the
+ * E4M3 encoding of its two E2M1 values; bad ranges and pointers refused. */
+static void test_unpack_e4m3(void) {
+  enum { N = 256 + 45 };
+  uint8_t y[N], codes[2 * N];
+  for (int i = 0; i < N; ++i) y[i] = (uint8_t)(i * 7 + i / 256);
+  for (int t = 0; t < 3; ++t) {
+    if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
+    CHECK(tf_set_cpu_isa_cap(ISA_CAPS[t]) == TF_OK, "set cap");
+    for (int begin = 0; begin < 3; ++begin) {
+      memset(codes, 0xAA, sizeof codes);
+      CHECK(tf_nvfp4_unpack_e4m3(y, begin, N - begin, codes) == TF_OK, "unpack");
+      int bad = 0;
+      for (int i = 0; i < 2 * N; ++i) {
+        const int inside = i >= 2 * begin && i < 2 * (N - begin);
+        const uint8_t e2m1 = (uint8_t)((i % 2 ? y[i / 2] >> 4 : y[i / 2]) & 15);
+        bad += codes[i] != (inside ? tf_fp8_e4m3_encode(tf_e2m1_decode(e2m1)) : 0xAA);
+      }
+      CHECK(bad == 0, "unpacked codes are the E4M3 encodings of the E2M1 values, nothing written outside");
+    }
+  }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(tf_nvfp4_unpack_e4m3(y, 2, 1, codes) == TF_ERR_BAD_SIZE, "end before begin");
+  CHECK(tf_nvfp4_unpack_e4m3(y, -1, 1, codes) == TF_ERR_BAD_SIZE, "negative begin");
+  CHECK(tf_nvfp4_unpack_e4m3(y, 0, INT64_MAX, codes) == TF_ERR_BAD_SIZE, "2 * end overflows");
+  CHECK(tf_nvfp4_unpack_e4m3(NULL, 0, 1, codes) == TF_ERR_NULL_POINTER, "null data");
+  CHECK(tf_nvfp4_unpack_e4m3(NULL, 0, 0, NULL) == TF_OK, "an empty range touches nothing");
+}
+
 int main(void) {
   test_e2m1();
   test_stochastic();
@@ -378,5 +407,6 @@ int main(void) {
   test_amax_specials();
   test_dequantize();
   test_checks();
+  test_unpack_e4m3();
   return check_report();
 }
