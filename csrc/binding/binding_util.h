@@ -19,6 +19,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 extern "C" {
@@ -107,6 +108,15 @@ inline void* current_cuda_stream(const Tensor& t, const char* arg) {
   return stream;
 }
 #endif
+
+// The input viewed as (product of the leading dims) x (last dim).
+inline std::tuple<int64_t, int64_t> matrix_of(const Tensor& input, const char* arg) {
+  STD_TORCH_CHECK(input.dim() >= 1, arg, " must have at least 1 dimension");
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < input.dim(); ++d)
+    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), arg, "'s leading dims overflow int64");
+  return std::make_tuple(rows, input.size(input.dim() - 1));
+}
 
 // Elements handed to one thread at a time by the element-wise kernels.
 constexpr int64_t kGrainElements = 1 << 16;

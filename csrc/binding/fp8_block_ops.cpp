@@ -18,15 +18,6 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
-// The input viewed as (product of the leading dims) x (last dim).
-std::tuple<int64_t, int64_t> matrix_of(const Tensor& input, const char* arg) {
-  STD_TORCH_CHECK(input.dim() >= 1, arg, " must have at least 1 dimension");
-  int64_t rows = 1;
-  for (int64_t d = 0; d + 1 < input.dim(); ++d)
-    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), arg, "'s leading dims overflow int64");
-  return std::make_tuple(rows, input.size(input.dim() - 1));
-}
-
 // A new tensor of `sizes` filled with zero bytes: scale tensors, whose padding TE leaves undefined.
 Tensor new_zeros(const Tensor& like, std::vector<int64_t> sizes, ScalarType dtype) {
   Tensor out = new_empty(like, sizes, dtype);

@@ -65,15 +65,6 @@ Tensor scalar_f32(const Tensor& like, float v) {
 
 using Quantized = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// The matrix rows of input (its leading dims flattened), checked.
-int64_t matrix_rows(const Tensor& input) {
-  STD_TORCH_CHECK(input.dim() >= 1, "input must have at least 1 dimension");
-  int64_t rows = 1;
-  for (int64_t d = 0; d + 1 < input.dim(); ++d)
-    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), "input's leading dims overflow int64");
-  return rows;
-}
-
 // One float32 value from a CPU tensor of one element, named in the error.
 float given_amax(const Tensor& t, const char* arg) {
   STD_TORCH_CHECK(t.is_cpu(), arg, " must be a CPU tensor");
@@ -90,8 +81,7 @@ Quantized quantize(const Tensor& input, bool rowwise, bool columnwise, bool bloc
   STD_TORCH_CHECK(!(block_2d && rht), "block_2d and rht cannot both be set (2D blocks are the weights', "
                                       "the Hadamard transform the wgrad operands')");
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
-  const int64_t rows = matrix_rows(input);
-  const int64_t cols = input.size(input.dim() - 1);
+  const auto [rows, cols] = matrix_of(input, "input");
   // Sizes not multiples of 16 quantize the zero-padded matrix (nvfp4.h): the packed rows hold cols_p values.
   const int64_t rows_p = round_up(rows, TF_NVFP4_BLOCK), cols_p = round_up(cols, TF_NVFP4_BLOCK);
   const void* x = input.const_data_ptr();
@@ -135,8 +125,8 @@ Quantized nvfp4_quantize_with_amax_cpu(Tensor input, Tensor amax, Tensor amax_t,
 Tensor nvfp4_amax_cpu(Tensor input, bool rht) {
   check_contiguous(input, "input");
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
-  const int64_t rows = matrix_rows(input);
-  return scalar_f32(input, band_amax(input.const_data_ptr(), dtype, rows, input.size(input.dim() - 1), rht ? 1 : 0));
+  const auto [rows, cols] = matrix_of(input, "input");
+  return scalar_f32(input, band_amax(input.const_data_ptr(), dtype, rows, cols, rht ? 1 : 0));
 }
 
 // The values of packed data (rows x cols / 2 bytes) under its scales and amax, as out_dtype (rows x cols).

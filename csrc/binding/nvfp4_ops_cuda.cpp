@@ -26,15 +26,6 @@ Tensor nothing(const Tensor& like, ScalarType dtype) { return new_empty(like, {0
 
 using Quantized = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
 
-// The matrix rows of input (its leading dims flattened), checked.
-int64_t matrix_rows(const Tensor& input) {
-  STD_TORCH_CHECK(input.dim() >= 1, "input must have at least 1 dimension");
-  int64_t rows = 1;
-  for (int64_t d = 0; d + 1 < input.dim(); ++d)
-    STD_TORCH_CHECK(!__builtin_mul_overflow(rows, input.size(d), &rows), "input's leading dims overflow int64");
-  return rows;
-}
-
 // input's amax on the device (tf_nvfp4_amax_cuda; rht: of the transformed column blocks), into a new tensor.
 Tensor device_amax(const Tensor& input, tf_dtype dtype, int64_t rows, int64_t cols, bool rht, void* stream) {
   Tensor a = torch::stable::new_zeros(input, {1}, ScalarType::Float);
@@ -53,8 +44,7 @@ Quantized quantize(const Tensor& input, bool rowwise, bool columnwise, bool bloc
   STD_TORCH_CHECK(!(block_2d && rht), "block_2d and rht cannot both be set (2D blocks are the weights', "
                                       "the Hadamard transform the wgrad operands')");
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
-  const int64_t rows = matrix_rows(input);
-  const int64_t cols = input.size(input.dim() - 1);
+  const auto [rows, cols] = matrix_of(input, "input");
   // Sizes not multiples of 16 quantize the zero-padded matrix, as the CPU op does (nvfp4_ops.cpp): the packed
   // rows hold cols_p values (rowwise) or rows_p (columnwise).
   const int64_t rows_p = round_up(rows, kBlock), cols_p = round_up(cols, kBlock);
@@ -105,9 +95,9 @@ Quantized nvfp4_quantize_with_amax_cuda(Tensor input, Tensor amax, Tensor amax_t
 Tensor nvfp4_amax_cuda(Tensor input, bool rht) {
   check_contiguous(input, "input");
   const tf_dtype dtype = to_tf_dtype(input.scalar_type(), "input");
-  const int64_t rows = matrix_rows(input);
+  const auto [rows, cols] = matrix_of(input, "input");
   const DeviceGuard guard(input.get_device_index());
-  return device_amax(input, dtype, rows, input.size(input.dim() - 1), rht, current_cuda_stream(input, "input"));
+  return device_amax(input, dtype, rows, cols, rht, current_cuda_stream(input, "input"));
 }
 
 // The values of packed data (rows x cols / 2 bytes) under its scales and amax (read on the device).

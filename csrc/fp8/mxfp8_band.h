@@ -23,6 +23,15 @@ typedef struct tf_mxfp8_args {
   int64_t ld_scale_col;
 } tf_mxfp8_args;
 
+/* A tier's entry point calls its file's band(a, row_begin, row_end, dtype, format), an always-inline function,
+ * through this: one build of it per input dtype and format, so that neither is tested in the inner loops. */
+#define TF_MXFP8_BAND_OF(BAND, A, B, E, D) \
+  ((A)->format == TF_FP8_E4M3 ? BAND(A, B, E, D, TF_FP8_E4M3) : BAND(A, B, E, D, TF_FP8_E5M2))
+#define TF_MXFP8_BANDS(BAND, A, B, E)                                         \
+  ((A)->dtype == TF_FLOAT32    ? TF_MXFP8_BAND_OF(BAND, A, B, E, TF_FLOAT32)  \
+   : (A)->dtype == TF_BFLOAT16 ? TF_MXFP8_BAND_OF(BAND, A, B, E, TF_BFLOAT16) \
+                               : TF_MXFP8_BAND_OF(BAND, A, B, E, TF_FLOAT16))
+
 #if TF_X86
 /* The rows [row_begin, row_end) on AVX-512 F + BW + VL, or on AVX2 + F16C; each only called where the CPU
  * has its extensions. */

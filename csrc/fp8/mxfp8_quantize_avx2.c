@@ -148,18 +148,8 @@ TF_AVX2_INLINE void band(const tf_mxfp8_args *a, int64_t row_begin, int64_t row_
   }
 }
 
-/* One build of band per input dtype and format, so that neither is tested in the inner loops. */
 TF_TARGET_AVX2 void tf_mxfp8_band_avx2(const tf_mxfp8_args *a, int64_t row_begin, int64_t row_end) {
-  const int e4m3 = a->format == TF_FP8_E4M3;
-  if (a->dtype == TF_FLOAT32)
-    e4m3 ? band(a, row_begin, row_end, TF_FLOAT32, TF_FP8_E4M3)
-         : band(a, row_begin, row_end, TF_FLOAT32, TF_FP8_E5M2);
-  else if (a->dtype == TF_BFLOAT16)
-    e4m3 ? band(a, row_begin, row_end, TF_BFLOAT16, TF_FP8_E4M3)
-         : band(a, row_begin, row_end, TF_BFLOAT16, TF_FP8_E5M2);
-  else
-    e4m3 ? band(a, row_begin, row_end, TF_FLOAT16, TF_FP8_E4M3)
-         : band(a, row_begin, row_end, TF_FLOAT16, TF_FP8_E5M2);
+  TF_MXFP8_BANDS(band, a, row_begin, row_end);
 }
 
 #endif

@@ -119,31 +119,6 @@ TF_AVX512_INLINE int32_t block_amax(const void *x, int64_t i, int64_t n, tf_dtyp
   return _mm512_reduce_max_epi32(_mm512_max_epi32(a0, a1));
 }
 
-/* Row r's 1x32 blocks, 16 blocks (512 elements) a chunk: their amaxes, their scales, their codes. */
-TF_AVX512_INLINE void rowwise(const tf_mxfp8_args *a, int64_t r, tf_dtype d, tf_fp8_format f) {
-  enum { CHUNK = LANES * TF_MXFP8_BLOCK };
-  const int64_t row = r * a->ld_x, row_y = r * a->cols;
-  for (int64_t c0 = 0; c0 < a->cols; c0 += CHUNK) {
-    const int64_t nc = min64(CHUNK, a->cols - c0), blocks = (nc + TF_MXFP8_BLOCK - 1) / TF_MXFP8_BLOCK;
-    int32_t amax[LANES] = {0};
-    for (int64_t j = 0; j < blocks; ++j)
-      amax[j] = block_amax(a->x, row + c0 + j * TF_MXFP8_BLOCK, nc - j * TF_MXFP8_BLOCK, d);
-    const scales16 sc = scales_of(_mm512_loadu_si512(amax), f);
-    _mm_mask_storeu_epi8(a->scale + r * a->ld_scale + c0 / TF_MXFP8_BLOCK, (__mmask16)((1u << blocks) - 1u),
-                         _mm512_cvtepi32_epi8(sc.code));
-    float multiplier[LANES], fast_multiplier[LANES];
-    _mm512_storeu_ps(multiplier, sc.multiplier);
-    _mm512_storeu_ps(fast_multiplier, sc.fast_multiplier);
-    for (int64_t j = 0; j < blocks; ++j) {
-      const __m512 m = _mm512_set1_ps(multiplier[j]), s = _mm512_set1_ps(fast_multiplier[j]);
-      for (int k = 0; k < 2; ++k) {
-        const int64_t i = c0 + j * TF_MXFP8_BLOCK + k * LANES, n = a->cols - i;
-        store_upto16(a->y, row_y + i, codes16(load_upto16(a->x, row + i, n, d), m, s, sc.fast, f), n);
-      }
-    }
-  }
-}
-
 /* The 32x1 blocks of the nr (<= 32) rows from g, whose first is a multiple of 32, 256 columns a
  * chunk: one pass down the rows for the column amaxes (16 vectors, held in registers), their scales,
  * a second pass for the codes. Both passes run along rows, not down columns, whose power-of-two
@@ -227,16 +202,19 @@ TF_AVX512_INLINE __m256i bf16_codes(__m512i x, __m512 s_even, __m512 s_odd, __m5
   return _mm256_mask_add_epi8(c, _mm512_movepi16_mask(x), c, _mm256_set1_epi8((char)0x80));
 }
 
-/* rowwise() for bfloat16: a block is one vector. */
-TF_AVX512_INLINE void rowwise_bf16(const tf_mxfp8_args *a, int64_t r, tf_fp8_format f) {
+/* Row r's 1x32 blocks, 16 blocks (512 elements) a chunk: their amaxes, their scales, their codes. A bfloat16
+ * block is one vector of 16-bit lanes, another dtype's two float32 vectors. */
+TF_AVX512_INLINE void rowwise(const tf_mxfp8_args *a, int64_t r, tf_dtype d, tf_fp8_format f) {
   enum { CHUNK = LANES * TF_MXFP8_BLOCK };
   const int64_t row = r * a->ld_x, row_y = r * a->cols;
   for (int64_t c0 = 0; c0 < a->cols; c0 += CHUNK) {
     const int64_t nc = min64(CHUNK, a->cols - c0), blocks = (nc + TF_MXFP8_BLOCK - 1) / TF_MXFP8_BLOCK;
     int32_t amax[LANES] = {0};
-    for (int64_t j = 0; j < blocks; ++j)
-      amax[j] = max_bf16_bits(abs_bits_no_nan32_bf16(
-          load_upto32_bf16(a->x, row + c0 + j * TF_MXFP8_BLOCK, nc - j * TF_MXFP8_BLOCK)));
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t i = row + c0 + j * TF_MXFP8_BLOCK, n = nc - j * TF_MXFP8_BLOCK;
+      amax[j] = d == TF_BFLOAT16 ? max_bf16_bits(abs_bits_no_nan32_bf16(load_upto32_bf16(a->x, i, n)))
+                                 : block_amax(a->x, i, n, d);
+    }
     const scales16 sc = scales_of(_mm512_loadu_si512(amax), f);
     _mm_mask_storeu_epi8(a->scale + r * a->ld_scale + c0 / TF_MXFP8_BLOCK, (__mmask16)((1u << blocks) - 1u),
                          _mm512_cvtepi32_epi8(sc.code));
@@ -246,7 +224,14 @@ TF_AVX512_INLINE void rowwise_bf16(const tf_mxfp8_args *a, int64_t r, tf_fp8_for
     for (int64_t j = 0; j < blocks; ++j) {
       const int64_t i = c0 + j * TF_MXFP8_BLOCK, n = a->cols - i;
       const __m512 m = _mm512_set1_ps(multiplier[j]), s = _mm512_set1_ps(fast_multiplier[j]);
-      store_upto32(a->y, row_y + i, bf16_codes(load_upto32_bf16(a->x, row + i, n), s, s, m, m, sc.fast, f), n);
+      if (d == TF_BFLOAT16) {
+        store_upto32(a->y, row_y + i, bf16_codes(load_upto32_bf16(a->x, row + i, n), s, s, m, m, sc.fast, f), n);
+        continue;
+      }
+      for (int k = 0; k < 2; ++k) {
+        const __m512 v = load_upto16(a->x, row + i + k * LANES, n - k * LANES, d);
+        store_upto16(a->y, row_y + i + k * LANES, codes16(v, m, s, sc.fast, f), n - k * LANES);
+      }
     }
   }
 }
@@ -297,23 +282,13 @@ TF_AVX512_INLINE void band(const tf_mxfp8_args *a, int64_t row_begin, int64_t ro
   for (int64_t g = row_begin; g < row_end; g = (g / TF_MXFP8_BLOCK + 1) * TF_MXFP8_BLOCK) {
     const int64_t nr = min64(row_end, (g / TF_MXFP8_BLOCK + 1) * TF_MXFP8_BLOCK) - g;
     if (a->y)
-      for (int64_t r = g; r < g + nr; ++r) d == TF_BFLOAT16 ? rowwise_bf16(a, r, f) : rowwise(a, r, d, f);
+      for (int64_t r = g; r < g + nr; ++r) rowwise(a, r, d, f);
     if (a->y_col) d == TF_BFLOAT16 ? columnwise_bf16(a, g, nr, f) : columnwise(a, g, nr, d, f);
   }
 }
 
-/* One build of band per input dtype and format, so that neither is tested in the inner loops. */
 TF_TARGET_AVX512 void tf_mxfp8_band_avx512(const tf_mxfp8_args *a, int64_t row_begin, int64_t row_end) {
-  const int e4m3 = a->format == TF_FP8_E4M3;
-  if (a->dtype == TF_FLOAT32)
-    e4m3 ? band(a, row_begin, row_end, TF_FLOAT32, TF_FP8_E4M3)
-         : band(a, row_begin, row_end, TF_FLOAT32, TF_FP8_E5M2);
-  else if (a->dtype == TF_BFLOAT16)
-    e4m3 ? band(a, row_begin, row_end, TF_BFLOAT16, TF_FP8_E4M3)
-         : band(a, row_begin, row_end, TF_BFLOAT16, TF_FP8_E5M2);
-  else
-    e4m3 ? band(a, row_begin, row_end, TF_FLOAT16, TF_FP8_E4M3)
-         : band(a, row_begin, row_end, TF_FLOAT16, TF_FP8_E5M2);
+  TF_MXFP8_BANDS(band, a, row_begin, row_end);
 }
 
 #endif
