@@ -68,9 +68,9 @@ def _blocks(n: int, block: int) -> int:
 
 def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a block-scaled tensor as a GEMM operand: codes (rows, K) row-major FP8 with K
-    the reduction dimension, scales (rows, ceil(K / block)): float32, or MXFP8's uint8 E8M0 codes. Rowwise: the tensor as a matrix (the
-    reduction runs along its last dimension); columnwise: its transpose (along the leading ones).
-    NVFP4's K is rounded up to 16 (its zero padding)."""
+    the reduction dimension, scales (rows, ceil(K / block)): float32, or MXFP8's uint8 E8M0 codes.
+    Rowwise: the tensor as a matrix (the reduction runs along its last dimension); columnwise: its
+    transpose (along the leading ones). NVFP4's K is rounded up to 16 (its zero padding)."""
     cols = t.shape[-1]
     rows = t.numel() // cols
     block = block_of(t)
