@@ -136,6 +136,53 @@ def test_formats_outputs_and_non_finite_values(isa, out_dtype, dtypes, generator
         assert_same_bits(out, reference(*args, model(isa)))
 
 
+# Exponent ranges (low, high) of a's and b's power-of-two scales, E4M3 operands (values 2^-9 to 448): the
+# fused AVX512-BF16 kernel multiplies such scales into its packed values while every scaled value, product
+# and partial sum stays a normal float32. Typical MXFP8 scales; the low edge (the least product 2^-126) and
+# a step past it (subnormal products, which vdpbf16ps would flush); the high edge (a 32-block's sum below
+# 2^127) and past it; one operand large, the other small.
+POW2_RANGES = [((-20, 5), (-12, 3)), ((-54, -50), (-54, -50)), ((-55, -50), (-54, -50)),
+               ((48, 52), (48, 52)), ((48, 53), (48, 52)), ((90, 100), (-100, -95)), ((-117, -100), (60, 70))]
+
+
+@pytest.mark.parametrize("isa", MODELLED)
+@pytest.mark.parametrize("ranges", POW2_RANGES, ids=str)
+@pytest.mark.parametrize("dtypes", [(torch.float8_e4m3fn,) * 2, (torch.float8_e5m2, torch.float8_e4m3fn)],
+                         ids=["e4m3", "e5m2-e4m3"])
+def test_power_of_two_scales_give_the_models_bits(isa, ranges, dtypes, generator):
+    """MXFP8's scales (and Float8 block scaling's with power_2_scale) are powers of two, which the fused kernel
+    folds into the operands where that is exact: the bits are still the model's, inside the range and past
+    its edges (where the kernel scales each block's sum instead). Every code, subnormals included; float32
+    out, no bias, so that no bit of the sums is hidden."""
+    (a_lo, a_hi), (b_lo, b_hi) = ranges
+    m, n, k, block = 197, 130, 300, 32
+    a, b = random_fp8((m, k), dtypes[0], generator), random_fp8((n, k), dtypes[1], generator)
+
+    def scales(rows, lo, hi):
+        return torch.exp2(torch.randint(lo, hi + 1, (rows, -(-k // block)), generator=generator).double()).float()
+
+    sa, sb = scales(m, a_lo, a_hi), scales(n, b_lo, b_hi).t().contiguous().t()
+    with cpu.isa(isa):
+        out = block_scaled_gemm(a, sa, b, sb, block, torch.float32)
+    assert_same_bits(out, reference(a, sa, b, sb, block, torch.float32, None, model(isa)))
+
+
+@pytest.mark.parametrize("isa", MODELLED)
+@pytest.mark.parametrize("a_value,a_format,exponents,want", [
+    (2.0**-9, torch.float8_e4m3fn, (-55, -54), 2.0**-127),  # the product 2^-127: subnormal
+    (2.0**-16, torch.float8_e5m2, (-117, 110), 2.0**-23),  # a's scaled value 2^-133: subnormal
+], ids=["subnormal-product", "subnormal-value"])
+def test_scales_just_past_the_fold_range(isa, a_value, a_format, exponents, want):
+    """One product a block: where a folded operand would hold a subnormal value or product (which vdpbf16ps
+    reads and writes as zero), the result is still the exact one."""
+    a = torch.tensor([[a_value]]).to(a_format)
+    b = torch.tensor([[2.0**-9 if a_format == torch.float8_e4m3fn else 1.0]]).to(torch.float8_e4m3fn)
+    sa, sb = (torch.tensor([[2.0**e]]) for e in exponents)
+    with cpu.isa(isa):
+        out = block_scaled_gemm(a, sa, b, sb, 32, torch.float32)
+    assert out.item() == want
+
+
 @pytest.mark.parametrize("isa", MODELLED)
 def test_zero_and_signed_zero_sums(isa):
     """Blocks whose products are all -0 or cancel exactly: the total starts at +0, so these stay +0 (a

@@ -34,6 +34,13 @@ TF_TARGET_AVX512_BF16 void tf_block_gemm_tile_bf16_avx512(const tf_block_tile *t
             sum[i][1] = _mm512_dpbf16_ps(sum[i][1], av, x1);
           }
         }
+        if (t->folded) {
+          for (int i = 0; i < ROWS; ++i) {
+            tot[i][0] = _mm512_add_ps(tot[i][0], sum[i][0]);
+            tot[i][1] = _mm512_add_ps(tot[i][1], sum[i][1]);
+          }
+          continue;
+        }
         const __m512 sb0 = _mm512_loadu_ps(t->sb + kb * TF_GEMM_NB + g * 16);
         const __m512 sb1 = _mm512_loadu_ps(t->sb + kb * TF_GEMM_NB + g * 16 + 16);
         for (int i = 0; i < ROWS; ++i) {

@@ -69,4 +69,33 @@ TF_TARGET_AVX512_BF16 void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int
     }
   }
 }
+
+/* x * 2^e for the bf16 lanes whose exponent field is neither 0 (zeros) nor 255 (Inf, NaN), by adding
+ * `field` (e << 7 per lane, e of either sign) to the bits: the exponent moves, the sign and mantissa stay. */
+TF_TARGET_AVX512_BF16 static inline __m512i times_power_of_two(__m512i x, __m512i field) {
+  const __m512i exponent = _mm512_and_si512(x, _mm512_set1_epi16(0x7F80));
+  const __mmask32 scaled = _mm512_test_epi16_mask(exponent, exponent) &
+                           _mm512_cmpneq_epi16_mask(exponent, _mm512_set1_epi16(0x7F80));
+  return _mm512_mask_add_epi16(x, scaled, x, field);
+}
+
+TF_TARGET_AVX512_BF16 void tf_gemm_fold_a_bf16(uint16_t *a, int64_t rows, int64_t kc_pad, const int32_t *exponent) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i field = _mm512_set1_epi16((int16_t)(exponent[r] * 128));
+    uint16_t *row = a + r * kc_pad;
+    for (int64_t i = 0; i < kc_pad; i += 32)
+      _mm512_storeu_si512((void *)(row + i), times_power_of_two(_mm512_loadu_si512((const void *)(row + i)), field));
+  }
+}
+
+TF_TARGET_AVX512_BF16 void tf_gemm_fold_b_bf16(uint16_t *b, int64_t cols, int64_t kc_pad, const int32_t *exponent) {
+  for (int64_t g = 0; g < cols; g += 16) {
+    int16_t lanes[32]; /* a row of the group holds one pair of each of its 16 columns */
+    for (int l = 0; l < 32; ++l) lanes[l] = (int16_t)(exponent[g + l / 2] * 128);
+    const __m512i field = _mm512_loadu_si512((const void *)lanes);
+    uint16_t *group = b + g * kc_pad;
+    for (int64_t i = 0; i < 16 * kc_pad; i += 32)
+      _mm512_storeu_si512((void *)(group + i), times_power_of_two(_mm512_loadu_si512((const void *)(group + i)), field));
+  }
+}
 #endif
