@@ -249,7 +249,7 @@ static void compute_tile_fused(const job *jb, int64_t row0, int64_t col0, int64_
   int32_t exponent[TF_GEMM_MB > TF_GEMM_NB ? TF_GEMM_MB : TF_GEMM_NB];
   for (int64_t kb = 0; kb < jb->blocks; ++kb) {
     const int64_t k0 = kb * jb->block, kc = jb->k - k0 < jb->block ? jb->k - k0 : jb->block;
-    const int64_t kc_pad = (kc + 31) / 32 * 32;
+    const int64_t kc_pad = tf_block_kc_pad(kc);
     if (pack_a) {
       tf_gemm_pack_a_bf16(a->codes, jb->k, row0, rows, a_rows, k0, kc, kc_pad, w->codes_a, a_blocks + kb * a_elems);
       if (w->folded) {
@@ -325,7 +325,7 @@ tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_oper
   const int want_fused = isa == TF_ISA_AVX512_BF16 && jb.blocks > 0;
   if (isa >= TF_ISA_AVX512_BF16) {
     w.elem = sizeof(uint16_t);
-    w.kstride = (block + 31) / 32 * 32;
+    w.kstride = want_fused ? tf_block_kc_pad(block) : (block + 31) / 32 * 32;
     bf16_codes(a->format, w.codes_a);
     bf16_codes(b->format, w.codes_b);
     const int64_t block_bytes = TF_GEMM_NB * w.kstride * (int64_t)w.elem;
@@ -347,6 +347,12 @@ tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_oper
     w.a_row = malloc((size_t)(jb.blocks * TF_GEMM_MB * w.kstride) * w.elem);
   w.fused = want_fused && w.a_row && w.b_all && w.b_packed && w.sb_all;
   w.folded = w.fused && foldable(a, b, m, n, block, jb.blocks);
+  if (want_fused && !w.fused) { /* the per-block path packs 32-multiples: its own buffers, sized per tile */
+    free(w.a_row);
+    w.a_row = NULL;
+    w.b_slots = 0;
+    w.kstride = (block + 31) / 32 * 32;
+  }
   if (!w.fused && (w.b_slots != tiles_n || !w.b_all || !w.b_packed)) { /* packing per tile needs none */
     free(w.b_all);
     free(w.b_packed);

@@ -18,7 +18,7 @@ TF_TARGET_AVX512_BF16 void tf_block_gemm_tile_bf16_avx512(const tf_block_tile *t
       for (int i = 0; i < ROWS; ++i) tot[i][0] = tot[i][1] = _mm512_setzero_ps();
       for (int64_t kb = 0; kb < t->blocks; ++kb) {
         const int64_t kc = t->k - kb * t->block < t->block ? t->k - kb * t->block : t->block;
-        const int64_t kc_pad = (kc + 31) / 32 * 32, pairs = (kc + 1) / 2;
+        const int64_t kc_pad = tf_block_kc_pad(kc), pairs = (kc + 1) / 2;
         const uint16_t *a = t->a + kb * t->a_block_elems + r0 * kc_pad;
         const uint16_t *b0 = t->b + kb * t->b_block_elems + g * 16 * kc_pad, *b1 = b0 + 16 * kc_pad;
         __m512 sum[ROWS][2];

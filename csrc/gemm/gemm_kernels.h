@@ -6,7 +6,8 @@
  *
  * float32 paths (portable, AVX2): a as panels of TF_GEMM_MR rows, [MR][kc] floats (row-major, so
  *   packing a is a plain decode); b as panels of TF_GEMM_NR columns, [kc][NR] floats.
- * bf16 pair paths (AVX512-BF16, AMX): kc rounded up to kc_pad (a multiple of 32) with zeros;
+ * bf16 pair paths (AVX512-BF16, AMX): kc rounded up to kc_pad (a multiple of 32; of 16 for the
+ *   block-scaled GEMM's fused kernel, whose blocks may hold 16 values) with zeros;
  *   a as groups of 16 rows, [16][kc_pad] bf16 (row-major, what an AMX A tile loads);
  *   b as groups of 16 columns, [kc_pad / 2][16][2] bf16 (the VNNI layout of an AMX B tile). */
 #ifndef TF_GEMM_KERNELS_H
@@ -62,8 +63,8 @@ void tf_gemm_epilogue_avx512(const float *acc, int64_t rows, int64_t cols, float
                              const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
                              int64_t ldo, int64_t row0, int64_t col0);
 /* Packs rows [r0, r0 + rows) of x (FP8 codes, row stride ld; rows past `valid` as zeros), k block
- * [k0, k0 + kc) zero-padded to kc_pad, into a's layout (pack_a) or b's (pack_b; rows a multiple
- * of 16), through `codes`, the bf16 bits of each FP8 code. */
+ * [k0, k0 + kc) zero-padded to kc_pad (a multiple of 16), into a's layout (pack_a) or b's (pack_b;
+ * rows a multiple of 16), through `codes`, the bf16 bits of each FP8 code. */
 void tf_gemm_pack_a_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid, int64_t rows,
                          int64_t k0, int64_t kc, int64_t kc_pad, const uint16_t codes[256],
                          uint16_t *dst);
@@ -74,7 +75,7 @@ void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid
 
 /* The block-scaled GEMM's (block_scaled_gemm.h) fused kernel on AVX512-BF16: one output tile, its
  * K blocks packed in the bf16 pair layouts above, block kb of min(block, k - kb * block) values in
- * kc_pad = that rounded up to 32. Per 6 x 32 register block of the first rows x cols of the tile:
+ * kc_pad = tf_block_kc_pad(that). Per 6 x 32 register block of the first rows x cols of the tile:
  *   total = +0; for kb in order: P = +0 plus the block's pairs in order (vdpbf16ps, as
  *   tf_gemm_block_bf16_avx512 adds them; the zero pairs of the padding are skipped: adding +-0 to a
  *   sum of FP8 products changes no bit, as no such sum is -0 or subnormal); total += P * (sa * sb),
@@ -103,6 +104,10 @@ void tf_block_gemm_tile_bf16_avx512(const tf_block_tile *t, float *total, int64_
 void tf_gemm_fold_a_bf16(uint16_t *a, int64_t rows, int64_t kc_pad, const int32_t *exponent);
 void tf_gemm_fold_b_bf16(uint16_t *b, int64_t cols, int64_t kc_pad, const int32_t *exponent);
 #endif
+
+/* The packed length of a K block of kc values on the fused kernel: a multiple of 16, not 32, so that
+ * NVFP4's 16-value blocks carry no padding through memory. */
+static inline int64_t tf_block_kc_pad(int64_t kc) { return (kc + 15) / 16 * 16; }
 
 /* The number of blocks of `size` that cover `extent`. */
 static inline int64_t tf_gemm_blocks(int64_t extent, int64_t size) { return (extent + size - 1) / size; }

@@ -48,7 +48,10 @@ TF_TARGET_AVX512_BF16 void tf_gemm_pack_a_bf16(const uint8_t *x, int64_t ld, int
       continue;
     }
     const uint8_t *src = x + (r0 + r) * ld + k0;
-    for (int64_t i = 0; i < kc_pad; i += 32) _mm512_storeu_si512((void *)(d + i), decode32(src + i, kc - i, &c));
+    for (int64_t i = 0; i < kc_pad; i += 32) {
+      const __mmask32 keep = kc_pad - i >= 32 ? ~(__mmask32)0 : 0xFFFFu; /* kc_pad - i is 32 or 16 */
+      _mm512_mask_storeu_epi16((void *)(d + i), keep, decode32(src + i, kc - i, &c));
+    }
   }
 }
 
@@ -65,7 +68,8 @@ TF_TARGET_AVX512_BF16 void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int
       for (int j = 0; j < 16; ++j)
         r[j] = g + j < valid ? decode32(x + (r0 + g + j) * ld + k0 + i, kc - i, &c) : _mm512_setzero_si512();
       tf_transpose16_epi32(r);
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512((void *)(group + (i / 2 + p) * 32), r[p]);
+      const int pairs = kc_pad - i >= 32 ? 16 : 8;
+      for (int p = 0; p < pairs; ++p) _mm512_storeu_si512((void *)(group + (i / 2 + p) * 32), r[p]);
     }
   }
 }
@@ -83,8 +87,11 @@ TF_TARGET_AVX512_BF16 void tf_gemm_fold_a_bf16(uint16_t *a, int64_t rows, int64_
   for (int64_t r = 0; r < rows; ++r) {
     const __m512i field = _mm512_set1_epi16((int16_t)(exponent[r] * 128));
     uint16_t *row = a + r * kc_pad;
-    for (int64_t i = 0; i < kc_pad; i += 32)
-      _mm512_storeu_si512((void *)(row + i), times_power_of_two(_mm512_loadu_si512((const void *)(row + i)), field));
+    for (int64_t i = 0; i < kc_pad; i += 32) {
+      const __mmask32 keep = kc_pad - i >= 32 ? ~(__mmask32)0 : 0xFFFFu; /* kc_pad - i is 32 or 16 */
+      _mm512_mask_storeu_epi16((void *)(row + i), keep,
+                               times_power_of_two(_mm512_maskz_loadu_epi16(keep, (const void *)(row + i)), field));
+    }
   }
 }
 

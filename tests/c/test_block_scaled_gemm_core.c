@@ -137,7 +137,7 @@ static void test_paths(void) {
   static const int64_t shapes[][4] = {{197, 130, 96, 32}, {197, 130, 300, 32}, {70, 45, 300, 128},
                                       {33, 150, 37, 16},  {5, 7, 5, 16},        {1, 1, 1, 32},
                                       {300, 260, 75, 16}, {9, 3, 256, 256},     {4, 5, 0, 16},
-                                      {3, 40, 22001, 16}};
+                                      {3, 40, 44001, 16}};
   static const tf_dtype outs[] = {TF_FLOAT32, TF_BFLOAT16, TF_FLOAT16};
   for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); ++s) {
     const tf_fp8_format fa = (tf_fp8_format)(s & 1), fb = (tf_fp8_format)((s >> 1) & 1);
