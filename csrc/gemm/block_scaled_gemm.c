@@ -132,13 +132,26 @@ static int foldable(const tf_block_operand *a, const tf_block_operand *b, int64_
          a_hi + va_hi <= 127 && b_hi + vb_hi <= 127 && a_hi + va_hi + b_hi + vb_hi + block_bits <= 127;
 }
 
-/* exponent[i] = log2 of x's scale of row row0 + i in block kb for i < valid, 0 for the padding up to count. */
-static void fold_exponents(const tf_block_operand *x, int64_t row0, int64_t valid, int64_t count, int64_t kb,
-                           int32_t *exponent) {
+/* NVFP4's operands (tf_nvfp4_gemm_nt): E2M1 values (at most 2 significant bits, 1/2 to 6) under E4M3 block
+ * scales. Foldable when every scale is 0 or has at most 4 significant bits and a magnitude in [2^-9, 2^9), as
+ * E4M3 values do: each scaled value (6 bits) is a normal bf16, each product exact, and a block's products
+ * are sa * sb (8 bits) times multiples of 1/4 summing to at most 16 * 36, so every partial sum (20 bits) is
+ * exact in any order: P' = P * (sa * sb), which is itself exact. */
+static int e4m3_valued(const tf_block_operand *x, int64_t rows, int64_t blocks) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      const uint32_t bits = tf_f32_bits(x->scales[r * x->scale_row_stride + kb * x->scale_block_stride]) & 0x7FFFFFFFu;
+      const uint32_t field = bits >> 23;
+      if (bits != 0 && ((bits & 0x000FFFFFu) != 0 || field < 127 - 9 || field >= 127 + 9)) return 0;
+    }
+  return 1;
+}
+
+/* scale[i] = x's scale of row row0 + i in block kb for i < valid, 1 for the padding up to count. */
+static void fold_scales(const tf_block_operand *x, int64_t row0, int64_t valid, int64_t count, int64_t kb,
+                        float *scale) {
   for (int64_t i = 0; i < count; ++i)
-    exponent[i] = i < valid
-                      ? (int32_t)(tf_f32_bits(x->scales[(row0 + i) * x->scale_row_stride + kb * x->scale_block_stride]) >> 23) - 127
-                      : 0;
+    scale[i] = i < valid ? x->scales[(row0 + i) * x->scale_row_stride + kb * x->scale_block_stride] : 1.0f;
 }
 
 /* ---- driver ----------------------------------------------------------------------------- */
@@ -246,22 +259,22 @@ static void compute_tile_fused(const job *jb, int64_t row0, int64_t col0, int64_
   uint16_t *a_blocks = w->a_row, *b_blocks = w->b_all + slot * jb->blocks * b_elems;
   const int pack_a = w->a_row0 != row0;
   const int pack_b = w->b_slots == 1 ? w->b_col != col_tile : !w->b_packed[col_tile];
-  int32_t exponent[TF_GEMM_MB > TF_GEMM_NB ? TF_GEMM_MB : TF_GEMM_NB];
+  float scale[TF_GEMM_MB > TF_GEMM_NB ? TF_GEMM_MB : TF_GEMM_NB];
   for (int64_t kb = 0; kb < jb->blocks; ++kb) {
     const int64_t k0 = kb * jb->block, kc = jb->k - k0 < jb->block ? jb->k - k0 : jb->block;
     const int64_t kc_pad = tf_block_kc_pad(kc);
     if (pack_a) {
       tf_gemm_pack_a_bf16(a->codes, jb->k, row0, rows, a_rows, k0, kc, kc_pad, w->codes_a, a_blocks + kb * a_elems);
       if (w->folded) {
-        fold_exponents(a, row0, rows, a_rows, kb, exponent);
-        tf_gemm_fold_a_bf16(a_blocks + kb * a_elems, a_rows, kc_pad, exponent);
+        fold_scales(a, row0, rows, a_rows, kb, scale);
+        tf_gemm_fold_a_bf16(a_blocks + kb * a_elems, a_rows, kc_pad, scale);
       }
     }
     if (pack_b) {
       tf_gemm_pack_b_bf16(b->codes, jb->k, col0, cols, b_cols, k0, kc, kc_pad, w->codes_b, b_blocks + kb * b_elems);
       if (w->folded) {
-        fold_exponents(b, col0, cols, b_cols, kb, exponent);
-        tf_gemm_fold_b_bf16(b_blocks + kb * b_elems, b_cols, kc_pad, exponent);
+        fold_scales(b, col0, cols, b_cols, kb, scale);
+        tf_gemm_fold_b_bf16(b_blocks + kb * b_elems, b_cols, kc_pad, scale);
       }
     }
     if (w->folded) continue;
@@ -293,10 +306,10 @@ static void free_scratch(scratch *w) {
   free(w->b_packed);
 }
 
-tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_operand *b, int64_t m,
-                                  int64_t n, int64_t k, int64_t block, const void *bias,
-                                  tf_dtype bias_dtype, void *out, tf_dtype out_dtype, tf_isa isa,
-                                  int64_t tile_begin, int64_t tile_end) {
+/* tf_block_scaled_gemm_nt with the epilogue's factor alpha; nvfp4: the operands are NVFP4's (tf_nvfp4_gemm_nt). */
+static tf_status gemm(const tf_block_operand *a, const tf_block_operand *b, int64_t m, int64_t n, int64_t k,
+                      int64_t block, float alpha, int nvfp4, const void *bias, tf_dtype bias_dtype, void *out,
+                      tf_dtype out_dtype, tf_isa isa, int64_t tile_begin, int64_t tile_end) {
   const tf_status s =
       tf_block_scaled_gemm_check(m, n, k, block, a, b, bias != 0, bias_dtype, out_dtype, isa);
   if (s != TF_OK) return s;
@@ -346,7 +359,8 @@ tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_oper
   if ((several_cols || want_fused) && jb.blocks <= PACKED_MAX_BYTES / (TF_GEMM_MB * w.kstride * (int64_t)w.elem))
     w.a_row = malloc((size_t)(jb.blocks * TF_GEMM_MB * w.kstride) * w.elem);
   w.fused = want_fused && w.a_row && w.b_all && w.b_packed && w.sb_all;
-  w.folded = w.fused && foldable(a, b, m, n, block, jb.blocks);
+  w.folded = w.fused && (nvfp4 ? e4m3_valued(a, m, jb.blocks) && e4m3_valued(b, n, jb.blocks)
+                               : foldable(a, b, m, n, block, jb.blocks));
   if (want_fused && !w.fused) { /* the per-block path packs 32-multiples: its own buffers, sized per tile */
     free(w.a_row);
     w.a_row = NULL;
@@ -378,16 +392,31 @@ tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_oper
       else
 #endif
         compute_tile(&jb, row0, col0, rows, cols, &w);
-      /* scale 1: total * 1 is total, so the epilogue adds the bias and rounds */
 #if TF_X86
       if (isa >= TF_ISA_AVX512 && out_dtype != TF_FLOAT16) {
-        tf_gemm_epilogue_avx512(w.total, rows, cols, 1.0f, bias, bias_dtype, out, out_dtype, n, row0, col0);
+        tf_gemm_epilogue_avx512(w.total, rows, cols, alpha, bias, bias_dtype, out, out_dtype, n, row0, col0);
         continue;
       }
 #endif
-      tf_gemm_epilogue_portable(w.total, rows, cols, 1.0f, bias, bias_dtype, out, out_dtype, n, row0, col0);
+      tf_gemm_epilogue_portable(w.total, rows, cols, alpha, bias, bias_dtype, out, out_dtype, n, row0, col0);
     }
   }
   free_scratch(&w);
   return result;
+}
+
+tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_operand *b, int64_t m,
+                                  int64_t n, int64_t k, int64_t block, const void *bias,
+                                  tf_dtype bias_dtype, void *out, tf_dtype out_dtype, tf_isa isa,
+                                  int64_t tile_begin, int64_t tile_end) {
+  /* alpha 1: total * 1 is total, so the epilogue adds the bias and rounds */
+  return gemm(a, b, m, n, k, block, 1.0f, 0, bias, bias_dtype, out, out_dtype, isa, tile_begin, tile_end);
+}
+
+tf_status tf_nvfp4_gemm_nt(const tf_block_operand *a, const tf_block_operand *b, int64_t m, int64_t n, int64_t k,
+                           float alpha, const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
+                           tf_isa isa, int64_t tile_begin, int64_t tile_end) {
+  if (a && b && (a->format != TF_FP8_E4M3 || b->format != TF_FP8_E4M3)) return TF_ERR_BAD_DTYPE;
+  return gemm(a, b, m, n, k, TF_NVFP4_GEMM_BLOCK, alpha, 1, bias, bias_dtype, out, out_dtype, isa, tile_begin,
+              tile_end);
 }

@@ -47,4 +47,20 @@ tf_status tf_block_scaled_gemm_nt(const tf_block_operand *a, const tf_block_oper
                                   tf_dtype bias_dtype, void *out, tf_dtype out_dtype, tf_isa isa,
                                   int64_t tile_begin, int64_t tile_end);
 
+#define TF_NVFP4_GEMM_BLOCK 16
+
+/* NVFP4's GEMM: a and b hold E4M3 codes of E2M1 values (what tf_nvfp4_unpack_e4m3 writes), their scales
+ * the values of the E4M3 block scales, blocks of 16 along k; alpha is the product of the two tensors'
+ * global decode factors:
+ *   total[i, j] = 0;  for kb in order: total[i, j] += P_kb[i, j] * (a_scale[i, kb] * b_scale[j, kb])
+ *   out[i, j] = round_out(float32(total[i, j] * alpha) + bias[j])
+ * where, for E4M3 scales, each term is exact (a block's E2M1 products sum to a multiple of 1/4 of at most
+ * 576): only the additions into total and the epilogue round, whatever the tier; a scale that is not an
+ * E4M3 value (NaN) takes the general order above. As Blackwell's NVFP4 MMA, which multiplies by the E4M3
+ * scales inside and by alpha once at the end. TF_ERR_BAD_DTYPE unless both formats are E4M3; otherwise
+ * as tf_block_scaled_gemm_nt with block 16. */
+tf_status tf_nvfp4_gemm_nt(const tf_block_operand *a, const tf_block_operand *b, int64_t m, int64_t n, int64_t k,
+                           float alpha, const void *bias, tf_dtype bias_dtype, void *out, tf_dtype out_dtype,
+                           tf_isa isa, int64_t tile_begin, int64_t tile_end);
+
 #endif /* TF_BLOCK_SCALED_GEMM_H */

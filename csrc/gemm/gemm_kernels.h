@@ -79,8 +79,8 @@ void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int64_t r0, int64_t valid
  *   total = +0; for kb in order: P = +0 plus the block's pairs in order (vdpbf16ps, as
  *   tf_gemm_block_bf16_avx512 adds them; the zero pairs of the padding are skipped: adding +-0 to a
  *   sum of FP8 products changes no bit, as no such sum is -0 or subnormal); total += P * (sa * sb),
- *   or, folded (the packed values already multiplied by their power-of-two scales, so that P is
- *   that product), total += P
+ *   or, folded (the packed values already multiplied by their scales where block_scaled_gemm.c
+ *   shows that P then is that product), total += P
  * and stores total (row stride TF_GEMM_NB). */
 typedef struct {
   int64_t blocks, block, k;
@@ -97,12 +97,12 @@ typedef struct {
 #if TF_X86
 void tf_block_gemm_tile_bf16_avx512(const tf_block_tile *t, float *total, int64_t rows, int64_t cols);
 
-/* Multiply packed bf16 values by powers of two, in place: row r of a's layout (pack_a) by
- * 2^exponent[r] for r < rows, or column j of b's layout (pack_b; cols a multiple of 16) by
- * 2^exponent[j] for j < cols. Zeros, Inf and NaN stay as they are; every other value must stay a
- * normal bf16 (the caller's range check), so each result is exact. */
-void tf_gemm_fold_a_bf16(uint16_t *a, int64_t rows, int64_t kc_pad, const int32_t *exponent);
-void tf_gemm_fold_b_bf16(uint16_t *b, int64_t cols, int64_t kc_pad, const int32_t *exponent);
+/* Multiply packed bf16 values in place: row r of a's layout (pack_a) by scale[r] for r < rows, or
+ * column j of b's layout (pack_b; cols a multiple of 16) by scale[j] for j < cols, in float32 and
+ * kept as bf16 by truncation: every product must be a bf16 value (the caller's range check), so
+ * each result is exact. */
+void tf_gemm_fold_a_bf16(uint16_t *a, int64_t rows, int64_t kc_pad, const float *scale);
+void tf_gemm_fold_b_bf16(uint16_t *b, int64_t cols, int64_t kc_pad, const float *scale);
 #endif
 
 /* The packed length of a K block of kc values on the fused kernel: a multiple of 16, not 32, so that

@@ -74,35 +74,33 @@ TF_TARGET_AVX512_BF16 void tf_gemm_pack_b_bf16(const uint8_t *x, int64_t ld, int
   }
 }
 
-/* x * 2^e for the bf16 lanes whose exponent field is neither 0 (zeros) nor 255 (Inf, NaN), by adding
- * `field` (e << 7 per lane, e of either sign) to the bits: the exponent moves, the sign and mantissa stay. */
-TF_TARGET_AVX512_BF16 static inline __m512i times_power_of_two(__m512i x, __m512i field) {
-  const __m512i exponent = _mm512_and_si512(x, _mm512_set1_epi16(0x7F80));
-  const __mmask32 scaled = _mm512_test_epi16_mask(exponent, exponent) &
-                           _mm512_cmpneq_epi16_mask(exponent, _mm512_set1_epi16(0x7F80));
-  return _mm512_mask_add_epi16(x, scaled, x, field);
+/* The 32 bf16 values of v times their multipliers, lanes 2i and 2i + 1 by lane i of `scale`: exact when
+ * every product is a bf16 value (the caller's range check), so its float32 bits end in 16 zeros. */
+TF_TARGET_AVX512_BF16 static inline __m512i times(__m512i v, __m512 scale) {
+  const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+  const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), scale);
+  const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, high)), scale);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(odd), high),
+                         _mm512_srli_epi32(_mm512_castps_si512(even), 16));
 }
 
-TF_TARGET_AVX512_BF16 void tf_gemm_fold_a_bf16(uint16_t *a, int64_t rows, int64_t kc_pad, const int32_t *exponent) {
+TF_TARGET_AVX512_BF16 void tf_gemm_fold_a_bf16(uint16_t *a, int64_t rows, int64_t kc_pad, const float *scale) {
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512i field = _mm512_set1_epi16((int16_t)(exponent[r] * 128));
+    const __m512 s = _mm512_set1_ps(scale[r]);
     uint16_t *row = a + r * kc_pad;
     for (int64_t i = 0; i < kc_pad; i += 32) {
       const __mmask32 keep = kc_pad - i >= 32 ? ~(__mmask32)0 : 0xFFFFu; /* kc_pad - i is 32 or 16 */
-      _mm512_mask_storeu_epi16((void *)(row + i), keep,
-                               times_power_of_two(_mm512_maskz_loadu_epi16(keep, (const void *)(row + i)), field));
+      _mm512_mask_storeu_epi16((void *)(row + i), keep, times(_mm512_maskz_loadu_epi16(keep, (const void *)(row + i)), s));
     }
   }
 }
 
-TF_TARGET_AVX512_BF16 void tf_gemm_fold_b_bf16(uint16_t *b, int64_t cols, int64_t kc_pad, const int32_t *exponent) {
+TF_TARGET_AVX512_BF16 void tf_gemm_fold_b_bf16(uint16_t *b, int64_t cols, int64_t kc_pad, const float *scale) {
   for (int64_t g = 0; g < cols; g += 16) {
-    int16_t lanes[32]; /* a row of the group holds one pair of each of its 16 columns */
-    for (int l = 0; l < 32; ++l) lanes[l] = (int16_t)(exponent[g + l / 2] * 128);
-    const __m512i field = _mm512_loadu_si512((const void *)lanes);
+    const __m512 s = _mm512_loadu_ps(scale + g); /* a row of the group holds one pair of each of its 16 columns */
     uint16_t *group = b + g * kc_pad;
     for (int64_t i = 0; i < 16 * kc_pad; i += 32)
-      _mm512_storeu_si512((void *)(group + i), times_power_of_two(_mm512_loadu_si512((const void *)(group + i)), field));
+      _mm512_storeu_si512((void *)(group + i), times(_mm512_loadu_si512((const void *)(group + i)), s));
   }
 }
 #endif

@@ -167,6 +167,60 @@ static void test_paths(void) {
   }
 }
 
+/* tf_nvfp4_gemm_nt on every path: E4M3 codes of E2M1 values, E4M3-valued scales (zero, subnormal and 448
+ * among them; with nan_scale, one NaN), against each block's exact sum (double) times sa * sb, added into a
+ * float32 total in block order, times alpha, plus the bias: the bits must not depend on the path. */
+static void test_nvfp4(void) {
+  static const uint8_t e2m1[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                                   0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
+  static const int64_t shapes[][3] = {{197, 130, 96}, {33, 150, 48}, {300, 260, 80}, {5, 7, 16}, {3, 40, 44000}};
+  static const tf_dtype outs[] = {TF_FLOAT32, TF_BFLOAT16, TF_FLOAT16};
+  for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); ++s) {
+    for (int nan_scale = 0; nan_scale < 2; ++nan_scale) {
+      problem p = make_problem(shapes[s][0], shapes[s][1], shapes[s][2], TF_NVFP4_GEMM_BLOCK, TF_FP8_E4M3, TF_FP8_E4M3);
+      for (int64_t i = 0; i < p.m * p.k; ++i) p.a[i] = e2m1[rnd() % 16];
+      for (int64_t i = 0; i < p.n * p.k; ++i) p.b[i] = e2m1[rnd() % 16];
+      for (int64_t i = 0; i < p.m * p.blocks; ++i) p.sa[i] = tf_fp8_e4m3_decode((uint8_t)(rnd() % 127));
+      for (int64_t i = 0; i < p.n * p.blocks; ++i) p.sb[i] = tf_fp8_e4m3_decode((uint8_t)(rnd() % 127));
+      p.sa[0] = 0.0f, p.sb[0] = 448.0f, p.sa[p.m * p.blocks - 1] = 0x1p-9f;
+      if (nan_scale) p.sb[p.n * p.blocks - 1] = NAN;
+      const float alpha = ldexpf(1.0f + (float)(rnd() % 1000) / 1000.0f, (int)(rnd() % 30) - 25);
+      float *want = malloc(sizeof(float) * (size_t)(p.m * p.n) + 1);
+      for (int64_t i = 0; i < p.m; ++i)
+        for (int64_t j = 0; j < p.n; ++j) {
+          float total = 0.0f;
+          for (int64_t kb = 0; kb < p.blocks; ++kb) {
+            double sum = 0.0;
+            for (int64_t q = kb * p.block; q < (kb + 1) * p.block; ++q)
+              sum += (double)tf_fp8_e4m3_decode(p.a[i * p.k + q]) * (double)tf_fp8_e4m3_decode(p.b[j * p.k + q]);
+            total += (float)(sum * (double)p.sa[i * p.blocks + kb] * (double)p.sb[kb * p.n + j]);
+          }
+          want[i * p.n + j] = total * alpha;
+        }
+      void *out = malloc(sizeof(float) * (size_t)(p.m * p.n) + 1);
+      for (int isa = 0; isa <= (int)tf_cpu_isa_detected(); ++isa)
+        for (int o = 0; o < 3; ++o) {
+          const int with_bias = (int)((s + (size_t)o) & 1);
+          const tf_status st = tf_nvfp4_gemm_nt(&p.oa, &p.ob, p.m, p.n, p.k, alpha, with_bias ? p.bias : NULL,
+                                                TF_FLOAT32, out, outs[o], (tf_isa)isa, 0, tf_fp8_gemm_tiles(p.m, p.n));
+          CHECK(st == TF_OK, "status %d", (int)st);
+          const int64_t bad = count_differences(&p, want, out, outs[o], with_bias);
+          CHECK(bad == 0, "nvfp4 isa %d shape %zu nan %d out %d: %lld values differ", isa, s, nan_scale, o,
+                (long long)bad);
+        }
+      free(out), free(want);
+      free_problem(&p);
+    }
+  }
+  uint8_t a[16] = {0}, b[16] = {0};
+  float one = 1.0f, out[1];
+  const tf_block_operand oa = {a, TF_FP8_E4M3, &one, 1, 1}, ob = {b, TF_FP8_E5M2, &one, 1, 1};
+  CHECK(tf_nvfp4_gemm_nt(&oa, &ob, 1, 1, 16, 1.0f, NULL, TF_FLOAT32, out, TF_FLOAT32, TF_ISA_PORTABLE, 0, 1) ==
+            TF_ERR_BAD_DTYPE, "nvfp4: an E5M2 operand");
+  CHECK(tf_nvfp4_gemm_nt(&oa, NULL, 1, 1, 16, 1.0f, NULL, TF_FLOAT32, out, TF_FLOAT32, TF_ISA_PORTABLE, 0, 1) ==
+            TF_ERR_NULL_POINTER, "nvfp4: no b");
+}
+
 /* Any split of the tiles gives the bits of one call (each tile packs and sums alone). */
 static void test_tile_ranges(void) {
   problem p = make_problem(500, 300, 100, 32, TF_FP8_E4M3, TF_FP8_E5M2);
@@ -229,6 +283,7 @@ static void test_bad_arguments(void) {
 int main(void) {
   test_paths();
   test_tile_ranges();
+  test_nvfp4();
   test_bad_arguments();
   return check_report();
 }
