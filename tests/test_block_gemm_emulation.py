@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from block_gemm_bounds import exact64, gamma, magnitude64, one_pass_bound, split_bound
-from te_fuser.kernels.gemm import block_scaled_gemm
+from te_fuser.kernels.gemm import block_scaled_gemm, nvfp4_gemm
 from te_fuser.ops.block_gemm_cuda import emulated_block_scaled_gemm_nt, folded, one_pass_block_scaled_gemm_nt
 
 # (m, n, k, block): each recipe's block, K a whole number of blocks, ragged (a shorter last block) and below one
@@ -99,36 +99,43 @@ def test_split_against_one_pass_accumulation(m, n, k, block, generator):
 
 
 @pytest.mark.parametrize("m,n,k", [(16, 24, 80), (9, 11, 37), (32, 16, 512)])
-def test_nvfp4_alpha_at_the_end_against_the_c_kernels_factors(m, n, k, generator):
-    """NVFP4: the C kernel scales each block by float32(fa fb), fa = float32(float32(s_a amax_a) c), c =
-    float32(1 / 2688); the Blackwell model sums the exact products e2m1 e2m1 s_a s_b over K in float32 and
-    multiplies by alpha = float32(float32(amax_a c) float32(amax_b c)) at the end."""
+def test_nvfp4_alpha_at_the_end_against_the_folded_factors(m, n, k, generator):
+    """NVFP4 three ways: te_fuser's CPU GEMM (nvfp4_gemm: exact block terms e2m1 e2m1 s_a s_b added in block order,
+    times alpha = float32(float32(amax_a c) float32(amax_b c)), c = float32(1 / 2688)); the Blackwell model (the
+    same terms summed over K in float32 in any order, times alpha); and each block scaled by float32(fa fb),
+    fa = float32(float32(s_a amax_a) c), the factors the device engines take (here through the C kernel's split
+    accumulation). Each within its bound of float64, and of one another."""
     kp, nb = -(-k // 16) * 16, -(-k // 16)
     c = torch.tensor(1.0 / 2688.0, dtype=torch.float32)
+    signed_e2m1 = torch.cat([E2M1, -E2M1])
 
     def operand(rows):
-        values = E2M1[torch.randint(0, 8, (rows, kp), generator=generator)]
-        values = values * torch.where(torch.rand(rows, kp, generator=generator) < 0.5, -1.0, 1.0)
-        values[:, k:] = 0  # the zero padding
-        s = torch.randint(0x08, 0x7F, (rows, nb), dtype=torch.uint8, generator=generator).view(torch.float8_e4m3fn)
+        nibbles = torch.randint(0, 16, (rows, kp), generator=generator)
+        nibbles[:, k:] = 0  # the zero padding
+        packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).to(torch.uint8)
+        s = torch.randint(0x08, 0x7F, (rows, nb), dtype=torch.uint8, generator=generator)
         amax = torch.exp2(torch.randn((), generator=generator) * 6) * (1 + torch.rand((), generator=generator))
-        return values.to(torch.float8_e4m3fn), s.float(), amax
+        return signed_e2m1[nibbles].to(torch.float8_e4m3fn), packed, s, s.view(torch.float8_e4m3fn).float(), amax
 
-    a, s_a, amax_a = operand(m)
-    b, s_b, amax_b = operand(n)
+    a, a_packed, a_codes, s_a, amax_a = operand(m)
+    b, b_packed, b_codes, s_b, amax_b = operand(n)
+    alpha = (amax_a * c) * (amax_b * c)
+    cpu = nvfp4_gemm(a_packed, a_codes, b_packed, b_codes, alpha, torch.float32)
     fa, fb = s_a * amax_a * c, s_b * amax_b * c  # float32, as NVFP4Tensor._codes_and_factors gives them
-    c_kernel = block_scaled_gemm(a, fa, b, fb, 16, torch.float32)
+    factors = block_scaled_gemm(a, fa, b, fb, 16, torch.float32)
     scale = (s_a[:, None, :] * s_b[None, :, :]).repeat_interleave(16, dim=2)  # exact: E4M3 x E4M3
     terms = (a.float()[:, None, :] * b.float()[None, :, :]) * scale  # exact: 2 + 2 + 4 + 4 significant bits
-    hardware = one_pass(terms, generator) * ((amax_a * c) * (amax_b * c))
+    hardware = one_pass(terms, generator) * alpha
     ga, gb = amax_a.double() * c.double(), amax_b.double() * c.double()
     true_a, true_b = s_a.double() * ga, s_b.double() * gb  # the factors without rounding
     d = magnitude64(a, true_a, b, true_b, 16)
     exact = exact64(a, true_a, b, true_b, 16)
+    cpu_bound = gamma(nb + 3)  # the blocks' total (nb - 1), times alpha (1), alpha's own 3
+    within(cpu, exact, cpu_bound * d, "CPU GEMM vs float64")
     within(hardware, exact, one_pass_bound(kp, scale_roundings=2) * d, "alpha at the end vs float64")
-    within(c_kernel, exact, split_bound(kp, 16, scale_roundings=4) * d, "C kernel vs float64")
-    within(hardware, c_kernel.double(),
-           (split_bound(kp, 16, scale_roundings=4) + one_pass_bound(kp, scale_roundings=2)) * d, "alpha vs split")
+    within(factors, exact, split_bound(kp, 16, scale_roundings=4) * d, "folded factors vs float64")
+    within(hardware, cpu.double(), (cpu_bound + one_pass_bound(kp, scale_roundings=2)) * d, "one pass vs CPU")
+    within(factors, cpu.double(), (cpu_bound + split_bound(kp, 16, scale_roundings=4)) * d, "factors vs CPU")
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -14,13 +14,18 @@ values apart (the last block may be shorter), each block's sum scaled by its two
 added to a float32 total in block order (csrc/gemm/block_scaled_gemm.h). On a GPU te_fuser.ops.block_gemm
 runs cuBLASLt or an emulation instead: block_gemm_engine says which engine a call takes, last_block_gemm_engine
 which one the last call took (the names are te_fuser.ops.block_gemm_cuda's).
+
+nvfp4_gemm is NVFP4's GEMM on the CPU, from packed E2M1 data and E4M3 scale codes: each 16-value block's exact
+sum times its two E4M3 scales (exact too), added to a float32 total in block order, times alpha (the two
+tensors' global decode factors) once at the end, as Blackwell's NVFP4 MMA does.
 """
 
 from typing import Optional
 
 import torch
 
-from .validate import FP8_DTYPES, call_checked, check_contiguous, check_dtype, check_float_dtype, check_scalar_f32
+from .validate import (FP8_DTYPES, call_checked, check_contiguous, check_dtype, check_float_dtype,
+                       check_scalar_f32)
 
 _ops = torch.ops.te_fuser
 MAX_BLOCK = 256  # TF_GEMM_KC: a block is summed within one of the engine's k blocks
@@ -74,6 +79,58 @@ def block_scaled_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, 
     each block's sum from fp8_gemm's engine, every step in float32, then one rounding to out_dtype."""
     return call_checked(lambda: _check_block_scaled_gemm_args(a, a_scales, b, b_scales, block, out_dtype, bias),
                         _ops.block_scaled_gemm, a, a_scales, b, b_scales, block, out_dtype, bias)
+
+
+def nvfp4_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor, alpha: torch.Tensor,
+               out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b.T for NVFP4 a (M, K) and b (N, K), K a multiple of 16, on the CPU: a and b uint8 (M or N, K / 2), two
+    E2M1 values a byte (the low nibble first), row-major; a_scales (M, K / 16) and b_scales (N, K / 16) their E4M3
+    block scales (uint8 codes or float8_e4m3fn, any strides); alpha a float32 tensor of one element; plus bias, in
+    out_dtype:
+        total = sum over blocks kb in order of float32(exact block sum * a_scales[:, kb] * b_scales[:, kb])
+        out = out_dtype(float32(total * alpha) + bias)
+    Each block's term is exact for E4M3 scales (a NaN scale gives NaN), so only the additions into total, the
+    product with alpha and the bias round, whatever the CPU."""
+    return call_checked(lambda: _check_nvfp4_gemm_args(a, a_scales, b, b_scales, alpha, out_dtype, bias),
+                        _ops.nvfp4_gemm, a, a_scales, b, b_scales, alpha, out_dtype, bias)
+
+
+def _check_nvfp4_gemm_args(a, a_scales, b, b_scales, alpha, out_dtype, bias):
+    for t, name in ((a, "a"), (b, "b")):
+        check_dtype(t, name, (torch.uint8,))
+        if t.dim() != 2 or t.shape[1] % 8:
+            raise ValueError(f"{name} must be 2-D packed E2M1 data with whole 16-value blocks a row (a multiple of "
+                             f"8 bytes), got shape {tuple(t.shape)}")
+        check_contiguous(t, name)
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} is on {t.device}: nvfp4_gemm runs on the CPU")
+    if b.shape[1] != a.shape[1]:
+        raise ValueError(f"b must have a.shape[1] = {a.shape[1]} bytes a row (b is (N, K / 2)), got shape "
+                         f"{tuple(b.shape)}")
+    blocks = 2 * a.shape[1] // 16
+    for scales, name, rows in ((a_scales, "a_scales", a.shape[0]), (b_scales, "b_scales", b.shape[0])):
+        check_dtype(scales, name, (torch.uint8, torch.float8_e4m3fn))
+        if scales.shape != (rows, blocks):
+            raise ValueError(f"{name} must have shape ({rows}, {blocks}): one E4M3 scale per row and 16-value "
+                             f"block, got {tuple(scales.shape)}")
+        if scales.device != a.device:
+            raise ValueError(f"{name} is on {scales.device} but a is on {a.device}; they must be on the same device")
+    check_scalar_f32(alpha, "alpha", a, "a")
+    check_float_dtype(out_dtype, "out_dtype")
+    if bias is not None:
+        check_dtype(bias, "bias")
+        if bias.shape != (b.shape[0],):
+            raise ValueError(f"bias must have shape ({b.shape[0]},) (one value per row of b), got {tuple(bias.shape)}")
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device} but a is on {a.device}; they must be on the same device")
+        check_contiguous(bias, "bias")
+
+
+@torch.library.register_fake("te_fuser::nvfp4_gemm")
+def _(a, a_scales, b, b_scales, alpha, out_dtype, bias=None):
+    if any(t is not None and t.device.type != "cpu" for t in (a, a_scales, b, b_scales, alpha, bias)):
+        raise RuntimeError("te_fuser::nvfp4_gemm takes CPU tensors")
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 _last_block_gemm_engine: Optional[str] = None

@@ -19,10 +19,15 @@ last block is then partial, its scale from the amax of the elements present (wha
 and its sum shorter. NVFP4 operands are padded with zeros to a multiple of 16 instead (their packed
 rows hold 16-value blocks), which sums the same.
 
-NVFP4's E2M1 values are all E4M3 values, so its operands run through the same FP8 GEMM; a block's
-scale is its dequantization factor float32(float32(e4m3 scale * amax) * float32(1 / 2688)).
-Blackwell instead multiplies by the E4M3 scales inside the MMA and by the two amaxes' factor
-(alpha) once at the end: the results differ by the rounding of the folded factors.
+NVFP4 on the CPU (block_gemm; te_fuser.kernels.gemm.nvfp4_gemm) takes the E4M3 block scales as a block's
+scales and the two tensors' global decode factors once at the end, as Blackwell's NVFP4 MMA does:
+
+    out[i, j] = float32(total[i, j] * alpha) + bias[j],  alpha = float32(float32(amax_a / 2688) * float32(amax_b / 2688))
+
+where each block's term P_kb * (sa * sb) is exact (E2M1 products sum to a multiple of 1/4 of at most 576;
+E4M3 scales have 4 significant bits), so only the additions into total round. On a GPU, NVFP4's operands go
+through the engines above with each block's scale its dequantization factor float32(float32(e4m3 scale *
+amax) * float32(1 / 2688)) (NVFP4Tensor._codes_and_factors), which rounds differently by those factors.
 
     forward  y  = x  @ W.T   a = x rowwise,              b = W rowwise
     dgrad    dx = dy @ W     a = dy rowwise,             b = W columnwise (as W.T's rows)
@@ -105,3 +110,20 @@ def block_scaled_gemm_nt(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tenso
     gemm_kernels.record_block_gemm_engine("cpu")
     return gemm_kernels.block_scaled_gemm(a.contiguous(), a_scales, b.contiguous(), b_scales, block, out_dtype, bias)
 
+
+_NVFP4_GLOBAL = 1.0 / 2688.0  # 1 / (E4M3's 448 * E2M1's 6): a tensor's decode factor per unit of amax
+
+
+def block_gemm(a, a_columnwise: bool, b, b_columnwise: bool, out_dtype: torch.dtype,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a @ b.T of two block-scaled tensors' usages, each as gemm_operand takes it (the rowwise or columnwise
+    one): NVFP4 on the CPU through NVFP4's own GEMM, anything else through block_scaled_gemm_nt."""
+    if isinstance(a, NVFP4Tensor) and a.device.type == "cpu":
+        a_data, a_scales, a_amax = NVFP4Tensor._packed_operand(a, a_columnwise)
+        b_data, b_scales, b_amax = NVFP4Tensor._packed_operand(b, b_columnwise)
+        c = torch.tensor(_NVFP4_GLOBAL, dtype=torch.float32)
+        alpha = (a_amax.reshape(()) * c) * (b_amax.reshape(()) * c)
+        gemm_kernels.record_block_gemm_engine("cpu")
+        return gemm_kernels.nvfp4_gemm(a_data, a_scales, b_data, b_scales, alpha, out_dtype, bias)
+    return block_scaled_gemm_nt(*gemm_operand(a, a_columnwise), *gemm_operand(b, b_columnwise), block_of(a), out_dtype,
+                                bias)

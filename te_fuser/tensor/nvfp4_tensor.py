@@ -79,6 +79,19 @@ class NVFP4Tensor(BlockScaledTensor):
     def _fp4_dtype(self) -> DType:
         return DType.kFloat4E2M1
 
+    def _packed_operand(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A usage as NVFP4's CPU GEMM takes it (te_fuser.kernels.gemm.nvfp4_gemm): (packed data (n, m / 2), E4M3
+        scale codes (n, m / 16), amax), n x m the data's matrix as in _codes_and_factors."""
+        cols = self.shape[-1]
+        rows = self.numel() // cols
+        if columnwise:
+            data, scale, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
+            n, m = cols, kernels.padded_len(rows)
+        else:
+            data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
+            n, m = rows, kernels.padded_len(cols)
+        return data.reshape(n, m // 2), scale[:n, : m // NVFP4_BLOCK_SCALING_SIZE], amax
+
     def _codes_and_factors(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         """A usage's values as (E4M3 codes (n, m) of its E2M1 values, float32 decode factors (n, m / 16),
         float32(float32(scale * amax) * float32(1 / 2688))), n x m the data's matrix: (rows, cols)

@@ -27,7 +27,7 @@ from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from .._delayed_wgrad import finish_wgrad, refuse_delayed_wgrad_while_tracing
 from ..op import BasicOperation
 from .._gemm_kind import gemm_block
-from ..block_gemm import block_scaled_gemm_nt, gemm_operand
+from ..block_gemm import block_gemm
 from .linear import (_block_scaled_wgrad, _columnwise_only, _same_quantization, fp8_wgrad, high_precision_wgrad,
                      saved_block_weight, saved_weight, sync_weight_quantizer, transposed_data)
 
@@ -126,8 +126,7 @@ class GroupedBasicLinear(BasicOperation):
                 else:
                     wq = self._quantized_weight(i, w, is_first_microbatch)
                     w_saved = _columnwise_only(wq) if ctx.input_requires_grad else None
-                outs.append(block_scaled_gemm_nt(*gemm_operand(xq, False), *gemm_operand(wq, False), block, out_dtype,
-                                                 b))
+                outs.append(block_gemm(xq, False, wq, False, out_dtype, b))
                 saved += [_columnwise_only(xq) if weight_requires_grad else None, w_saved]
             elif fp8:
                 xq = self._forward_quantizers[2 * i](xi)
@@ -175,12 +174,11 @@ class GroupedBasicLinear(BasicOperation):
                 if ctx.input_requires_grad:
                     if w_saved._columnwise_data is None:  # a weight parameter in 2-D blocks (saved_block_weight)
                         w_saved = w_saved.columnwise_from_rowwise()
-                    dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), ctx.block,
-                                              ctx.dtype)
+                    dx = block_gemm(dyq, False, w_saved, True, ctx.dtype)
                 if ctx.weight_requires_grad:
                     # queued (delay_wgrad_compute): only dy's columnwise buffers, the rowwise ones go now
-                    wgrads.append((_block_scaled_wgrad, (ctx.block, dyq if self.wgrad_queue is None
-                                                         else _columnwise_only(dyq), x_saved)))
+                    wgrads.append((_block_scaled_wgrad, (dyq if self.wgrad_queue is None else _columnwise_only(dyq),
+                                                         x_saved)))
             elif ctx.fp8:
                 dyq = ctx.grad_output_quantizers[i](dy.contiguous())
                 if ctx.input_requires_grad:

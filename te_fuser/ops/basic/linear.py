@@ -17,7 +17,7 @@ from .._block_gather import all_gather_rows, gathers_low_precision, quantize_row
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
 from .._gemm_kind import PER_TENSOR, gemm_block, quantizer_block
-from ..block_gemm import block_scaled_gemm_nt, gemm_operand
+from ..block_gemm import block_gemm
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation, OperationContext
 
@@ -112,9 +112,9 @@ def fp8_wgrad(dy_t, dy_scale_inv, x_t, x_scale_inv) -> torch.Tensor:
     return fp8_gemm_nt(dy_t, dy_scale_inv, x_t, x_scale_inv, torch.float32)
 
 
-def _block_scaled_wgrad(block, dyq, xq) -> torch.Tensor:
+def _block_scaled_wgrad(dyq, xq) -> torch.Tensor:
     """dW = dy.T @ x over token blocks, from the columnwise usage of the block-scaled dy and x."""
-    return block_scaled_gemm_nt(*gemm_operand(dyq, True), *gemm_operand(xq, True), block, torch.float32)
+    return block_gemm(dyq, True, xq, True, torch.float32)
 
 
 def high_precision_wgrad(dy, x) -> torch.Tensor:
@@ -394,7 +394,7 @@ class BasicLinear(BasicOperation):
         k, n = self.local_in_features, self.local_out_features
         ctx.fp8 = self._fp8_enabled
         if block_scaled:
-            y = self._block_scaled_forward(ctx, block, x if block_gather else high_precision(x), weight, bias,
+            y = self._block_scaled_forward(ctx, x if block_gather else high_precision(x), weight, bias,
                                            is_first_microbatch, original, wgrad_needed, x_shard)
         elif self._fp8_enabled:
             check_fp8_gemm_dims(**{"the number of input rows (tokens)": math.prod(lead_shape),
@@ -516,7 +516,7 @@ class BasicLinear(BasicOperation):
         return None
 
     # -- block-scaled recipes (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling) -
-    def _block_scaled_forward(self, ctx, block, x, weight, bias, is_first_microbatch, original, wgrad_needed,
+    def _block_scaled_forward(self, ctx, x, weight, bias, is_first_microbatch, original, wgrad_needed,
                               x_shard=None):
         """y = x @ W.T on block-scaled operands (ops/block_gemm.py). The backward keeps each operand's
         columnwise usage only (x's for the wgrad, W's for the dgrad), as new tensors. x: high precision, or
@@ -533,8 +533,7 @@ class BasicLinear(BasicOperation):
         else:
             wq = self._quantized_block_weight(weight, is_first_microbatch, ctx.input_requires_grad)
             w_saved = _columnwise_only(wq) if ctx.input_requires_grad else None
-        y = block_scaled_gemm_nt(*gemm_operand(xq, False), *gemm_operand(wq, False), block, weight.dtype, bias)
-        ctx.block = block
+        y = block_gemm(xq, False, wq, False, weight.dtype, bias)
         ctx.grad_output_quantizer = self._backward_quantizers[0]
         ctx.input_quantizer = input_quantizer if original is not None else None
         x_saved = original if original is not None else x_shard if x_shard is not None else (
@@ -556,21 +555,21 @@ class BasicLinear(BasicOperation):
     def _block_scaled_backward(self, ctx, dy, x_saved, w_saved):
         """(dx, dW): dx = dy @ W over out_features blocks, dW = dy.T @ x over token blocks."""
         n = self.local_out_features
-        block, dx, dw = ctx.block, None, None
+        dx, dw = None, None
         quantizer = ctx.grad_output_quantizer.with_usage(rowwise=ctx.input_requires_grad,
                                                          columnwise=ctx.weight_requires_grad)
         dyq = dy if isinstance(dy, QuantizedTensor) else quantizer(dy.reshape(-1, n))
         if ctx.input_requires_grad:
             if w_saved._columnwise_data is None:  # a weight parameter in 2-D blocks (saved_block_weight)
                 w_saved = w_saved.columnwise_from_rowwise()
-            dx = block_scaled_gemm_nt(*gemm_operand(dyq, False), *gemm_operand(w_saved, True), block, ctx.dtype)
+            dx = block_gemm(dyq, False, w_saved, True, ctx.dtype)
         if ctx.weight_requires_grad:
             if ctx.input_quantizer is not None and not isinstance(x_saved, QuantizedTensor):  # the original input
                 quantizer = ctx.input_quantizer.with_usage(rowwise=False, columnwise=True)
                 x_saved = quantizer(x_saved.reshape(-1, self.local_in_features))
             # Queued: only dy's columnwise buffers (a new tensor over them); the rowwise ones go now.
             dy_cols = dyq if self.wgrad_queue is None else _columnwise_only(dyq)
-            dw = self._wgrad(ctx, _block_scaled_wgrad, block, dy_cols, x_saved)
+            dw = self._wgrad(ctx, _block_scaled_wgrad, dy_cols, x_saved)
         return dx, dw
 
     def _gather_saved_input(self, ctx, x_saved):
