@@ -90,7 +90,7 @@ class NVFP4Tensor(BlockScaledTensor):
         else:
             data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
             n, m = rows, kernels.padded_len(cols)
-        return data.reshape(n, m // 2), scale[:n, : m // NVFP4_BLOCK_SCALING_SIZE], amax
+        return data.reshape(n, m // 2).contiguous(), scale[:n, : m // NVFP4_BLOCK_SCALING_SIZE], amax
 
     def _codes_and_factors(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         """A usage's values as (E4M3 codes (n, m) of its E2M1 values, float32 decode factors (n, m / 16),
