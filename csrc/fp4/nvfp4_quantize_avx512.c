@@ -170,15 +170,16 @@ TF_AVX512_INLINE int rht_negative(int j, int i) {
 }
 
 /* t[i] = sum over j of float32(v[j] * M[j][i]), added in j order from +0 (nvfp4.c's columns16): v[j] * -1/4 is
- * -(v[j] * 1/4) exactly, and t - p is t + (-p). */
+ * -(v[j] * 1/4) exactly. Added negated rather than subtracted, as there: t - p would keep a NaN p's sign. */
 TF_AVX512_INLINE void rht16(const __m512 v[LANES], __m512 t[LANES]) {
 #pragma GCC unroll 16
   for (int i = 0; i < LANES; ++i) t[i] = _mm512_setzero_ps();
 #pragma GCC unroll 16
   for (int j = 0; j < LANES; ++j) {
     const __m512 p = _mm512_mul_ps(v[j], _mm512_set1_ps(0.25f));
+    const __m512 n = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(p), _mm512_set1_epi32(INT32_MIN)));
 #pragma GCC unroll 16
-    for (int i = 0; i < LANES; ++i) t[i] = rht_negative(j, i) ? _mm512_sub_ps(t[i], p) : _mm512_add_ps(t[i], p);
+    for (int i = 0; i < LANES; ++i) t[i] = _mm512_add_ps(t[i], rht_negative(j, i) ? n : p);
   }
 }
 
