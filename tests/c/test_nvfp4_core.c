@@ -231,7 +231,7 @@ static int ref_check(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_
 
 static void test_kernels(void) {
   const int64_t sizes_r[] = {16, 48, 1, 33}, sizes_c[] = {16, 64, 528, 15, 529};
-  const mode modes[] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {0, 1, 1}};
+  const mode modes[] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {0, 1, 1}, {1, 0, 1}};
   int bad = 0, band_bad = 0, amax_bad = 0, runs = 0;
   for (int t = 0; t < 3; ++t) {
     if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
@@ -239,7 +239,7 @@ static void test_kernels(void) {
     for (int di = 0; di < 3; ++di)
       for (int ri = 0; ri < 4; ++ri)
         for (int ci = 0; ci < 5; ++ci)
-          for (int mi = 0; mi < 5; ++mi) {
+          for (int mi = 0; mi < 6; ++mi) {
             const int64_t rows = sizes_r[ri], cols = sizes_c[ci], ld = cols + 16;
             const tf_dtype d = DTYPES[di];
             const mode md = modes[mi];
@@ -291,6 +291,58 @@ static void test_amax_specials(void) {
   CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 16, 16, 16, 0, 16, 0, &amax) == TF_OK && isinf(amax), "Inf shows in the amax");
   x[200] = NAN;
   CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 16, 16, 16, 0, 16, 1, &amax) == TF_OK && isnan(amax), "NaN shows in the amax");
+}
+
+/*
+ * Inf and overflowing values in x under a finite amax (the C API does not refuse them; the Python callers do): no
+ * reference defines their codes, but every tier gives the portable tier's bytes and amax bits. Inf blocks saturate
+ * their scales (rowwise, 2D); under the transform the sums of values near FLT_MAX overflow to Inf. Left out: NaN,
+ * and Inf under the transform (Inf - Inf), whose NaN signs depend on the compiler's operand order in the portable
+ * loops (-O1 and -O3 differ), so no tier can match them.
+ */
+static void test_tiers_agree_on_non_finite(void) {
+  const int64_t rows = 40, cols = 70, ld = 72, rows_p = 48, cols_p = 80, ls = cols_p / 16, lst = rows_p / 16;
+  const size_t ny = (size_t)(rows * cols_p / 2), nyt = (size_t)(cols * rows_p / 2);
+  const size_t ns = (size_t)(rows * ls), nst = (size_t)(cols * lst), n = ny + ns + nyt + nst;
+  const mode modes[] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {0, 1, 1}, {1, 0, 1}};
+  int bad = 0, amax_bad = 0, runs = 0;
+  for (int di = 0; di < 3; ++di)
+    for (int mi = 0; mi < 6; ++mi) {
+      const tf_dtype d = DTYPES[di];
+      const mode md = modes[mi];
+      const float huge = d == TF_FLOAT16 ? 60000.0f : 3e38f;
+      const float specials[4] = {md.rht_t ? huge : INFINITY, md.rht_t ? -huge : -INFINITY, huge, -huge};
+      void *x = make_input(d, rows, ld);
+      for (int64_t i = 0; i < rows * ld; i += 11) {
+        const float v = specials[(i / 11) % 4];
+        if (d == TF_FLOAT32) ((float *)x)[i] = v;
+        else ((uint16_t *)x)[i] = d == TF_BFLOAT16 ? tf_f32_to_bf16(v) : tf_f32_to_f16(v);
+      }
+      uint8_t *want = malloc(n), *got = malloc(n);
+      uint32_t want_amax = 0;
+      for (int t = 0; t < 3; ++t) {
+        if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
+        CHECK(tf_set_cpu_isa_cap(ISA_CAPS[t]) == TF_OK, "set cap");
+        uint8_t *out = t == 0 ? want : got;
+        float amax;
+        CHECK(tf_nvfp4_amax(x, d, rows, cols, ld, 0, rows, md.rht_t, &amax) == TF_OK, "amax");
+        CHECK(tf_nvfp4_quantize(x, d, rows, cols, ld, 0, rows, md.block_2d, md.rht_t, md.stochastic, 77, 1000.0f,
+                                md.block_2d ? 1000.0f : 30.0f, out, out + ny, ls, out + ny + ns, out + ny + ns + nyt,
+                                lst) == TF_OK,
+              "quantize");
+        if (t == 0) {
+          want_amax = tf_f32_bits(amax);
+        } else {
+          bad += memcmp(want, got, n) != 0;
+          amax_bad += tf_f32_bits(amax) != want_amax;
+          ++runs;
+        }
+      }
+      free(want), free(got), free(x);
+    }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(bad == 0, "non-finite input: %d of %d runs differ from the portable tier's bytes", bad, runs);
+  CHECK(amax_bad == 0, "non-finite input: %d of %d amaxes differ from the portable tier's", amax_bad, runs);
 }
 
 static void test_dequantize(void) {
@@ -405,6 +457,7 @@ int main(void) {
   test_scales();
   test_kernels();
   test_amax_specials();
+  test_tiers_agree_on_non_finite();
   test_dequantize();
   test_checks();
   test_unpack_e4m3();
