@@ -208,7 +208,7 @@ tf_status tf_nvfp4_amax(const void *x, tf_dtype dtype, int64_t rows, int64_t col
   if (row_end > row_begin && cols > 0) {
     const amax_args a = {x, dtype, rows, cols, ld_x, rht};
 #if TF_X86
-    if (tf_cpu_isa() >= TF_ISA_AVX512)
+    if (tf_nvfp4_avx512_usable())
       tf_nvfp4_amax_band_avx512(&a, row_begin, row_end, &bits);
     else
 #endif
@@ -320,7 +320,7 @@ tf_status tf_nvfp4_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t
                            tf_nvfp4_global_scale(amax), tf_nvfp4_global_scale(amax_t), y, scale, ld_scale,
                            y_t,   scale_t, ld_scale_t};
 #if TF_X86
-  if (tf_cpu_isa() >= TF_ISA_AVX512) {
+  if (tf_nvfp4_avx512_usable()) {
     tf_nvfp4_quantize_band_avx512(&a, row_begin, row_end);
     return TF_OK;
   }

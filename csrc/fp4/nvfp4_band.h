@@ -32,8 +32,11 @@ typedef struct tf_nvfp4_quantize_args {
 } tf_nvfp4_quantize_args;
 
 #if TF_X86
-/* The rows [row_begin, row_end) on AVX-512 F + BW + VL; only called where the CPU has them. *result: the
- * maximum of |value|'s bits as int32 (NaN above Inf). */
+/* Whether the AVX-512 kernels may run: the tier (capped) is AVX-512 or above and the CPU has AVX-512 DQ. */
+int tf_nvfp4_avx512_usable(void);
+
+/* The rows [row_begin, row_end) on AVX-512 F + BW + VL + DQ; only called where tf_nvfp4_avx512_usable(). *result:
+ * the maximum of |value|'s bits as int32 (NaN above Inf). */
 void tf_nvfp4_amax_band_avx512(const tf_nvfp4_amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result);
 void tf_nvfp4_quantize_band_avx512(const tf_nvfp4_quantize_args *a, int64_t row_begin, int64_t row_end);
 #endif
