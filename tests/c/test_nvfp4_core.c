@@ -345,6 +345,62 @@ static void test_tiers_agree_on_non_finite(void) {
   CHECK(amax_bad == 0, "non-finite input: %d of %d amaxes differ from the portable tier's", amax_bad, runs);
 }
 
+/*
+ * The E2M1 codes of every tier against the scalar encoders (test_e2m1, test_stochastic check those) over a sweep of
+ * float32 values in [-6, 6] (every 2047th bit pattern, each tie and its neighbours): under the amax 2688 (S_enc 1)
+ * a block whose amax is 6 gets the scale 1, so its values are encoded as they are. Each block's first row and
+ * column hold 6, giving every rowwise and columnwise block that amax.
+ */
+static void test_codes_sweep(void) {
+  const int64_t rows = 1024, cols = 544, rows_p = rows, cols_p = cols;
+  float *x = malloc((size_t)(rows * cols) * sizeof(float));
+  uint8_t *y = malloc((size_t)(rows * cols_p / 2)), *s = malloc((size_t)(rows * cols_p / 16));
+  uint8_t *yt = malloc((size_t)(cols * rows_p / 2)), *st = malloc((size_t)(cols * rows_p / 16));
+  uint32_t u = 0;
+  int k = 0, t0 = 0;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    float v;
+    if ((i / cols) % 16 == 0 || i % 16 == 0) {
+      v = 6.0f;
+    } else if (t0 < 7 * 3) { /* the ties 0.25, 0.75, ..., 5 and their neighbours */
+      const float mid = (float)((GRID[t0 / 3] + GRID[t0 / 3 + 1]) / 2);
+      v = t0 % 3 == 0 ? nextafterf(mid, 0.0f) : t0 % 3 == 1 ? mid : nextafterf(mid, 7.0f);
+      ++t0;
+    } else {
+      v = tf_f32_from_bits(u);
+      u = u + 2047u > 0x40C00000u ? (u + 2047u) % 0x40C00000u : u + 2047u;
+    }
+    x[i] = (k++ % 3 == 1) ? -v : v;
+  }
+  int bad = 0, scale_bad = 0, runs = 0;
+  for (int t = 0; t < 3; ++t) {
+    if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
+    CHECK(tf_set_cpu_isa_cap(ISA_CAPS[t]) == TF_OK, "set cap");
+    for (int stochastic = 0; stochastic < 2; ++stochastic) {
+      const uint64_t seed = 991;
+      CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, rows, cols, cols, 0, rows, 0, 0, stochastic, seed, 2688.0f, 2688.0f, y, s,
+                              cols_p / 16, yt, st, rows_p / 16) == TF_OK,
+            "quantize");
+      for (int64_t i = 0; i < rows * cols_p / 16; ++i) scale_bad += s[i] != 0x38;
+      for (int64_t i = 0; i < cols * rows_p / 16; ++i) scale_bad += st[i] != 0x38;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = x[r * cols + c];
+          const uint64_t n = (uint64_t)(r * cols_p + c), n_t = (uint64_t)(rows_p * cols_p + c * rows_p + r);
+          const uint8_t want = stochastic ? tf_e2m1_encode_sr(v, tf_nvfp4_random24(seed, n)) : tf_e2m1_encode_rn(v);
+          const uint8_t want_t = stochastic ? tf_e2m1_encode_sr(v, tf_nvfp4_random24(seed, n_t)) : want;
+          bad += ((y[n / 2] >> (4 * (n % 2))) & 15) != want;
+          bad += ((yt[(c * rows_p + r) / 2] >> (4 * (r % 2))) & 15) != want_t;
+        }
+      ++runs;
+    }
+  }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(runs > 0 && scale_bad == 0, "codes sweep: %d block scales are not 1", scale_bad);
+  CHECK(bad == 0, "codes sweep: %d codes differ from the scalar encoders' over %d runs", bad, runs);
+  free(x), free(y), free(s), free(yt), free(st);
+}
+
 static void test_dequantize(void) {
   int bad = 0;
   for (int t = 0; t < 3; ++t) {
@@ -458,6 +514,7 @@ int main(void) {
   test_kernels();
   test_amax_specials();
   test_tiers_agree_on_non_finite();
+  test_codes_sweep();
   test_dequantize();
   test_checks();
   test_unpack_e4m3();
