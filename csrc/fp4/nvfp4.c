@@ -210,6 +210,8 @@ tf_status tf_nvfp4_amax(const void *x, tf_dtype dtype, int64_t rows, int64_t col
 #if TF_X86
     if (tf_nvfp4_avx512_usable())
       tf_nvfp4_amax_band_avx512(&a, row_begin, row_end, &bits);
+    else if (tf_cpu_isa() >= TF_ISA_AVX2)
+      tf_nvfp4_amax_band_avx2(&a, row_begin, row_end, &bits);
     else
 #endif
       amax_band(&a, row_begin, row_end, &bits);
@@ -322,6 +324,10 @@ tf_status tf_nvfp4_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t
 #if TF_X86
   if (tf_nvfp4_avx512_usable()) {
     tf_nvfp4_quantize_band_avx512(&a, row_begin, row_end);
+    return TF_OK;
+  }
+  if (tf_cpu_isa() >= TF_ISA_AVX2) {
+    tf_nvfp4_quantize_band_avx2(&a, row_begin, row_end);
     return TF_OK;
   }
 #endif

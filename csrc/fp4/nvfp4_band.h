@@ -1,7 +1,7 @@
 /*
  * One band of rows of tf_nvfp4_amax and tf_nvfp4_quantize (nvfp4.h), their arguments already checked
- * there: the portable loops (nvfp4.c, built per x86-64 level) and the AVX-512 kernels
- * (nvfp4_quantize_avx512.c) take the same arguments and give the same bytes.
+ * there: the portable loops (nvfp4.c, built per x86-64 level) and the AVX-512 and AVX2 kernels
+ * (nvfp4_quantize_avx512.c, nvfp4_quantize_avx2.c) take the same arguments and give the same bytes.
  */
 #ifndef TF_NVFP4_BAND_H
 #define TF_NVFP4_BAND_H
@@ -39,6 +39,10 @@ int tf_nvfp4_avx512_usable(void);
  * the maximum of |value|'s bits as int32 (NaN above Inf). */
 void tf_nvfp4_amax_band_avx512(const tf_nvfp4_amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result);
 void tf_nvfp4_quantize_band_avx512(const tf_nvfp4_quantize_args *a, int64_t row_begin, int64_t row_end);
+
+/* The same on AVX2 + FMA + F16C (nvfp4_quantize_avx2.c); only called where tf_cpu_isa() >= TF_ISA_AVX2. */
+void tf_nvfp4_amax_band_avx2(const tf_nvfp4_amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result);
+void tf_nvfp4_quantize_band_avx2(const tf_nvfp4_quantize_args *a, int64_t row_begin, int64_t row_end);
 #endif
 
 #endif /* TF_NVFP4_BAND_H */
