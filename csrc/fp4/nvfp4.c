@@ -167,8 +167,10 @@ TF_ISA_INLINE void amax_band_body(const amax_args *a, int64_t row_begin, int64_t
   *result = best;
 }
 
-TF_ISA_CLONES(amax_band, (const amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result),
-              (a, row_begin, row_end, result))
+/* The portable build only: AVX2 and AVX-512 CPUs take nvfp4_quantize_avx2.c's and nvfp4_quantize_avx512.c's. */
+static void amax_band(const amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result) {
+  amax_band_body(a, row_begin, row_end, result);
+}
 
 static int dtype_ok(tf_dtype dtype) {
   return dtype == TF_FLOAT32 || dtype == TF_BFLOAT16 || dtype == TF_FLOAT16;
@@ -296,7 +298,9 @@ TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin,
   }
 }
 
-TF_ISA_CLONES(quantize_band, (const quantize_args *a, int64_t row_begin, int64_t row_end), (a, row_begin, row_end))
+static void quantize_band(const quantize_args *a, int64_t row_begin, int64_t row_end) {
+  quantize_band_body(a, row_begin, row_end);
+}
 
 static int amax_ok(float amax) { return amax >= 0.0f && amax <= FLT_MAX; }
 
