@@ -4,6 +4,7 @@
 
 #include "../common/tf_checks.h"
 #include "../common/tf_isa_clones.h"
+#include "nvfp4_band.h"
 #include "nvfp4_format.h"
 
 #if TF_X86
@@ -140,12 +141,7 @@ TF_ISA_INLINE void pack_run(const uint8_t *restrict codes, int64_t n, uint8_t *r
 
 /* ---- amax -------------------------------------------------------------------------------------- */
 
-typedef struct amax_args {
-  const void *x;
-  tf_dtype dtype;
-  int64_t rows, cols, ld_x;
-  int rht;
-} amax_args;
+typedef tf_nvfp4_amax_args amax_args;
 
 TF_ISA_INLINE void amax_band_body(const amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result) {
   float tile[BLOCK][TILE_COLS];
@@ -171,8 +167,10 @@ TF_ISA_INLINE void amax_band_body(const amax_args *a, int64_t row_begin, int64_t
   *result = best;
 }
 
-TF_ISA_CLONES(amax_band, (const amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result),
-              (a, row_begin, row_end, result))
+/* The portable build only: AVX2 and AVX-512 CPUs take nvfp4_quantize_avx2.c's and nvfp4_quantize_avx512.c's. */
+static void amax_band(const amax_args *a, int64_t row_begin, int64_t row_end, int32_t *result) {
+  amax_band_body(a, row_begin, row_end, result);
+}
 
 static int dtype_ok(tf_dtype dtype) {
   return dtype == TF_FLOAT32 || dtype == TF_BFLOAT16 || dtype == TF_FLOAT16;
@@ -211,7 +209,14 @@ tf_status tf_nvfp4_amax(const void *x, tf_dtype dtype, int64_t rows, int64_t col
   int32_t bits = 0;
   if (row_end > row_begin && cols > 0) {
     const amax_args a = {x, dtype, rows, cols, ld_x, rht};
-    amax_band(&a, row_begin, row_end, &bits);
+#if TF_X86
+    if (tf_nvfp4_avx512_usable())
+      tf_nvfp4_amax_band_avx512(&a, row_begin, row_end, &bits);
+    else if (tf_cpu_isa() >= TF_ISA_AVX2)
+      tf_nvfp4_amax_band_avx2(&a, row_begin, row_end, &bits);
+    else
+#endif
+      amax_band(&a, row_begin, row_end, &bits);
   }
   *amax = amax_of(bits);
   return TF_OK;
@@ -219,18 +224,7 @@ tf_status tf_nvfp4_amax(const void *x, tf_dtype dtype, int64_t rows, int64_t col
 
 /* ---- quantize ---------------------------------------------------------------------------------- */
 
-typedef struct quantize_args {
-  const void *x;
-  tf_dtype dtype;
-  int64_t rows, cols, ld_x, rows_p, cols_p; /* _p: rounded up to 16, the padded data's sizes */
-  int block_2d, rht_t, stochastic;
-  uint64_t seed;
-  float s_enc, s_enc_t;
-  uint8_t *y, *scale;
-  int64_t ld_scale;
-  uint8_t *y_t, *scale_t;
-  int64_t ld_scale_t;
-} quantize_args;
+typedef tf_nvfp4_quantize_args quantize_args;
 
 TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin, int64_t row_end) {
   float tile[BLOCK][TILE_COLS];
@@ -304,7 +298,9 @@ TF_ISA_INLINE void quantize_band_body(const quantize_args *a, int64_t row_begin,
   }
 }
 
-TF_ISA_CLONES(quantize_band, (const quantize_args *a, int64_t row_begin, int64_t row_end), (a, row_begin, row_end))
+static void quantize_band(const quantize_args *a, int64_t row_begin, int64_t row_end) {
+  quantize_band_body(a, row_begin, row_end);
+}
 
 static int amax_ok(float amax) { return amax >= 0.0f && amax <= FLT_MAX; }
 
@@ -329,6 +325,16 @@ tf_status tf_nvfp4_quantize(const void *x, tf_dtype dtype, int64_t rows, int64_t
   const quantize_args a = {x,     dtype, rows, cols, ld_x, rows_p, cols_p, block_2d, rht_t, stochastic, seed,
                            tf_nvfp4_global_scale(amax), tf_nvfp4_global_scale(amax_t), y, scale, ld_scale,
                            y_t,   scale_t, ld_scale_t};
+#if TF_X86
+  if (tf_nvfp4_avx512_usable()) {
+    tf_nvfp4_quantize_band_avx512(&a, row_begin, row_end);
+    return TF_OK;
+  }
+  if (tf_cpu_isa() >= TF_ISA_AVX2) {
+    tf_nvfp4_quantize_band_avx2(&a, row_begin, row_end);
+    return TF_OK;
+  }
+#endif
   quantize_band(&a, row_begin, row_end);
   return TF_OK;
 }

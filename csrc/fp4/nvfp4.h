@@ -13,7 +13,8 @@
  * Hadamard transform of a partial group spreads over all 16). Scales are E4M3 codes. Either usage's
  * pointers may both be NULL to skip it.
  *
- * Built per x86-64 level (tf_isa_clones.h) and chosen per call; every build gives the same bytes.
+ * amax and quantize run AVX-512 or AVX2 kernels where the CPU has them (nvfp4_band.h), else portable C;
+ * dequantize is built per x86-64 level (tf_isa_clones.h). The tier is chosen per call; every tier gives the same bytes.
  */
 #ifndef TF_NVFP4_H
 #define TF_NVFP4_H

@@ -231,7 +231,7 @@ static int ref_check(const void *x, tf_dtype d, int64_t ld, int64_t rows, int64_
 
 static void test_kernels(void) {
   const int64_t sizes_r[] = {16, 48, 1, 33}, sizes_c[] = {16, 64, 528, 15, 529};
-  const mode modes[] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {0, 1, 1}};
+  const mode modes[] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {0, 1, 1}, {1, 0, 1}};
   int bad = 0, band_bad = 0, amax_bad = 0, runs = 0;
   for (int t = 0; t < 3; ++t) {
     if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
@@ -239,7 +239,7 @@ static void test_kernels(void) {
     for (int di = 0; di < 3; ++di)
       for (int ri = 0; ri < 4; ++ri)
         for (int ci = 0; ci < 5; ++ci)
-          for (int mi = 0; mi < 5; ++mi) {
+          for (int mi = 0; mi < 6; ++mi) {
             const int64_t rows = sizes_r[ri], cols = sizes_c[ci], ld = cols + 16;
             const tf_dtype d = DTYPES[di];
             const mode md = modes[mi];
@@ -291,6 +291,114 @@ static void test_amax_specials(void) {
   CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 16, 16, 16, 0, 16, 0, &amax) == TF_OK && isinf(amax), "Inf shows in the amax");
   x[200] = NAN;
   CHECK(tf_nvfp4_amax(x, TF_FLOAT32, 16, 16, 16, 0, 16, 1, &amax) == TF_OK && isnan(amax), "NaN shows in the amax");
+}
+
+/*
+ * Inf and overflowing values in x under a finite amax (the C API does not refuse them; the Python callers do): no
+ * reference defines their codes, but every tier gives the portable tier's bytes and amax bits. Inf blocks saturate
+ * their scales (rowwise, 2D); under the transform the sums of values near FLT_MAX overflow to Inf. Left out: NaN,
+ * and Inf under the transform (Inf - Inf), whose NaN signs depend on the compiler's operand order in the portable
+ * loops (-O1 and -O3 differ), so no tier can match them.
+ */
+static void test_tiers_agree_on_non_finite(void) {
+  const int64_t rows = 40, cols = 70, ld = 72, rows_p = 48, cols_p = 80, ls = cols_p / 16, lst = rows_p / 16;
+  const size_t ny = (size_t)(rows * cols_p / 2), nyt = (size_t)(cols * rows_p / 2);
+  const size_t ns = (size_t)(rows * ls), nst = (size_t)(cols * lst), n = ny + ns + nyt + nst;
+  const mode modes[] = {{0, 0, 0}, {1, 0, 0}, {0, 1, 0}, {0, 0, 1}, {0, 1, 1}, {1, 0, 1}};
+  int bad = 0, amax_bad = 0, runs = 0;
+  for (int di = 0; di < 3; ++di)
+    for (int mi = 0; mi < 6; ++mi) {
+      const tf_dtype d = DTYPES[di];
+      const mode md = modes[mi];
+      const float huge = d == TF_FLOAT16 ? 60000.0f : 3e38f;
+      const float specials[4] = {md.rht_t ? huge : INFINITY, md.rht_t ? -huge : -INFINITY, huge, -huge};
+      void *x = make_input(d, rows, ld);
+      for (int64_t i = 0; i < rows * ld; i += 11) {
+        const float v = specials[(i / 11) % 4];
+        if (d == TF_FLOAT32) ((float *)x)[i] = v;
+        else ((uint16_t *)x)[i] = d == TF_BFLOAT16 ? tf_f32_to_bf16(v) : tf_f32_to_f16(v);
+      }
+      uint8_t *want = malloc(n), *got = malloc(n);
+      uint32_t want_amax = 0;
+      for (int t = 0; t < 3; ++t) {
+        if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
+        CHECK(tf_set_cpu_isa_cap(ISA_CAPS[t]) == TF_OK, "set cap");
+        uint8_t *out = t == 0 ? want : got;
+        float amax;
+        CHECK(tf_nvfp4_amax(x, d, rows, cols, ld, 0, rows, md.rht_t, &amax) == TF_OK, "amax");
+        CHECK(tf_nvfp4_quantize(x, d, rows, cols, ld, 0, rows, md.block_2d, md.rht_t, md.stochastic, 77, 1000.0f,
+                                md.block_2d ? 1000.0f : 30.0f, out, out + ny, ls, out + ny + ns, out + ny + ns + nyt,
+                                lst) == TF_OK,
+              "quantize");
+        if (t == 0) {
+          want_amax = tf_f32_bits(amax);
+        } else {
+          bad += memcmp(want, got, n) != 0;
+          amax_bad += tf_f32_bits(amax) != want_amax;
+          ++runs;
+        }
+      }
+      free(want), free(got), free(x);
+    }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(bad == 0, "non-finite input: %d of %d runs differ from the portable tier's bytes", bad, runs);
+  CHECK(amax_bad == 0, "non-finite input: %d of %d amaxes differ from the portable tier's", amax_bad, runs);
+}
+
+/*
+ * The E2M1 codes of every tier against the scalar encoders (test_e2m1, test_stochastic check those) over a sweep of
+ * float32 values in [-6, 6] (every 2047th bit pattern, each tie and its neighbours): under the amax 2688 (S_enc 1)
+ * a block whose amax is 6 gets the scale 1, so its values are encoded as they are. Each block's first row and
+ * column hold 6, giving every rowwise and columnwise block that amax.
+ */
+static void test_codes_sweep(void) {
+  const int64_t rows = 1024, cols = 544, rows_p = rows, cols_p = cols;
+  float *x = malloc((size_t)(rows * cols) * sizeof(float));
+  uint8_t *y = malloc((size_t)(rows * cols_p / 2)), *s = malloc((size_t)(rows * cols_p / 16));
+  uint8_t *yt = malloc((size_t)(cols * rows_p / 2)), *st = malloc((size_t)(cols * rows_p / 16));
+  uint32_t u = 0;
+  int k = 0, t0 = 0;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    float v;
+    if ((i / cols) % 16 == 0 || i % 16 == 0) {
+      v = 6.0f;
+    } else if (t0 < 7 * 3) { /* the ties 0.25, 0.75, ..., 5 and their neighbours */
+      const float mid = (float)((GRID[t0 / 3] + GRID[t0 / 3 + 1]) / 2);
+      v = t0 % 3 == 0 ? nextafterf(mid, 0.0f) : t0 % 3 == 1 ? mid : nextafterf(mid, 7.0f);
+      ++t0;
+    } else {
+      v = tf_f32_from_bits(u);
+      u = u + 2047u > 0x40C00000u ? (u + 2047u) % 0x40C00000u : u + 2047u;
+    }
+    x[i] = (k++ % 3 == 1) ? -v : v;
+  }
+  int bad = 0, scale_bad = 0, runs = 0;
+  for (int t = 0; t < 3; ++t) {
+    if (ISA_CAPS[t] > (int)tf_cpu_isa_detected()) continue;
+    CHECK(tf_set_cpu_isa_cap(ISA_CAPS[t]) == TF_OK, "set cap");
+    for (int stochastic = 0; stochastic < 2; ++stochastic) {
+      const uint64_t seed = 991;
+      CHECK(tf_nvfp4_quantize(x, TF_FLOAT32, rows, cols, cols, 0, rows, 0, 0, stochastic, seed, 2688.0f, 2688.0f, y, s,
+                              cols_p / 16, yt, st, rows_p / 16) == TF_OK,
+            "quantize");
+      for (int64_t i = 0; i < rows * cols_p / 16; ++i) scale_bad += s[i] != 0x38;
+      for (int64_t i = 0; i < cols * rows_p / 16; ++i) scale_bad += st[i] != 0x38;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const float v = x[r * cols + c];
+          const uint64_t n = (uint64_t)(r * cols_p + c), n_t = (uint64_t)(rows_p * cols_p + c * rows_p + r);
+          const uint8_t want = stochastic ? tf_e2m1_encode_sr(v, tf_nvfp4_random24(seed, n)) : tf_e2m1_encode_rn(v);
+          const uint8_t want_t = stochastic ? tf_e2m1_encode_sr(v, tf_nvfp4_random24(seed, n_t)) : want;
+          bad += ((y[n / 2] >> (4 * (n % 2))) & 15) != want;
+          bad += ((yt[(c * rows_p + r) / 2] >> (4 * (r % 2))) & 15) != want_t;
+        }
+      ++runs;
+    }
+  }
+  CHECK(tf_set_cpu_isa_cap(-1) == TF_OK, "cap removed");
+  CHECK(runs > 0 && scale_bad == 0, "codes sweep: %d block scales are not 1", scale_bad);
+  CHECK(bad == 0, "codes sweep: %d codes differ from the scalar encoders' over %d runs", bad, runs);
+  free(x), free(y), free(s), free(yt), free(st);
 }
 
 static void test_dequantize(void) {
@@ -405,6 +513,8 @@ int main(void) {
   test_scales();
   test_kernels();
   test_amax_specials();
+  test_tiers_agree_on_non_finite();
+  test_codes_sweep();
   test_dequantize();
   test_checks();
   test_unpack_e4m3();
