@@ -4,8 +4,8 @@
  * fused AVX512-BF16 path, scales are multiplied into the packed values where that gives the same bits:
  * powers of two (MXFP8's, and Float8 block scaling's with power_2_scale) within a range (foldable), and
  * NVFP4's E4M3 scales (e4m3_valued). That saves the kernel two multiplies per vector and block: MXFP8's
- * 1024^2 Linear step went from 1.13-1.29x to 1.12-1.13x the FP8 Linear's, NVFP4's GEMMs from 22.5 to
- * 18.6 ms a step (Zen 4, 2 threads, benchmarks/bench_block_linear.py, 2026-11-29). */
+ * 1024^2 Linear step went from 1.13-1.29x to 1.12-1.13x the FP8 Linear's (Zen 4, 2 threads,
+ * benchmarks/bench_block_linear.py, 2026-11-29). */
 #include "block_scaled_gemm.h"
 
 #include <stdlib.h>
