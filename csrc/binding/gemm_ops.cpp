@@ -56,6 +56,17 @@ std::vector<int64_t> equal_cost_slices(int64_t m, int64_t n) {
   return bounds;
 }
 
+// Computes the output tiles of an m x n GEMM on torch's threads, each run of slices (equal_cost_slices) by
+// tiles(first tile, end tile) -> tf_status; raises the first failure, naming `what`.
+template <typename Tiles>
+void run_tiles(int64_t m, int64_t n, const char* what, Tiles tiles) {
+  const std::vector<int64_t> bounds = equal_cost_slices(m, n);
+  const int64_t slices = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<int> status(static_cast<size_t>(slices), TF_OK);
+  torch::stable::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) { status[s0] = tiles(bounds[s0], bounds[s1]); });
+  for (int s : status) check_status(static_cast<tf_status>(s), what);
+}
+
 // The bias argument's pointer and dtype, after checking it holds one value per row of b (n).
 const void* checked_bias(const std::optional<Tensor>& bias, int64_t n, tf_dtype* dtype) {
   *dtype = TF_FLOAT32;
@@ -93,14 +104,9 @@ Tensor fp8_gemm_cpu(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, 
   const float sa = *a_scale_inv.const_data_ptr<float>();
   const float sb = *b_scale_inv.const_data_ptr<float>();
   void* po = result.mutable_data_ptr();
-  const std::vector<int64_t> bounds = equal_cost_slices(m, n);
-  const int64_t slices = static_cast<int64_t>(bounds.size()) - 1;
-  std::vector<int> status(static_cast<size_t>(slices), TF_OK);
-  torch::stable::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
-    status[s0] = tf_fp8_gemm_nt(pa, fa, pb, fb, m, n, k, sa, sb, bias_ptr, bias_dtype, po, out,
-                                isa, bounds[s0], bounds[s1]);
+  run_tiles(m, n, "fp8_gemm", [&](int64_t begin, int64_t end) {
+    return tf_fp8_gemm_nt(pa, fa, pb, fb, m, n, k, sa, sb, bias_ptr, bias_dtype, po, out, isa, begin, end);
   });
-  for (int s : status) check_status(static_cast<tf_status>(s), "fp8_gemm");
   return result;
 }
 
@@ -152,14 +158,9 @@ Tensor block_scaled_gemm_cpu(Tensor a, Tensor a_scales, Tensor b, Tensor b_scale
                "block_scaled_gemm");
   Tensor result = new_empty(a, {m, n}, out_dtype);
   void* po = result.mutable_data_ptr();
-  const std::vector<int64_t> bounds = equal_cost_slices(m, n);
-  const int64_t slices = static_cast<int64_t>(bounds.size()) - 1;
-  std::vector<int> status(static_cast<size_t>(slices), TF_OK);
-  torch::stable::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
-    status[s0] = tf_block_scaled_gemm_nt(&pa, &pb, m, n, k, block, bias_ptr, bias_dtype, po, out, isa,
-                                         bounds[s0], bounds[s1]);
+  run_tiles(m, n, "block_scaled_gemm", [&](int64_t begin, int64_t end) {
+    return tf_block_scaled_gemm_nt(&pa, &pb, m, n, k, block, bias_ptr, bias_dtype, po, out, isa, begin, end);
   });
-  for (int s : status) check_status(static_cast<tf_status>(s), "block_scaled_gemm");
   return result;
 }
 
@@ -225,14 +226,9 @@ Tensor nvfp4_gemm_cpu(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tens
                "nvfp4_gemm");
   Tensor result = new_empty(a, {m, n}, out_dtype);
   void* po = result.mutable_data_ptr();
-  const std::vector<int64_t> bounds = equal_cost_slices(m, n);
-  const int64_t slices = static_cast<int64_t>(bounds.size()) - 1;
-  std::vector<int> status(static_cast<size_t>(slices), TF_OK);
-  torch::stable::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
-    status[s0] = tf_nvfp4_gemm_nt(&pa, &pb, m, n, k, alpha_value, bias_ptr, bias_dtype, po, out, isa, bounds[s0],
-                                  bounds[s1]);
+  run_tiles(m, n, "nvfp4_gemm", [&](int64_t begin, int64_t end) {
+    return tf_nvfp4_gemm_nt(&pa, &pb, m, n, k, alpha_value, bias_ptr, bias_dtype, po, out, isa, begin, end);
   });
-  for (int s : status) check_status(static_cast<tf_status>(s), "nvfp4_gemm");
   return result;
 }
 

@@ -80,4 +80,14 @@ TF_AVX512_INLINE __m512 load16(const void *x, int64_t i, tf_dtype d) {
   return d == TF_BFLOAT16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
 }
 
+/* Lanes [0, n) of the elements at x + i as float32, the others 0 (n <= 0: none is read). */
+TF_AVX512_INLINE __m512 load_upto16(const void *x, int64_t i, int64_t n, tf_dtype d) {
+  if (n >= 16) return load16(x, i, d);
+  if (n <= 0) return _mm512_setzero_ps();
+  const __mmask16 m = (__mmask16)((1u << n) - 1u);
+  if (d == TF_FLOAT32) return _mm512_maskz_loadu_ps(m, (const float *)x + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + i);
+  return d == TF_BFLOAT16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+
 #endif /* TF_FP8_ENCODE_AVX512_H */

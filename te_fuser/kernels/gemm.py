@@ -54,11 +54,7 @@ def _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     check_scalar_f32(b_scale_inv, "b_scale_inv", b, "b")
 
 
-def _check_operands_out_and_bias(a, b, out_dtype, bias):
-    _check_operand(a, "a")
-    _check_operand(b, "b")
-    if b.shape[1] != a.shape[1]:
-        raise ValueError(f"b must have a.shape[1] = {a.shape[1]} columns (b is (N, K)), got shape {tuple(b.shape)}")
+def _check_out_and_bias(a, b, out_dtype, bias):
     check_float_dtype(out_dtype, "out_dtype")
     if bias is not None:
         check_dtype(bias, "bias")
@@ -67,6 +63,14 @@ def _check_operands_out_and_bias(a, b, out_dtype, bias):
         if bias.device != a.device:
             raise ValueError(f"bias is on {bias.device} but a is on {a.device}; they must be on the same device")
         check_contiguous(bias, "bias")
+
+
+def _check_operands_out_and_bias(a, b, out_dtype, bias):
+    _check_operand(a, "a")
+    _check_operand(b, "b")
+    if b.shape[1] != a.shape[1]:
+        raise ValueError(f"b must have a.shape[1] = {a.shape[1]} columns (b is (N, K)), got shape {tuple(b.shape)}")
+    _check_out_and_bias(a, b, out_dtype, bias)
 
 
 def block_scaled_gemm(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
@@ -116,14 +120,7 @@ def _check_nvfp4_gemm_args(a, a_scales, b, b_scales, alpha, out_dtype, bias):
         if scales.device != a.device:
             raise ValueError(f"{name} is on {scales.device} but a is on {a.device}; they must be on the same device")
     check_scalar_f32(alpha, "alpha", a, "a")
-    check_float_dtype(out_dtype, "out_dtype")
-    if bias is not None:
-        check_dtype(bias, "bias")
-        if bias.shape != (b.shape[0],):
-            raise ValueError(f"bias must have shape ({b.shape[0]},) (one value per row of b), got {tuple(bias.shape)}")
-        if bias.device != a.device:
-            raise ValueError(f"bias is on {bias.device} but a is on {a.device}; they must be on the same device")
-        check_contiguous(bias, "bias")
+    _check_out_and_bias(a, b, out_dtype, bias)
 
 
 @torch.library.register_fake("te_fuser::nvfp4_gemm")

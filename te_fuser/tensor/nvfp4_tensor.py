@@ -79,17 +79,20 @@ class NVFP4Tensor(BlockScaledTensor):
     def _fp4_dtype(self) -> DType:
         return DType.kFloat4E2M1
 
-    def _packed_operand(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A usage as NVFP4's CPU GEMM takes it (te_fuser.kernels.gemm.nvfp4_gemm): (packed data (n, m / 2), E4M3
-        scale codes (n, m / 16), amax), n x m the data's matrix as in _codes_and_factors."""
+    def _usage_matrix(self, columnwise: bool):
+        """(data, scale, amax, n, m) of a usage, n x m the data's matrix: (rows, cols) rowwise, (cols, rows)
+        columnwise, m rounded up to 16."""
         cols = self.shape[-1]
         rows = self.numel() // cols
         if columnwise:
-            data, scale, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
-            n, m = cols, kernels.padded_len(rows)
-        else:
-            data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
-            n, m = rows, kernels.padded_len(cols)
+            return (self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise, cols,
+                    kernels.padded_len(rows))
+        return self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise, rows, kernels.padded_len(cols)
+
+    def _packed_operand(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A usage as NVFP4's CPU GEMM takes it (te_fuser.kernels.gemm.nvfp4_gemm): (packed data (n, m / 2), E4M3
+        scale codes (n, m / 16), amax), n x m as in _usage_matrix."""
+        data, scale, amax, n, m = NVFP4Tensor._usage_matrix(self, columnwise)
         return data.reshape(n, m // 2).contiguous(), scale[:n, : m // NVFP4_BLOCK_SCALING_SIZE], amax
 
     def _codes_and_factors(self, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -97,14 +100,7 @@ class NVFP4Tensor(BlockScaledTensor):
         float32(float32(scale * amax) * float32(1 / 2688))), n x m the data's matrix: (rows, cols)
         rowwise, (cols, rows) columnwise, m rounded up to 16 (the padding's codes 0 unless with_rht).
         Each value is exactly code * factor."""
-        cols = self.shape[-1]
-        rows = self.numel() // cols
-        if columnwise:
-            data, scale, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
-            n, m = cols, kernels.padded_len(rows)
-        else:
-            data, scale, amax = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise
-            n, m = rows, kernels.padded_len(cols)
+        data, scale, amax, n, m = NVFP4Tensor._usage_matrix(self, columnwise)
         if data.device.type == "cpu":
             codes = kernels.e2m1_as_e4m3(data.reshape(n, m // 2).contiguous())
         else:
