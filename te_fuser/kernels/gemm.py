@@ -54,6 +54,17 @@ def _check_fp8_gemm_args(a, a_scale_inv, b, b_scale_inv, out_dtype, bias):
     check_scalar_f32(b_scale_inv, "b_scale_inv", b, "b")
 
 
+def _check_scales(a, a_scales, b, b_scales, blocks, dtypes, layout):
+    """Each operand's scales: one of dtypes, shape (its rows, blocks) (layout(operand) says what they are), on a's
+    device."""
+    for scales, name, rows, operand in ((a_scales, "a_scales", a.shape[0], "a"), (b_scales, "b_scales", b.shape[0], "b")):
+        check_dtype(scales, name, dtypes)
+        if scales.shape != (rows, blocks):
+            raise ValueError(f"{name} must have shape ({rows}, {blocks}): {layout(operand)}, got {tuple(scales.shape)}")
+        if scales.device != a.device:
+            raise ValueError(f"{name} is on {scales.device} but a is on {a.device}; they must be on the same device")
+
+
 def _check_out_and_bias(a, b, out_dtype, bias):
     check_float_dtype(out_dtype, "out_dtype")
     if bias is not None:
@@ -111,14 +122,8 @@ def _check_nvfp4_gemm_args(a, a_scales, b, b_scales, alpha, out_dtype, bias):
     if b.shape[1] != a.shape[1]:
         raise ValueError(f"b must have a.shape[1] = {a.shape[1]} bytes a row (b is (N, K / 2)), got shape "
                          f"{tuple(b.shape)}")
-    blocks = 2 * a.shape[1] // 16
-    for scales, name, rows in ((a_scales, "a_scales", a.shape[0]), (b_scales, "b_scales", b.shape[0])):
-        check_dtype(scales, name, (torch.uint8, torch.float8_e4m3fn))
-        if scales.shape != (rows, blocks):
-            raise ValueError(f"{name} must have shape ({rows}, {blocks}): one E4M3 scale per row and 16-value "
-                             f"block, got {tuple(scales.shape)}")
-        if scales.device != a.device:
-            raise ValueError(f"{name} is on {scales.device} but a is on {a.device}; they must be on the same device")
+    _check_scales(a, a_scales, b, b_scales, 2 * a.shape[1] // 16, (torch.uint8, torch.float8_e4m3fn),
+                  lambda operand: "one E4M3 scale per row and 16-value block")
     check_scalar_f32(alpha, "alpha", a, "a")
     _check_out_and_bias(a, b, out_dtype, bias)
 
@@ -159,14 +164,8 @@ def _check_block_scaled_gemm_args(a, a_scales, b, b_scales, block, out_dtype, bi
     if not isinstance(block, int) or not 1 <= block <= MAX_BLOCK:
         raise ValueError(f"block must be an int in [1, {MAX_BLOCK}], got {block!r}")
     _check_operands_out_and_bias(a, b, out_dtype, bias)
-    blocks = -(-a.shape[1] // block)
-    for scales, name, rows, operand in ((a_scales, "a_scales", a.shape[0], "a"), (b_scales, "b_scales", b.shape[0], "b")):
-        check_dtype(scales, name, (torch.float32, torch.uint8))
-        if scales.shape != (rows, blocks):
-            raise ValueError(f"{name} must have shape ({rows}, {blocks}): one scale per row of {operand} and "
-                             f"K block of {block} (the last may be shorter), got {tuple(scales.shape)}")
-        if scales.device != a.device:
-            raise ValueError(f"{name} is on {scales.device} but a is on {a.device}; they must be on the same device")
+    _check_scales(a, a_scales, b, b_scales, -(-a.shape[1] // block), (torch.float32, torch.uint8),
+                  lambda operand: f"one scale per row of {operand} and K block of {block} (the last may be shorter)")
 
 
 @torch.library.register_fake("te_fuser::block_scaled_gemm")
