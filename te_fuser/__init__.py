@@ -1,11 +1,12 @@
 """te_fuser: FP8 layers, fused attention and an op fuser that free memory as soon as it is dead."""
 
 from . import _extension  # noqa: F401  (loads the kernels)
-from . import distributed, fp8, graph, jit, memory, ops, quantization, recipe, tensor, utils
+from . import distributed, export, fp8, graph, jit, memory, ops, quantization, recipe, tensor, utils
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .cpu_offload import get_cpu_offload_context
 from .cross_entropy import parallel_cross_entropy
 from .distributed import CudaRNGStatesTracker
+from .export import onnx_export
 from .graph import make_graphed_callables
 from .quantization import (FP8GlobalState, FP8GlobalStateManager, autocast, checkpoint, fp8_autocast, fp8_model_init,
                            quantized_model_init)
@@ -42,6 +43,7 @@ __all__ = [
     "cast_master_weights_to_fp8",
     "checkpoint",
     "distributed",
+    "export",
     "fp8",
     "fp8_autocast",
     "fp8_model_init",
@@ -53,6 +55,7 @@ __all__ = [
     "moe_sort_chunks_by_index",
     "moe_sort_chunks_by_index_with_probs",
     "moe_unpermute",
+    "onnx_export",
     "ops",
     "parallel_cross_entropy",
     "prepare_for_saving",

@@ -4,13 +4,15 @@ from typing import Optional, Tuple
 
 import torch
 
+# The masks of the fused backends; "arbitrary" runs in torch operators (attention/torch_attention.py).
 MASK_TYPES = ("no_mask", "causal", "padding", "padding_causal")
+_ALL_MASK_TYPES = MASK_TYPES + ("arbitrary",)
 
 
 def check_mask_type(attn_mask_type: str) -> str:
-    if attn_mask_type not in MASK_TYPES:
+    if attn_mask_type not in _ALL_MASK_TYPES:
         raise NotImplementedError(
-            f"attn_mask_type={attn_mask_type!r} is not supported; te_fuser supports {', '.join(MASK_TYPES)}")
+            f"attn_mask_type={attn_mask_type!r} is not supported; te_fuser supports {', '.join(_ALL_MASK_TYPES)}")
     return attn_mask_type
 
 

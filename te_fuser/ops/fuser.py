@@ -41,10 +41,12 @@ from typing import List, Optional, Sequence
 import torch
 
 from .. import amp
+from ..export import is_in_onnx_export_mode
 from ..tensor.float8_tensor import Float8Tensor
 from ..quantization import FP8GlobalState, canonical_recipe, runs_while_tracing
 from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 from ._fp8_io import high_precision
+from ._onnx_forward import run_chain as run_onnx_chain
 from .basic.activation import _BiasActivation
 from .basic.add_extra_input import AddExtraInput
 from .basic.bias import Bias
@@ -345,6 +347,9 @@ class OperationFuser:
         dtype = amp.autocast_dtype(input_.device.type)
         if dtype is not None:
             input_ = amp.cast_input(input_)
+        if is_in_onnx_export_mode():
+            with amp.autocast_off(input_.device.type, dtype):
+                return run_onnx_chain(self.basic_ops, input_, kwargs_list, extra_inputs)
         params_per_op = [op.op_params(**kw) for op, kw in zip(self.basic_ops, kwargs_list)]
         params = [p for ps in params_per_op for p in ps]
         fp8 = FP8GlobalState.is_enabled()

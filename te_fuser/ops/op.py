@@ -104,6 +104,11 @@ class BasicOperation(FusibleOperation):
         """(grad_input, tuple of grads of op_params(), in order)."""
         raise NotImplementedError
 
+    def onnx_forward(self, input_, *extra_inputs, **kwargs):
+        """(output, extra outputs) under te_fuser.export.onnx_export(True): see ops/_onnx_forward.py."""
+        del input_, extra_inputs, kwargs
+        raise NotImplementedError(f"te_fuser's {type(self).__name__} op has no ONNX export")
+
     def op_params(self, **kwargs) -> Sequence[torch.Tensor]:
         """The tensors this op trains (its parameters, or those passed in kwargs)."""
         del kwargs

@@ -638,6 +638,18 @@ class _Float8Quantizer(Quantizer):
         dst._refresh_transpose()
         return dst
 
+    def create_tensor_from_data(self, data: torch.Tensor, fake_dtype: torch.dtype = torch.float32,
+                                requires_grad: bool = False, internal: bool = False) -> Float8Tensor:
+        """TE's: a Float8Tensor over FP8 codes `data` (uint8, or this quantizer's float8 dtype), with
+        scale_inv = 1 / the quantizer's scale and dtype fake_dtype. internal is accepted for TE's signature."""
+        del internal
+        if data.dtype not in (torch.uint8, self.fp8_dtype):
+            raise TypeError(f"data must be uint8 or {self.fp8_dtype}, got {data.dtype}")
+        scale = self.scaling()[0] if hasattr(self, "scaling") else self.scale  # delayed: its state's slot
+        scale_inv = torch.reciprocal(scale.float().reshape(1)).to(data.device)
+        out = Float8Tensor(data.view(self.fp8_dtype), scale_inv, self.fp8_dtype, fake_dtype)
+        return out.requires_grad_(requires_grad)
+
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
                    requires_grad: bool = False) -> Float8Tensor:
         """An uninitialized Float8Tensor of this format (TE's method), with its transposed bytes, (last dim,

@@ -61,6 +61,21 @@ class MXFP8Quantizer(BlockScaledQuantizer):
                            columnwise_scale_inv=col_scale, fp8_dtype=self.dtype,
                            quantizer=traced_quantizer(self))
 
+    def create_tensor_from_data(self, data: torch.Tensor, scale_inv: torch.Tensor,
+                                fake_dtype: torch.dtype = torch.float32, fp8_dtype=None) -> MXFP8Tensor:
+        """TE's: an MXFP8Tensor (rowwise usage) over FP8 codes `data` (uint8 or float8) and their E8M0
+        scales `scale_inv` (uint8, this quantizer's rowwise scale shape for data's shape)."""
+        fp8_dtype = self.dtype if fp8_dtype is None else fp8_torch_dtype(fp8_dtype)
+        if data.dtype not in (torch.uint8, fp8_dtype):
+            raise TypeError(f"data must be uint8 or {fp8_dtype}, got {data.dtype}")
+        expected = tuple(self.get_scale_shape(tuple(data.shape), False))
+        if scale_inv.dtype != torch.uint8 or tuple(scale_inv.shape) != expected:
+            raise ValueError(f"scale_inv must be uint8 of shape {expected}, got {scale_inv.dtype} "
+                             f"{tuple(scale_inv.shape)}")
+        return MXFP8Tensor(data.shape, fake_dtype, rowwise_data=data.view(fp8_dtype), rowwise_scale_inv=scale_inv,
+                           columnwise_data=None, columnwise_scale_inv=None, fp8_dtype=fp8_dtype,
+                           quantizer=traced_quantizer(self))
+
     def make_empty(self, shape, *, dtype: torch.dtype = torch.float32, device=None,
                    requires_grad: bool = False) -> MXFP8Tensor:
         """An uninitialized MXFP8Tensor of `shape` with this quantizer's usages, for update_quantized to fill."""

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from ... import amp
+from ...export import is_in_onnx_export_mode
 from ...quantization import (DelayedScalingState, FP8GlobalState, canonical_recipe, make_recipe_state,
                              runs_while_tracing)
 from ...kernels.validate import FLOAT_DTYPES
@@ -16,6 +17,7 @@ from ..backends.selection import check_backend_name, clear_cache
 from ..function import FusedAttentionFunction, attention_forward, choose_backend
 from ..inference import check_inference_params
 from ..kv_cache_attention import cached_attention
+from ..torch_attention import torch_attention
 from ..masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
 from .utils import te_view
 
@@ -294,6 +296,31 @@ class DotProductAttention(torch.nn.Module):
             lens_q = lens_kv = None
         return None, None, lens_q, lens_kv
 
+    def _onnx_attention(self, q, k, v, qkv_format, mask_type, attention_mask, inference_params):
+        """The forward under te_fuser.export.onnx_export(True) (attention/onnx_attention.py)."""
+        if inference_params is not None:
+            raise NotImplementedError("ONNX export of DotProductAttention with inference_params (the KV cache)")
+        if self._fp8_quantizers(q.device) is not None:
+            raise NotImplementedError("ONNX export of FP8 attention (fp8_dpa)")
+        return torch_attention(q, k, v, qkv_format, mask_type, attention_mask, self.softmax_scale,
+                               self.attention_type == "self")
+
+    def _arbitrary_mask_attention(self, q, k, v, qkv_format, attention_mask, inference_params, autocast_dtype):
+        """attn_mask_type="arbitrary": attention in torch operators (attention/torch_attention.py), as TE runs
+        it in its unfused backend; high precision only."""
+        if inference_params is not None:
+            raise ValueError("inference_params needs attn_mask_type 'padding' or 'padding_causal' (as in TE), "
+                             "got 'arbitrary'")
+        if self._fp8_quantizers(q.device) is not None:
+            raise NotImplementedError("FP8 attention (fp8_dpa) with attn_mask_type 'arbitrary'")
+        q, k, v = (dequantized_with_grad(t) for t in (q, k, v))
+        dropout_p = self.attention_dropout if self.training else 0.0
+        tracker = self.get_rng_state_tracker if dropout_p > 0.0 else None
+        with (tracker().fork() if tracker is not None else contextlib.nullcontext(),
+              amp.autocast_off(q.device.type, autocast_dtype)):
+            return torch_attention(q, k, v, qkv_format, "arbitrary", attention_mask, self.softmax_scale,
+                                   self.attention_type == "self", dropout_p)
+
     def _cached_attention(self, q, k, v, qkv_format, mask_type, inference_params, autocast_dtype):
         """The attention of a KV-cache inference step (te_fuser/attention/kv_cache_attention.py): forward only."""
         check_inference_params(inference_params)
@@ -338,6 +365,12 @@ class DotProductAttention(torch.nn.Module):
         dtype = amp.autocast_dtype(query_layer.device.type)
         if dtype is not None:
             query_layer, key_layer, value_layer = (amp.cast_input(t) for t in (query_layer, key_layer, value_layer))
+        if is_in_onnx_export_mode():
+            return self._onnx_attention(query_layer, key_layer, value_layer, qkv_format, mask_type, attention_mask,
+                                        inference_params)
+        if mask_type == "arbitrary":
+            return self._arbitrary_mask_attention(query_layer, key_layer, value_layer, qkv_format, attention_mask,
+                                                  inference_params, dtype)
         if inference_params is not None:
             out = self._cached_attention(query_layer, key_layer, value_layer, qkv_format, mask_type, inference_params,
                                          dtype)

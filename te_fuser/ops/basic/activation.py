@@ -12,11 +12,23 @@ FP8 the same way). TE's cache_quantized_input=True saves it so whatever follows.
 """
 
 import torch
+import torch.nn.functional as F
 
 from ...tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Tensor
 from ...kernels import fused
 from .._fp8_io import direct_fp8_args, high_precision, wrap_kernel_output
 from ..op import BasicOperation
+
+
+# Each activation in torch operators, for the ONNX export (the gated ones apply it to the first half).
+_TORCH_FORMS = {
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),
+    "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu": F.relu,
+    "srelu": lambda x: F.relu(x).square(),
+    "silu": F.silu,
+}
+_GATED_BASE = {"geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu", "sreglu": "srelu", "swiglu": "silu"}
 
 
 def quantize_saved_input(x: torch.Tensor) -> Float8Tensor:
@@ -37,6 +49,13 @@ class _Activation(BasicOperation):
         """x in FP8 before an FP8 op (or when asked to), else x itself."""
         fp8 = self.cache_quantized_input or next_op_input_quantizer is not None
         return quantize_saved_input(x) if fp8 else x
+
+    def onnx_forward(self, input_):
+        x = input_.float()
+        if self.activation in _GATED_BASE:
+            a, g = x.chunk(2, dim=-1)
+            return (_TORCH_FORMS[_GATED_BASE[self.activation]](a) * g).to(input_.dtype), ()
+        return _TORCH_FORMS[self.activation](x).to(input_.dtype), ()
 
 
 class _BiasActivation(_Activation):

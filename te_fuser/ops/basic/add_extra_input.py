@@ -42,6 +42,11 @@ class AddExtraInput(BasicOperation):
         ctx.grad_extra_inputs = (dy,)
         return dy, ()
 
+    def onnx_forward(self, input_, extra):
+        if extra.shape != input_.shape:
+            raise ValueError(f"the extra input's shape {tuple(extra.shape)} must be the input's {tuple(input_.shape)}")
+        return (input_.float() + extra.float()).to(input_.dtype), ()
+
 
 class AddInPlace(AddExtraInput):
     """TE 2.6's name: AddExtraInput(in_place=True)."""

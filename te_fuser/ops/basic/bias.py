@@ -60,3 +60,7 @@ class Bias(BasicOperation):
         dy = high_precision(grad_output)
         db = bias_grad(dy.reshape(-1, self.size)) if ctx.bias_requires_grad else None
         return dy, (db,)
+
+    def onnx_forward(self, input_, bias=None):
+        b = self.bias if bias is None else bias
+        return (input_.float() + b.float()).to(input_.dtype), ()

@@ -37,3 +37,6 @@ class Dropout(BasicOperation):
             return grad_output, ()
         (mask,) = ctx.saved_tensors
         return (high_precision(grad_output) * mask).mul_(ctx.scale), ()
+
+    def onnx_forward(self, input_):
+        return input_, ()  # an inference graph: dropout off

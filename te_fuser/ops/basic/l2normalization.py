@@ -45,3 +45,7 @@ class L2Normalization(BasicOperation):
         dy = high_precision(grad_output).to(r.dtype)
         dx = r * dy - xc * (r.pow(3) * (dy * xc).sum(-1, keepdim=True))
         return dx.to(x.dtype), ()
+
+    def onnx_forward(self, input_):
+        xc = input_.to(self._compute_dtype(input_))
+        return (xc * torch.rsqrt(xc.square().sum(-1, keepdim=True) + self.eps)).to(input_.dtype), ()

@@ -17,6 +17,7 @@ from .._block_gather import all_gather_rows, gathers_low_precision, quantize_row
 from .._fp8_gather import all_gather_fp8_dim0, quantize_shard, shard_for_saving
 from .._fp8_io import high_precision, with_transpose
 from .._gemm_kind import PER_TENSOR, gemm_block, quantizer_block
+from .._onnx_forward import float32, quantize_dequantize
 from ..block_gemm import block_gemm
 from ..gemm import check_fp8_gemm_dims, fp8_gemm_nt, gemm_nt, mm
 from ..op import BasicOperation, OperationContext
@@ -337,6 +338,18 @@ class BasicLinear(BasicOperation):
         ctx.grad_input_quantizer = prev_op_grad_output_quantizer
         return self.forward_gemm(ctx, input_, self.weight if weight is None else weight, None, is_first_microbatch,
                                  input_gathered)
+
+    def onnx_forward(self, input_, weight=None, is_first_microbatch=None, input_gathered=False):
+        """y = x @ W.T in float32, on the quantized-and-dequantized operands under FP8."""
+        del is_first_microbatch, input_gathered
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError("ONNX export of a tensor-parallel linear")
+        weight = self.weight if weight is None else weight
+        x, w = float32(input_), float32(weight)
+        if self._fp8_enabled:
+            x = quantize_dequantize(x, self._forward_quantizers[0])
+            w = quantize_dequantize(w, self._forward_quantizers[1])
+        return torch.nn.functional.linear(x, w).to(weight.dtype), ()
 
     def forward_gemm(self, ctx: OperationContext, x, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      is_first_microbatch: Optional[bool], input_gathered: bool = False) -> torch.Tensor:

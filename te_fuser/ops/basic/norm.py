@@ -62,6 +62,10 @@ class _Norm(BasicOperation):
             raise ValueError(f"input's last dimension must be {self.size}, got shape {tuple(x.shape)}")
         return x
 
+    def _onnx_weight(self, weight) -> torch.Tensor:
+        w = self.op_params(weight)[0].float()
+        return w + 1 if self.zero_centered_gamma else w
+
     def _output(self, y, next_op_input_quantizer, fp8_out, dtype):
         return wrap_kernel_output(y, next_op_input_quantizer, dtype) if fp8_out is not None else y
 
@@ -90,6 +94,11 @@ class RMSNorm(_Norm):
         dx, dw = fused.rmsnorm_backward(dy, x, rstd, weight, self.zero_centered_gamma)
         return dx, (dw if ctx.params_require_grad[0] else None,)
 
+    def onnx_forward(self, input_, weight=None):
+        x = input_.float()
+        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps) * self._onnx_weight(weight)
+        return y.to(input_.dtype), ()
+
 
 class LayerNorm(_Norm):
     """y = (x - mean) / sqrt(var + eps) * weight + bias (weight + 1 with zero_centered_gamma)."""
@@ -115,3 +124,8 @@ class LayerNorm(_Norm):
         dy = high_precision(grad_output).contiguous()
         dx, dw, db = fused.layernorm_backward(dy, x, mean, rstd, weight, self.zero_centered_gamma)
         return dx, (dw if ctx.params_require_grad[0] else None, db if ctx.params_require_grad[1] else None)
+
+    def onnx_forward(self, input_, weight=None, bias=None):
+        b = self.op_params(weight, bias)[1].float()
+        y = torch.nn.functional.layer_norm(input_.float(), (self.size,), self._onnx_weight(weight), b, self.eps)
+        return y.to(input_.dtype), ()
