@@ -11,6 +11,9 @@ TORCH_INCLUDES = $(shell $(PYTHON) -c "from torch.utils.cpp_extension import inc
 # packaging, fsspec and typing-extensions (there already); --no-deps keeps torch pinned.
 CLIENT_PACKAGES = accelerate==1.15.0 safetensors==0.8.0 pyyaml==6.0.3 \
 	lightning==2.6.0 lightning-utilities==0.15.3 torchmetrics==1.9.0
+# tests/test_onnx_export.py: torch.onnx's exporter (onnxscript) and ONNX Runtime with its extensions.
+ONNX_PACKAGES = onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 ml-dtypes==0.6.0 protobuf==7.36.2 \
+	onnxruntime==1.32.0 onnxruntime-extensions==0.15.2 flatbuffers==25.12.19
 
 .PHONY: install demo test c-check cuda-check bench
 
@@ -18,7 +21,7 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==$(TORCH_VERSION)
 	$(PYTHON) -m pip install -q pytest numpy tqdm matplotlib
 	$(PYTHON) -m pip install -q --no-deps megatron-core==0.16.1  # tests/clients; --no-deps keeps torch pinned
-	$(PYTHON) -m pip install -q --no-deps $(CLIENT_PACKAGES)
+	$(PYTHON) -m pip install -q --no-deps $(CLIENT_PACKAGES) $(ONNX_PACKAGES)
 	$(PYTHON) -m pip install -q --no-build-isolation -e .
 
 demo: install

@@ -745,7 +745,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(NotImplementedError, match="attention_type"):
         te_fuser.DotProductAttention(4, 16, attention_type="decoder")
     with pytest.raises(NotImplementedError, match="attn_mask_type"):
-        module(q, k, v, attn_mask_type="arbitrary")
+        module(q, k, v, attn_mask_type="causal_bottom_right")
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         module(q, k, v, alibi_slopes=torch.ones(4))
     with pytest.raises(NotImplementedError, match="qkv_format"):

@@ -73,8 +73,8 @@ def test_missing_names_fail_loudly(alias):
     import transformer_engine.pytorch as tp
 
     with pytest.raises(ModuleNotFoundError,
-                       match="'transformer_engine.pytorch.onnx_extensions': te_fuser does not provide"):
-        import transformer_engine.pytorch.onnx_extensions  # noqa: F401
+                       match="'transformer_engine.pytorch.triton': te_fuser does not provide"):
+        import transformer_engine.pytorch.triton  # noqa: F401
     import transformer_engine.pytorch.router as router  # TE's module: te_fuser's of the same path
     import te_fuser.router
 

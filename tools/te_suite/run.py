@@ -74,29 +74,46 @@ def sampled_ids(path: Path, tests: Path, sample: int, timeout: int):
     return [ids[int(i * step)] for i in range(sample)]
 
 
+def _pytest(path: Path, tests: Path, report: Path, targets, timeout: int) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "pytest", "-p", "cuda_shim", "-q", "-p", "no:cacheprovider",
+            f"--junitxml={report}"] + targets
+    return subprocess.run(args, cwd=path.parent, env=_env(tests, path.parent, path), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _count(report: Path, counts: dict) -> None:
+    for case in ET.parse(report).getroot().iter("testcase"):
+        kinds = {child.tag for child in case}
+        kind = "failed" if "failure" in kinds else "errors" if "error" in kinds else (
+            "skipped" if "skipped" in kinds else "passed")
+        counts[kind] += 1
+
+
 def run_file(path: Path, tests: Path, out: Path, sample: int, timeout: int) -> dict:
     report = out / (str(path.relative_to(tests)).replace("/", "__") + ".xml")
     ids = sampled_ids(path, tests, sample, timeout)
-    args = [sys.executable, "-m", "pytest", "-p", "cuda_shim", "-q", "-p", "no:cacheprovider",
-            f"--junitxml={report}"] + (ids if ids else [str(path)])
+    report.unlink(missing_ok=True)
     try:
-        proc = subprocess.run(args, cwd=path.parent, env=_env(tests, path.parent, path), capture_output=True,
-                              text=True, timeout=timeout)
-        tail = proc.stdout[-4000:]
+        proc = _pytest(path, tests, report, ids if ids else [str(path)], timeout)
     except subprocess.TimeoutExpired:
         return {"file": str(path.relative_to(tests)), "timeout": True}
+    tail = proc.stdout[-4000:]
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     if report.exists():
-        for case in ET.parse(report).getroot().iter("testcase"):
-            kinds = {child.tag for child in case}
-            if "failure" in kinds:
-                counts["failed"] += 1
-            elif "error" in kinds:
-                counts["errors"] += 1
-            elif "skipped" in kinds:
-                counts["skipped"] += 1
+        _count(report, counts)
+    elif ids and proc.returncode < 0:
+        # A test killed the process (an abort in native code): each sampled test alone, a crash a failure.
+        tail += f"\nthe run died (signal {-proc.returncode}); each test was run alone:\n"
+        single = out / (report.stem + ".single.xml")
+        for test_id in ids:
+            single.unlink(missing_ok=True)
+            alone = _pytest(path, tests, single, [test_id], timeout)
+            if single.exists():
+                _count(single, counts)
             else:
-                counts["passed"] += 1
+                counts["failed"] += 1
+                tail += f"{test_id}: died (signal {-alone.returncode})\n"
+        single.unlink(missing_ok=True)
     (out / (report.stem + ".log")).write_text(tail)
     return {"file": str(path.relative_to(tests)), "sampled": bool(ids), **counts}
 
