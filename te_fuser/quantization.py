@@ -378,7 +378,9 @@ def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precis
 
     Inside autocast with the same recipe the GEMMs read the weight's bytes directly (no 16-bit copy,
     no requantization); outside it the forward uses the dequantized values (a transient
-    high-precision copy, as any op on a quantized tensor). Gradients are high precision, in the
+    high-precision copy, as any op on a quantized tensor). Under a recipe of another class (a
+    CustomRecipe included) the module's forward raises RuntimeError "Recipe mismatch for '<weight>'",
+    as TE's does (te_fuser.module.base.check_weight_recipes). Gradients are high precision, in the
     nominal dtype. Loading a state_dict copies the weights byte for byte with their scales.
 
     FSDP2 (fully_shard) shards quantized weights along dim 0 and all-gathers their bytes and scales

@@ -92,6 +92,27 @@ def warn_on_recipe_change(module) -> None:
             return
 
 
+def check_weight_recipes(module) -> None:
+    """TE's check at the start of a module's forward inside fp8_autocast (or calibration): a quantized weight
+    (quantized_model_init) runs only under the recipe class of the quantizer that made it
+    (`_get_compatible_recipe()`: a Float8Tensor's delayed- or current-scaling quantizer tells which); any
+    other recipe, a CustomRecipe included (as in TE), is a RuntimeError naming the weight, raised before
+    anything is computed. A weight without a quantizer is not checked. Outside fp8_autocast a quantized
+    weight is used dequantized, unchecked, as in TE."""
+    if not (FP8GlobalStateManager.is_fp8_enabled() or FP8GlobalStateManager.is_fp8_calibration()):
+        return
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    for name, param in module._parameters.items():
+        quantizer = getattr(param, "_quantizer", None) if isinstance(param, QuantizedTensor) else None
+        compatible = quantizer._get_compatible_recipe() if quantizer is not None else None
+        if compatible is not None and not isinstance(recipe, compatible):
+            raise RuntimeError(
+                f"Recipe mismatch for '{name}': this {type(param).__name__} weight of te_fuser."
+                f"{type(module).__name__} was quantized for {compatible.__name__}, but fp8_autocast runs "
+                f"{type(recipe).__name__}; build the module under quantized_model_init with the recipe it runs "
+                "under, or run it under the weight's")
+
+
 class TransformerEngineBaseModule(torch.nn.Module):
     """TE's base class of modules with FP8 GEMMs: te_fuser's Linear, LayerNormLinear, LayerNormMLP and
     GroupedLinear derive from it, and so can a user's module that runs its own GEMMs.

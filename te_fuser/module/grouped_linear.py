@@ -9,7 +9,7 @@ from ..tensor.utils import initialize_weight, quantize_weights
 from ..ops import _tensor_parallel as tp
 from ..ops.basic.grouped_linear import GroupedBasicLinear, validate_m_splits
 from ._linear_base import _DEFAULT_INIT_STD, FusedModule, returned_bias, rng_fork
-from .base import warn_on_recipe_change
+from .base import check_weight_recipes, warn_on_recipe_change
 
 _PARALLEL_MODES = (None, "column", "row")
 
@@ -162,5 +162,6 @@ class GroupedLinear(FusedModule):
         kwargs = {"weights": weights, "biases": biases if self.apply_bias else (), "m_splits": splits,
                   "is_first_microbatch": is_first_microbatch}
         warn_on_recipe_change(self)
+        check_weight_recipes(self)
         y = self._fuser(inp, [kwargs])
         return (y, [returned_bias(b, inp) for b in biases]) if self.return_bias else y

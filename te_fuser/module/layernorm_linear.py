@@ -11,7 +11,7 @@ from ..ops.basic.extra_output import MakeExtraOutput
 from ..ops.basic.linear import BasicLinear
 from ..ops.basic.norm import LayerNorm as LayerNormOp, RMSNorm as RMSNormOp
 from ._linear_base import FusedModule, LinearWeights, check_unsupported, returned_bias, rng_fork
-from .base import warn_on_recipe_change
+from .base import check_weight_recipes, warn_on_recipe_change
 from .linear import check_forward_input
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -168,6 +168,7 @@ class LayerNormLinear(FusedModule):
         if self._bias_in_fuser:
             kwargs.append({"bias": bias})
         warn_on_recipe_change(self)
+        check_weight_recipes(self)
         result = self._fuser(inp, kwargs, fp8_output=fp8_output, fp8_grad=fp8_grad)
         out, ln_out = result if self.return_layernorm_output else (result, None)
         if self.return_bias:

@@ -11,7 +11,7 @@ from ..ops.basic.bias import Bias
 from ..ops.basic.extra_output import MakeExtraOutput
 from ..ops.basic.linear import BasicLinear
 from ._linear_base import FusedModule, LinearWeights, check_unsupported, positive_int, returned_bias, rng_fork
-from .base import warn_on_recipe_change
+from .base import check_weight_recipes, warn_on_recipe_change
 from .layernorm_linear import create_norm_params, make_norm_op, norm_kwargs
 from .linear import check_forward_input
 
@@ -160,6 +160,7 @@ class LayerNormMLP(FusedModule):
         if self._fc2_bias_in_fuser:
             kwargs.append({"bias": self.fc2_bias})
         warn_on_recipe_change(self)
+        check_weight_recipes(self)
         result = self._fuser(inp, kwargs)
         out, ln_out = result if self.return_layernorm_output else (result, None)
         if self.return_bias:

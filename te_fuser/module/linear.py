@@ -8,7 +8,7 @@ from ..ops import _tensor_parallel as tp
 from ..ops.basic.bias import Bias
 from ..ops.basic.linear import BasicLinear
 from ._linear_base import FusedModule, LinearWeights, check_unsupported, returned_bias, rng_fork
-from .base import warn_on_recipe_change
+from .base import check_weight_recipes, warn_on_recipe_change
 
 _PARALLEL_MODES = (None, "column", "row")
 
@@ -136,5 +136,6 @@ class Linear(FusedModule):
         if self._bias_in_fuser:
             kwargs.append({"bias": bias})
         warn_on_recipe_change(self)
+        check_weight_recipes(self)
         out = self._fuser(inp, kwargs, fp8_output=fp8_output, fp8_grad=fp8_grad)
         return (out, returned_bias(bias, inp)) if self.return_bias else out

@@ -21,6 +21,7 @@ from torch._prims_common import infer_size
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from ..kernels import fp8_block as kernels
+from ..recipe import Float8BlockScaling
 from ..te_dtype import fp8_torch_dtype
 from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, traced_quantizer
 
@@ -196,6 +197,9 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
     def _data_format(self) -> Float8BlockScaleTensorFormat:
         return (Float8BlockScaleTensorFormat.COMPACT if self.all_gather_usage
                 else Float8BlockScaleTensorFormat.GEMM_READY)
+
+    def _get_compatible_recipe(self):
+        return Float8BlockScaling
 
     def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
         if self.all_gather_usage and self.block_scaling_dim == 2:

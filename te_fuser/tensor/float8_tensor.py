@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from ..kernels import fp8 as fp8_kernels
 from ..kernels.validate import FLOAT_DTYPES as _HIGH_PRECISION  # what the FP8 kernels read and write
 from ..kernels.validate import check_scalar_f32, check_tensor
+from ..recipe import DelayedScaling, Float8CurrentScaling
 from ..te_dtype import TORCH_DTYPE, DType, fp8_torch_dtype, te_dtype
 from .quantized_tensor import QuantizedTensor, Quantizer, to_op
 
@@ -685,6 +686,9 @@ class Float8Quantizer(_Float8Quantizer):
         self.scale = scale
         self.amax = amax
 
+    def _get_compatible_recipe(self):
+        return DelayedScaling
+
     def scaling(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(scale, amax). Under torch.compile a slot of buffers is cut from them inside the graph: AOTAutograd
         cannot take graph inputs that alias each other and are written next to tensor-subclass inputs
@@ -738,6 +742,9 @@ class Float8CurrentScalingQuantizer(_Float8Quantizer):
         self.amax_reduction_group = amax_reduction_group
         self.force_pow_2_scales = force_pow_2_scales
         self.amax_epsilon = amax_epsilon
+
+    def _get_compatible_recipe(self):
+        return Float8CurrentScaling
 
     def _cast(self, x: torch.Tensor, columnwise: Optional[bool] = None) -> Float8Tensor:
         if x.device != self.amax.device:

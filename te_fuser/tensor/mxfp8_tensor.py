@@ -13,6 +13,7 @@ from typing import Tuple
 import torch
 
 from ..kernels import fp8_block as kernels
+from ..recipe import MXFP8BlockScaling
 from ..te_dtype import fp8_torch_dtype
 from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled, traced_quantizer
 
@@ -51,6 +52,9 @@ class MXFP8Quantizer(BlockScaledQuantizer):
         fp8_dtype = fp8_torch_dtype(fp8_dtype)
         self.dtype = fp8_dtype
         super().__init__(rowwise=rowwise, columnwise=columnwise)
+
+    def _get_compatible_recipe(self):
+        return MXFP8BlockScaling
 
     def quantize(self, x: torch.Tensor) -> MXFP8Tensor:
         if x.dim() < 1:

@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..kernels import nvfp4 as kernels
+from ..recipe import NVFP4BlockScaling
 from ..te_dtype import DType
 from ._block_scaled_tensor import (BUFFERS, BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled,
                                    traced_quantizer)
@@ -219,6 +220,9 @@ class NVFP4Quantizer(BlockScaledQuantizer):
     @property
     def rht_matrix(self) -> torch.Tensor:
         return get_rht_matrix()
+
+    def _get_compatible_recipe(self):
+        return NVFP4BlockScaling
 
     def quantize(self, x: torch.Tensor) -> NVFP4Tensor:
         if x.dim() < 1:

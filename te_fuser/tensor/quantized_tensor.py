@@ -201,6 +201,10 @@ class Quantizer:
         """A shallow copy (TE's): the same scaling-state tensors, its own usages."""
         return copy.copy(self)
 
+    def _get_compatible_recipe(self):
+        """The recipe class whose fp8_autocast may run a weight this quantizer made (TE's); None: any."""
+        return None
+
     def __call__(self, x: torch.Tensor) -> QuantizedTensor:
         check_tensor(x, "x")
         return self.quantize(x)

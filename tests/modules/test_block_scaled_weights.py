@@ -356,13 +356,45 @@ def test_parameters_split_is_refused_with_block_scaled_weights():
 
 
 @pytest.mark.parametrize("other", ["block", "nvfp4", "delayed"])
-def test_weights_of_another_recipe_are_quantized_from_their_values(other, generator):
-    """MXFP8 weights under another recipe's autocast: that recipe quantizes their dequantized values, as it
-    would a 16-bit weight holding them (bitwise)."""
-    module = build("Linear", "mxfp8")
-    dequantized = build("Linear")
+def test_ops_quantize_weights_of_another_recipe_from_their_values(other, generator):
+    """te_fuser.ops check no recipe (as TE's ops; the modules refuse, tests/test_recipe_mismatch.py): MXFP8
+    weights under another recipe's autocast are quantized from their dequantized values, as a 16-bit weight
+    holding them would be (bitwise)."""
+    module = build("ops.BasicLinear", "mxfp8")
+    dequantized = build("ops.BasicLinear")
     with torch.no_grad():
-        dequantized.weight.copy_(module.weight.dequantize())
-    x = inputs("Linear", generator)
-    for got, want in zip(run_step("Linear", module, x, other, 5), run_step("Linear", dequantized, x, other, 5)):
+        dequantized[0].weight.copy_(module[0].weight.dequantize())
+    x = inputs("ops.BasicLinear", generator)
+    for got, want in zip(run_step("ops.BasicLinear", module, x, other, 5),
+                         run_step("ops.BasicLinear", dequantized, x, other, 5)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("weights_recipe, autocast_recipe", [
+    (recipe.NVFP4BlockScaling(), recipe.NVFP4BlockScaling(disable_2d_quantization=True)),
+    (recipe.Float8BlockScaling(fp8_quant_fwd_weight=recipe.QParams(power_2_scale=False)), recipe.Float8BlockScaling()),
+], ids=["nvfp4-2d-to-1d", "block-fp32-to-pow2-scales"])
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear"])
+def test_weights_of_the_recipe_with_other_options_are_quantized_from_their_values(kind, weights_recipe,
+                                                                                  autocast_recipe, generator):
+    """A module's weights quantized for the autocast's recipe class but other weight blocks (the recipe check
+    passes): the autocast's quantizer quantizes their dequantized values, as a 16-bit weight holding them
+    (bitwise)."""
+    torch.manual_seed(0)
+    with te_fuser.quantized_model_init(recipe=weights_recipe):
+        module = MAKERS[kind]()
+    dequantized = MAKERS[kind]()
+    with torch.no_grad():
+        for (_, w), (_, d) in zip(module.named_parameters(), dequantized.named_parameters()):
+            d.copy_(w.dequantize() if isinstance(w, QuantizedTensor) else w)
+    x = inputs(kind, generator)
+    results = []
+    for m in (module, dequantized):
+        torch.manual_seed(5)
+        xi = x.clone().requires_grad_()
+        with te_fuser.fp8_autocast(fp8_recipe=autocast_recipe):
+            out = m(xi)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype))
+        results.append([out, xi.grad] + [p.grad for p in m.parameters()])
+    for got, want in zip(*results):
         assert torch.equal(got, want)

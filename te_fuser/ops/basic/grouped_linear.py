@@ -66,7 +66,8 @@ class GroupedBasicLinear(BasicOperation):
     def _quantized_weight(self, i: int, weight: torch.Tensor, is_first_microbatch: Optional[bool]) -> Float8Tensor:
         """As BasicLinear: True quantizes and caches, False reuses the cache, None never caches.
         An FP8 weight (quantized_model_init) is used as it is; under a block-scaled recipe, a weight quantized
-        another way is quantized again from its values."""
+        with other options of the recipe (or, through te_fuser.ops, for another recipe: GroupedLinear refuses
+        that, check_weight_recipes) is quantized again from its values."""
         if isinstance(weight, QuantizedTensor) and is_block_scaled(self._fp8_recipe):
             weight = high_precision(weight.detach())
         if isinstance(weight, Float8Tensor):

@@ -277,7 +277,9 @@ class BasicLinear(BasicOperation):
             return self._fp8_weight_cache
         if is_first_microbatch and torch.compiler.is_compiling():
             return self._fp8_weight_cache  # quantized and cached by before_traced_forward
-        wq = self._forward_quantizers[1](high_precision(weight.detach()))  # a block-scaled weight: its values
+        # A block-scaled weight (through te_fuser.ops: the modules refuse one quantized for another recipe,
+        # check_weight_recipes): from its values.
+        wq = self._forward_quantizers[1](high_precision(weight.detach()))
         if is_first_microbatch is not None or self._fp8_weight_cache is not None:
             # Written only when it changes: under torch.compile a write is a side effect inside the traced
             # autograd Function, after which dynamo cannot hand the saved FP8 buffers to the backward.
@@ -560,7 +562,9 @@ class BasicLinear(BasicOperation):
             return self._fp8_weight_cache
         quantizer = self._forward_quantizers[1].with_usage(rowwise=True,
                                                            columnwise=columnwise or is_first_microbatch is not None)
-        wq = quantizer(high_precision(weight.detach()))  # a weight quantized otherwise: from its values
+        # A weight quantized with other options of the recipe (or, through te_fuser.ops, for another recipe):
+        # quantized again from its values.
+        wq = quantizer(high_precision(weight.detach()))
         if is_first_microbatch is not None or self._fp8_weight_cache is not None:  # (a write: a traced side effect)
             self._fp8_weight_cache = wq if is_first_microbatch is not None else None
         return wq
