@@ -60,10 +60,10 @@ class NormModule(FusedModule):
                 if param is not None:
                     param.sequence_parallel = bool(self.sequence_parallel)
 
-    def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"inp must be a torch.Tensor, got {type(inp).__name__}")
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # pylint: disable=redefined-builtin  (TE's name)
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
         kwargs = {"weight": self.weight}
         if self._ops[0].with_bias:
             kwargs["bias"] = self.bias
-        return self._fuser(inp, [kwargs])
+        return self._fuser(input, [kwargs])
