@@ -205,3 +205,26 @@ def test_default_sf_compute_keeps_the_scale_where_amax_is_useless():
     scale = torch.full((5,), 3.0)
     got = _default_sf_compute(amax, scale, E4M3_MAX, 1)
     assert got[:3].tolist() == [3.0, 3.0, 3.0] and got[3].item() == 112.0 and got[4].item() == FLT_MAX / 2
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
+def test_init_fp8_metadata_makes_the_state_a_forward_uses(generator, module):
+    """TE's pattern (its ONNX tests): init_fp8_metadata inside fp8_autocast, then a scale set on each forward
+    quantizer of `quantizers`; the forward casts with those scales (checked against torch's cast)."""
+    layer = getattr(te_fuser, module)(32, 32, bias=False)
+    x = torch.randn(32, 32, generator=generator)
+    layer.init_fp8_metadata(2)  # outside fp8_autocast: nothing to make
+    assert layer.quantizers["scaling_fwd"] == []
+    with pytest.raises(ValueError, match="num_gemms"):
+        layer.init_fp8_metadata(0)
+    with te_fuser.fp8_autocast(fp8_recipe=DelayedScaling()):
+        layer.init_fp8_metadata(2)
+        quantizers = layer.quantizers["scaling_fwd"]
+        assert len(quantizers) == (2 if module == "Linear" else 4)
+        for q in quantizers:
+            q.scale = torch.full((1,), 3.0)
+        out = layer(x)
+    if module == "Linear":
+        qdq = lambda t: (t * 3.0).to(torch.float8_e4m3fn).float() / 3.0  # noqa: E731  (|t| * 3 < 448 here)
+        torch.testing.assert_close(out, qdq(x) @ qdq(layer.weight.detach()).t(), atol=1e-5, rtol=1e-5)
+    assert [q.scale.item() for q in layer.quantizers["scaling_fwd"]] == [3.0] * len(quantizers)

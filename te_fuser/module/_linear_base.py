@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from .. import amp
-from ..quantization import current_init
+from ..quantization import FP8GlobalState, canonical_recipe, current_init
 from ..tensor.utils import initialize_weight, quantize_weights
 from ..ops import _tensor_parallel as tp
 from ..ops._delayed_wgrad import WgradQueue
@@ -91,6 +91,19 @@ class FusedModule(TransformerEngineBaseModule):
 
     def _param_device(self) -> torch.device:
         return next(iter(self.parameters())).device
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """TE's: inside an enabled fp8_autocast, make the FP8 state of the active recipe now rather than in
+        the next forward, so that `quantizers` / `fp8_meta` hold it (e.g. to set a scale before exporting).
+        num_gemms is TE's slot count: te_fuser sizes the state from the module's own GEMMs."""
+        if isinstance(num_gemms, bool) or not isinstance(num_gemms, int) or num_gemms < 1:
+            raise ValueError(f"num_gemms must be a positive int, got {num_gemms!r}")
+        if not FP8GlobalState.is_enabled():
+            return
+        recipe = canonical_recipe(FP8GlobalState.get_recipe())
+        for op in self._ops:
+            if op.num_forward_quantizers + op.num_backward_quantizers > 0:
+                op.setup_fp8(True, recipe, FP8GlobalState.get_group(), self._param_device())
 
     # -- split parameters stay views of one storage (LinearWeights.share_storage) ---------
     def _apply(self, fn, recurse=True):
