@@ -50,6 +50,8 @@ ONE_RANK = {
     # (Float8BlockScaling; this model's hidden size of 64 is a partial 128-block).
     "fp8_mxfp8": dict(dtype="bf16", fp8="mxfp8", fp8_format="e4m3"),
     "fp8_blockwise": dict(dtype="bf16", fp8="blockwise", fp8_format="e4m3"),
+    # Megatron's --fp4-format e2m1 --fp4-recipe nvfp4 (its get_fp4_recipe: TE's NVFP4BlockScaling).
+    "fp4_nvfp4": dict(dtype="bf16", fp4="nvfp4"),
     "bug_on_fuser": dict(dtype="fp32", bug_on="fuser", reference="none"),
     "bug_on_checkpoint": dict(dtype="fp32", fp8="delayed", recompute=True, bug_on="checkpoint", reference="none"),
 }
@@ -60,6 +62,7 @@ TWO_RANKS = {
     "recompute_fp8_delayed": dict(dtype="fp32", fp8="delayed", recompute=True),
     "fp8_mxfp8": dict(dtype="bf16", fp8="mxfp8", fp8_format="e4m3"),
     "fp8_blockwise": dict(dtype="bf16", fp8="blockwise", fp8_format="e4m3"),
+    "fp4_nvfp4": dict(dtype="bf16", fp4="nvfp4"),
     # The vocabulary split over the two ranks: TE's parallel_cross_entropy on sharded logits.
     "te_cross_entropy": dict(dtype="fp32", te_cross_entropy=True),
     # Each rank keeps only its chunk of the layer's input until backward (te_fuser's checkpoint).
@@ -70,7 +73,8 @@ TWO_RANKS = {
 # Relative loss tolerances against the local spec, per step. fp32: the two specs differ only in the
 # order of floating-point sums (fused norm, flash-style attention); seen: ~1e-7. bf16: 8-bit mantissa;
 # seen: ~3e-4. FP8 (HYBRID: E4M3 forward, E5M2 gradients) against the unquantized run; seen: ~4e-3.
-TOL = {"fp32": 1e-6, "bf16": 2e-3, "fp8": 1e-2}
+# NVFP4 (E2M1 values, one mantissa bit) against the unquantized run; seen: 1.3e-2 (one rank), 2.6e-2 (TP=2).
+TOL = {"fp32": 1e-6, "bf16": 2e-3, "fp8": 1e-2, "fp4": 5e-2}
 # Megatron's own (non-FP8) recompute keeps its RNG states on its ctx after backward
 # (tensor_parallel/random.py CheckpointFunction: ctx.rng_states); that ctx is Megatron's, not te_fuser's.
 MEGATRON_OWN_CTX = "<CheckpointFunctionBackward>.rng_states"
@@ -151,13 +155,15 @@ def test_fp8_losses_near_local_spec(one_rank, name):
     _assert_graph_clean(result, name)
 
 
-@pytest.mark.parametrize("name", ["fp8_mxfp8", "fp8_blockwise"])
+@pytest.mark.parametrize("name", ["fp8_mxfp8", "fp8_blockwise", "fp4_nvfp4"])
 def test_block_scaled_recipe_trains_near_local_spec(one_rank, two_ranks, name):
     """Megatron's --fp8-recipe mxfp8 / blockwise (its get_fp8_recipe: TE's MXFP8BlockScaling /
-    Float8BlockScaling) trains the TE-spec GPT on te_fuser's block-scaled tensors, on one rank and with TP=2,
-    near the unquantized local spec, with a clean graph."""
+    Float8BlockScaling) and --fp4-recipe nvfp4 (its get_fp4_recipe: NVFP4BlockScaling) train the TE-spec GPT
+    on te_fuser's block-scaled tensors, on one rank and with TP=2, near the unquantized local spec, with a
+    clean graph."""
+    tol = TOL["fp4" if name.startswith("fp4") else "fp8"]
     for result in map(_ok, one_rank[name] + two_ranks[name]):
-        assert _rel(result["te"], result["local"]) < TOL["fp8"], (result["te"], result["local"])
+        assert _rel(result["te"], result["local"]) < tol, (result["te"], result["local"])
         assert all(abs(x - y) > 1e-6 for x, y in zip(result["te"], result["local"]))  # the recipe really ran
         assert result["te"][-1] < result["te"][0]
         _assert_graph_clean(result, name)
@@ -185,10 +191,10 @@ def test_tensor_parallel_two_ranks(two_ranks, name):
     ranks = [_ok(r) for r in two_ranks[name]]
     assert ranks[0]["te"] == ranks[1]["te"] and ranks[0]["local"] == ranks[1]["local"]
     result = ranks[0]
-    fp8 = TWO_RANKS[name].get("fp8")
-    tol = TOL["fp8"] if fp8 else TOL[TWO_RANKS[name]["dtype"]]
+    fp8, fp4 = TWO_RANKS[name].get("fp8"), TWO_RANKS[name].get("fp4")
+    tol = TOL["fp4"] if fp4 else TOL["fp8"] if fp8 else TOL[TWO_RANKS[name]["dtype"]]
     assert _rel(result["te"], result["local"]) < tol, (result["te"], result["local"])
-    if fp8:
+    if fp8 or fp4:
         assert all(abs(x - y) > 1e-6 for x, y in zip(result["te"], result["local"]))
     for r in ranks:
         _assert_graph_clean(r, name)
