@@ -58,7 +58,7 @@ def _mxfp8_scale_shape(shape) -> Tuple[int, int]:
 def onnx_mxfp8_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 E4M3 codes (uint8) of x in 32-value blocks of the last dimension, and their E8M0 scales."""
     xq = MXFP8Quantizer(_E4M3, columnwise=False)(x.float())
-    return xq._rowwise_data.view(torch.uint8), xq._rowwise_scale_inv
+    return xq._rowwise_data, xq._rowwise_scale_inv
 
 
 @onnx_mxfp8_quantize.register_fake
@@ -70,7 +70,7 @@ def _(x):
 @torch.library.custom_op("te_fuser::onnx_mxfp8_dequantize", mutates_args=())
 def onnx_mxfp8_dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 values of MXFP8 E4M3 codes q with their E8M0 block scales."""
-    return MXFP8Tensor(q.shape, torch.float32, rowwise_data=q.view(_E4M3), rowwise_scale_inv=scales,
+    return MXFP8Tensor(q.shape, torch.float32, rowwise_data=q, rowwise_scale_inv=scales,
                        columnwise_data=None, columnwise_scale_inv=None, fp8_dtype=_E4M3).dequantize()
 
 

@@ -1,17 +1,20 @@
 """MXFP8Tensor and Float8BlockwiseQTensor: their values against the float64 references, their usages,
 the ops that keep them quantized, the shell prepare_for_saving leaves, pickling, deepcopy and
-state_dict round trips."""
+state_dict round trips, their data held as TE holds it (uint8 bytes)."""
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
 
 import block_scaling_reference as ref
 import te_fuser
+from te_fuser.recipe import Float8BlockScaling, MXFP8BlockScaling
 from te_fuser.tensor import (Float8BlockQuantizer, Float8BlockwiseQTensor, MXFP8Quantizer, MXFP8Tensor,
                              QuantizedTensor)
+from te_fuser.tensor._block_scaled_tensor import fp8_data
 
 QUANTIZERS = {
     "mxfp8": lambda **usage: MXFP8Quantizer(torch.float8_e4m3fn, **usage),
@@ -19,6 +22,7 @@ QUANTIZERS = {
     "block2d": lambda **usage: Float8BlockQuantizer(torch.float8_e5m2, block_scaling_dim=2,
                                                     force_pow_2_scales=False, **usage),
 }
+BLOCK_ARGS = {"block1d": (torch.float8_e4m3fn, 1, True), "block2d": (torch.float8_e5m2, 2, False)}  # dtype, dim, pow2
 
 
 def make(kind, rowwise=True, columnwise=True):
@@ -30,8 +34,17 @@ def reference_values(kind, x, columnwise):
     x2 = x.reshape(-1, x.shape[-1])
     if kind == "mxfp8":
         return ref.mxfp8_values(x2, torch.float8_e4m3fn, columnwise).reshape(x.shape)
-    fp8_dtype, dim, pow2 = (torch.float8_e4m3fn, 1, True) if kind == "block1d" else (torch.float8_e5m2, 2, False)
+    fp8_dtype, dim, pow2 = BLOCK_ARGS[kind]
     return ref.float8_block_values(x2, fp8_dtype, dim, 0.0, pow2, columnwise).reshape(x.shape)
+
+
+def reference_codes(kind, x, columnwise):
+    """uint8 FP8 codes of 2-D x in the layout of the kind's data: x's (MXFP8's usages, Float8 block scaling's
+    rowwise usage) or its transpose's (Float8 block scaling's columnwise usage)."""
+    if kind == "mxfp8":
+        return ref.mxfp8_quantize(x, torch.float8_e4m3fn, columnwise)[0]
+    fp8_dtype, dim, pow2 = BLOCK_ARGS[kind]
+    return ref.float8_block_quantize(x, fp8_dtype, dim, 0.0, pow2, columnwise)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -174,3 +187,97 @@ def test_block_view_keeping_the_last_dim_stays_quantized(block_dim):
     assert torch.equal(other, t.dequantize().view(2, 300, 200))
     w = q(x).requires_grad_()
     assert w.view(400, 300).grad_fn is not None  # autograd records the view as for any tensor
+
+
+@pytest.mark.parametrize("kind", sorted(QUANTIZERS))
+def test_data_buffers_hold_te_bytes(kind, generator):
+    """As TE's: the data are the FP8 codes as uint8 bytes (numpy reads them, as TE's ONNX test does), MXFP8's
+    scales uint8 E8M0 codes, Float8 block scaling's float32, however the tensor was made; fp8_data() views
+    the codes in the FP8 dtype."""
+    x = torch.randn(256, 160, generator=generator) * torch.logspace(-4, 4, 160)
+    x[0, :4] = torch.tensor([0.0, -0.0, 3e4, -2e-6])
+    want = {columnwise: reference_codes(kind, x, columnwise) for columnwise in (False, True)}
+    q = make(kind)(x)
+    empty = make(kind).make_empty(x.shape)
+    empty.copy_(x)
+    saved = io.BytesIO()
+    torch.save(q, saved)
+    saved.seek(0)
+    made = {"quantize": q, "make_empty + copy_": empty, "clone": q.clone(), "deepcopy": copy.deepcopy(q),
+            "pickle": pickle.loads(pickle.dumps(q)), "torch.load": torch.load(saved)}
+    if kind == "block2d":  # columnwise bytes transposed from the rowwise ones
+        made["update_usage"] = make(kind, columnwise=False)(x)
+        made["update_usage"].update_usage(columnwise_usage=True)
+    top, _ = q.split(128)  # FSDP2's shard
+    made["split"] = top
+    scale_dtype = torch.uint8 if kind == "mxfp8" else torch.float32
+    for how, t in made.items():
+        for columnwise in (False, True):
+            data = t._columnwise_data if columnwise else t._rowwise_data
+            codes = want[columnwise]
+            if how == "split":
+                codes = codes[:, :128] if columnwise and kind != "mxfp8" else codes[:128]
+            assert data.dtype == torch.uint8, (how, columnwise)
+            assert (data.numpy() == codes.numpy()).all(), (how, columnwise)
+            scale = t._columnwise_scale_inv if columnwise else t._rowwise_scale_inv
+            assert scale.dtype == scale_dtype, (how, columnwise)
+            typed = fp8_data(t, columnwise)
+            assert typed.dtype == q._fp8_dtype and typed.data_ptr() == data.data_ptr()
+
+
+@pytest.mark.parametrize("kind", sorted(QUANTIZERS))
+def test_constructor_takes_bytes_or_fp8_codes(kind, generator):
+    """Data given as uint8 bytes or in the tensor's FP8 dtype are held as the same bytes (a view, never a cast
+    of the values); data of another dtype are refused, naming the argument."""
+    q = make(kind)(torch.randn(130, 256, generator=generator) * 100)
+    cls, fp8_dtype = type(q), q._fp8_dtype
+
+    def build(rowwise_data, columnwise_data):
+        return cls(q.shape, q.dtype, rowwise_data=rowwise_data, rowwise_scale_inv=q._rowwise_scale_inv,
+                   columnwise_data=columnwise_data, columnwise_scale_inv=q._columnwise_scale_inv,
+                   fp8_dtype=fp8_dtype, **q._meta())
+
+    held = (q._rowwise_data, q._columnwise_data)
+    for given in (held, tuple(data.view(fp8_dtype) for data in held)):
+        t = build(*given)
+        for mine, theirs in zip((t._rowwise_data, t._columnwise_data), held):
+            assert mine.dtype == torch.uint8 and mine.data_ptr() == theirs.data_ptr() and torch.equal(mine, theirs)
+        assert torch.equal(t.dequantize(), q.dequantize())
+        assert torch.equal(t.columnwise_dequantize(), q.columnwise_dequantize())
+    if kind == "mxfp8":  # TE's create_tensor_from_data, over bytes or codes
+        for data in (q._rowwise_data, q._rowwise_data.view(fp8_dtype)):
+            t = q._quantizer.create_tensor_from_data(data, q._rowwise_scale_inv, q.dtype)
+            assert t._rowwise_data.dtype == torch.uint8 and t._rowwise_data.data_ptr() == q._rowwise_data.data_ptr()
+            assert torch.equal(t.dequantize(), q.dequantize())
+    other = torch.float8_e5m2 if fp8_dtype == torch.float8_e4m3fn else torch.float8_e4m3fn
+    with pytest.raises(ValueError, match=f"rowwise_data must hold uint8 bytes or {fp8_dtype}, got {other}"):
+        build(held[0].view(other), held[1])
+    with pytest.raises(ValueError, match=f"columnwise_data must hold uint8 bytes or {fp8_dtype}, got torch.int8"):
+        build(held[0], held[1].view(torch.int8))
+
+
+@pytest.mark.parametrize("quantized_weight", [False, True])
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling, Float8BlockScaling])
+def test_module_gemms_read_the_bytes_as_fp8_codes(recipe, quantized_weight, generator):
+    """A Linear's three GEMMs over integers in [-8, 8] (exact in E4M3 under power-of-two block scales, their
+    sums exact in float32) equal float64 matmuls bit for bit, with the weight quantized by the module or a
+    quantized parameter (fp8_model_init)."""
+    def integers(*shape):
+        return torch.randint(-8, 9, shape, generator=generator).float()
+
+    with te_fuser.fp8_model_init(enabled=quantized_weight, recipe=recipe()):
+        layer = te_fuser.Linear(256, 128, bias=False, params_dtype=torch.float32)
+    w = integers(128, 256)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    if quantized_weight:
+        assert layer.weight._rowwise_data.dtype == torch.uint8 and torch.equal(layer.weight.dequantize(), w)
+    x = integers(64, 256).requires_grad_()
+    dy = integers(64, 128)
+    with te_fuser.fp8_autocast(fp8_recipe=recipe()):
+        y = layer(x)
+    y.backward(dy)
+    x64, w64, dy64 = x.detach().double(), w.double(), dy.double()
+    assert torch.equal(y, (x64 @ w64.t()).float())
+    assert torch.equal(x.grad, (dy64 @ w64).float())
+    assert torch.equal(layer.weight.grad, (dy64.t() @ x64).float())

@@ -41,6 +41,7 @@ import torch
 from ..kernels import fp8 as fp8_kernels
 from ..kernels import gemm as gemm_kernels
 from . import block_gemm_cuda
+from ..tensor._block_scaled_tensor import fp8_data
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from ..tensor.mxfp8_tensor import MXFP8Tensor
 from ..tensor.nvfp4_tensor import NVFP4Tensor
@@ -83,17 +84,17 @@ def gemm_operand(t, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         return NVFP4Tensor._codes_and_factors(t, columnwise)  # (not a method call: dynamo would make it a graph op)
     if isinstance(t, MXFP8Tensor):  # the E8M0 codes themselves: the CPU GEMM decodes them in C
         if not columnwise:
-            return t._rowwise_data.reshape(rows, cols), t._rowwise_scale_inv[:rows, : _blocks(cols, block)]
-        codes = _transposed(t._columnwise_data.reshape(rows, cols))
+            return fp8_data(t).reshape(rows, cols), t._rowwise_scale_inv[:rows, : _blocks(cols, block)]
+        codes = _transposed(fp8_data(t, True).reshape(rows, cols))
         return codes, t._columnwise_scale_inv[: _blocks(rows, block), :cols].t()
     if not isinstance(t, Float8BlockwiseQTensor):
         raise TypeError(f"a block-scaled GEMM operand must be an MXFP8Tensor, an NVFP4Tensor or a "
                         f"Float8BlockwiseQTensor, got {type(t).__name__}")
     t = t.gemm_ready()  # an all-gather's COMPACT buffers, re-laid
     if columnwise:
-        codes, scale, n, k = t._columnwise_data.reshape(cols, rows), t._columnwise_scale_inv, cols, rows
+        codes, scale, n, k = fp8_data(t, True).reshape(cols, rows), t._columnwise_scale_inv, cols, rows
     else:
-        codes, scale, n, k = t._rowwise_data.reshape(rows, cols), t._rowwise_scale_inv, rows, cols
+        codes, scale, n, k = fp8_data(t).reshape(rows, cols), t._rowwise_scale_inv, rows, cols
     if t._is_2D_scaled:  # one scale per 128x128 block: repeated over its 128 rows
         return codes, scale[: _blocks(n, block), : _blocks(k, block)].repeat_interleave(block, dim=0)[:n]
     return codes, scale[: _blocks(k, block), :n].t()

@@ -30,13 +30,28 @@ def traced_quantizer(quantizer):
     return None if torch.compiler.is_compiling() else quantizer
 
 
+def fp8_data(t: "BlockScaledTensor", columnwise: bool = False) -> Optional[torch.Tensor]:
+    """A usage's data bytes viewed as t's float8 dtype, as the GEMMs and dequantize kernels take them (None
+    when that usage is not held). A function rather than a property: torch.compile reads a property of a
+    tensor subclass made in the graph as constant metadata, which a tensor is not; a function is traced."""
+    data = t._columnwise_data if columnwise else t._rowwise_data
+    return None if data is None else data.view(t._fp8_dtype)
+
+
+def _as_bytes(data: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """FP8 data as the uint8 bytes TE keeps: a view of the same bytes, never a conversion of values."""
+    return data if data is None or data.dtype == torch.uint8 else data.view(torch.uint8)
+
+
 class BlockScaledTensor(QuantizedTensor):
     """A tensor quantized to FP8 with per-block scales, in one or both usages.
 
     _rowwise_data, _rowwise_scale_inv:       the data in the tensor's layout and its scales
     _columnwise_data, _columnwise_scale_inv: the data scaled along the other dimension (the
                                              weight-gradient GEMM's operand) and its scales
-    _fp8_dtype:  the dtype of the data; _quantizer: what requantizes it (copy_, in-place ops)
+    The data are uint8 bytes, as TE keeps them (given as bytes or in the FP8 dtype); fp8_data() views them
+    as the FP8 dtype.
+    _fp8_dtype:  the dtype of the data's codes; _quantizer: what requantizes it (copy_, in-place ops)
     dtype:       the nominal dtype it stands for
     """
 
@@ -50,6 +65,7 @@ class BlockScaledTensor(QuantizedTensor):
         if isinstance(fp8_dtype, DType):  # TE's enum, as TE's constructors take it
             fp8_dtype = fp8_torch_dtype(fp8_dtype)
         cls._check_data(fp8_dtype, rowwise_data, columnwise_data)
+        rowwise_data, columnwise_data = _as_bytes(rowwise_data), _as_bytes(columnwise_data)
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype (the nominal dtype) must be one of {FLOAT_DTYPES}, got {dtype}")
         buffers = (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
@@ -70,9 +86,9 @@ class BlockScaledTensor(QuantizedTensor):
     @classmethod
     def _check_data(cls, fp8_dtype, rowwise_data, columnwise_data) -> None:
         check_fp8_dtype(fp8_dtype)
-        for data in (rowwise_data, columnwise_data):
-            if data is not None and data.dtype != fp8_dtype:
-                raise ValueError(f"data must hold {fp8_dtype}, got {data.dtype}")
+        for name, data in (("rowwise_data", rowwise_data), ("columnwise_data", columnwise_data)):
+            if data is not None and data.dtype not in (torch.uint8, fp8_dtype):
+                raise ValueError(f"{name} must hold uint8 bytes or {fp8_dtype}, got {data.dtype}")
 
     def _set_meta(self, **meta) -> None:
         if meta:

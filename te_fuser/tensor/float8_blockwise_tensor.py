@@ -4,7 +4,8 @@
 
 Rowwise data has the tensor's shape; columnwise data is transposed, (shape[-1], *shape[:-1]), as
 TE's GEMMs take it: 128x1 tiles of the tensor for 1D scaling, the same 128x128 blocks for 2D.
-Scales are float32 scale_inv in TE's "GEMM ready" layouts (1D ones transposed).
+Data are the FP8 codes as uint8 bytes, as TE keeps them; scales are float32 scale_inv in TE's "GEMM ready"
+layouts (1D ones transposed).
 
 A 1D quantizer with all_gather_usage=True writes TE's COMPACT format instead, what an all-gather sends:
 columnwise data in the tensor's own shape, scales unpadded and untransposed, rowwise (rows, cols / 128) and
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from ..kernels import fp8_block as kernels
 from ..recipe import Float8BlockScaling
 from ..te_dtype import fp8_torch_dtype
-from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, traced_quantizer
+from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, fp8_data, traced_quantizer
 
 BLOCK_LEN = kernels.BLOCK_LEN
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -90,18 +91,18 @@ class Float8BlockwiseQTensor(BlockScaledTensor):
     def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
         rows, cols = _matrix(self.shape)
         if self._compact:  # both usages in the tensor's shape, scales (rows, col blocks) / (row blocks, cols)
-            data, scale = ((self._columnwise_data, self._columnwise_scale_inv) if columnwise
-                           else (self._rowwise_data, self._rowwise_scale_inv))
+            data = fp8_data(self, columnwise)
+            scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
             block = (BLOCK_LEN, 1) if columnwise else (1, BLOCK_LEN)
             out = kernels.block_dequantize(data.reshape(rows, cols), scale, *block, scale_transposed=False,
                                            dtype=dtype)
             return out.reshape(self.shape)
         block = (BLOCK_LEN, BLOCK_LEN) if self._is_2D_scaled else (1, BLOCK_LEN)
         if not columnwise:
-            out = kernels.block_dequantize(self._rowwise_data.reshape(rows, cols), self._rowwise_scale_inv, *block,
+            out = kernels.block_dequantize(fp8_data(self).reshape(rows, cols), self._rowwise_scale_inv, *block,
                                            scale_transposed=not self._is_2D_scaled, dtype=dtype)
             return out.reshape(self.shape)
-        out_t = kernels.block_dequantize(self._columnwise_data.reshape(cols, rows), self._columnwise_scale_inv,
+        out_t = kernels.block_dequantize(fp8_data(self, True).reshape(cols, rows), self._columnwise_scale_inv,
                                          *block, scale_transposed=not self._is_2D_scaled, dtype=dtype)
         return out_t.t().reshape(self.shape)
 
@@ -233,7 +234,7 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
         for usage, data_shape, columnwise in (("rowwise", shape, False),
                                               ("columnwise", self.get_columnwise_shape(shape), True)):
             if getattr(self, usage):
-                buffers[f"{usage}_data"] = torch.empty(data_shape, dtype=self.dtype, device=device)
+                buffers[f"{usage}_data"] = torch.empty(data_shape, dtype=torch.uint8, device=device)
                 buffers[f"{usage}_scale_inv"] = torch.empty(self.get_scale_shape(shape, columnwise),
                                                             dtype=torch.float32, device=device)
         return Float8BlockwiseQTensor(shape, dtype, fp8_dtype=self.dtype, quantizer=self,

@@ -4,7 +4,8 @@ with TransformerEngine's scale rounding; docs/block_scaling.md).
 Rowwise data is scaled in 1x32 blocks along the last dimension (the reduction dimension of the
 forward GEMMs), columnwise data in 32x1 blocks along the flattened leading dimensions (the
 weight-gradient GEMM's); both keep the tensor's shape, and both are computed from the
-high-precision values (no requantization). Scales are uint8 E8M0 codes in TE's padded shapes.
+high-precision values (no requantization). Data are the FP8 codes as uint8 bytes, as TE keeps them;
+scales are uint8 E8M0 codes in TE's padded shapes.
 """
 
 import math
@@ -15,17 +16,18 @@ import torch
 from ..kernels import fp8_block as kernels
 from ..recipe import MXFP8BlockScaling
 from ..te_dtype import fp8_torch_dtype
-from ._block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled, traced_quantizer
+from ._block_scaled_tensor import (BlockScaledQuantizer, BlockScaledTensor, _rebuild_block_scaled, fp8_data,
+                                   traced_quantizer)
 
 MXFP8_BLOCK_SCALING_SIZE = kernels.MXFP8_BLOCK
 
 
 class MXFP8Tensor(BlockScaledTensor):
-    """A tensor quantized to MXFP8. Its values (rowwise) are `_rowwise_data * 2^(scale - 127)` per
+    """A tensor quantized to MXFP8. Its values (rowwise) are `fp8_data(self) * 2^(scale - 127)` per
     1x32 block; see BlockScaledTensor for the buffers."""
 
     def _dequantize_usage(self, columnwise: bool, dtype: torch.dtype) -> torch.Tensor:
-        data = self._columnwise_data if columnwise else self._rowwise_data
+        data = fp8_data(self, columnwise)
         scale = self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv
         cols = self.shape[-1] if self.dim() else 1
         block = (MXFP8_BLOCK_SCALING_SIZE, 1) if columnwise else (1, MXFP8_BLOCK_SCALING_SIZE)
@@ -76,7 +78,7 @@ class MXFP8Quantizer(BlockScaledQuantizer):
         if scale_inv.dtype != torch.uint8 or tuple(scale_inv.shape) != expected:
             raise ValueError(f"scale_inv must be uint8 of shape {expected}, got {scale_inv.dtype} "
                              f"{tuple(scale_inv.shape)}")
-        return MXFP8Tensor(data.shape, fake_dtype, rowwise_data=data.view(fp8_dtype), rowwise_scale_inv=scale_inv,
+        return MXFP8Tensor(data.shape, fake_dtype, rowwise_data=data, rowwise_scale_inv=scale_inv,
                            columnwise_data=None, columnwise_scale_inv=None, fp8_dtype=fp8_dtype,
                            quantizer=traced_quantizer(self))
 
@@ -90,7 +92,7 @@ class MXFP8Quantizer(BlockScaledQuantizer):
         buffers = {}
         for usage, columnwise in (("rowwise", False), ("columnwise", True)):
             if getattr(self, usage):
-                buffers[f"{usage}_data"] = torch.empty(shape, dtype=self.dtype, device=device)
+                buffers[f"{usage}_data"] = torch.empty(shape, dtype=torch.uint8, device=device)
                 buffers[f"{usage}_scale_inv"] = torch.empty(self.get_scale_shape(shape, columnwise),
                                                             dtype=torch.uint8, device=device)
         return MXFP8Tensor(shape, dtype, fp8_dtype=self.dtype, quantizer=self, requires_grad=requires_grad,
