@@ -194,7 +194,7 @@ def test_fp8_attention_is_fused_fp8():
 
 @pytest.mark.parametrize("field, value", [
     ("core_attention_bias_type", "post_scale_bias"), ("alibi_slopes_shape", [HEADS]), ("pad_between_seqs", True),
-    ("context_parallel", True), ("head_dim_v", 32), ("attn_mask_type", "arbitrary"), ("window_size", (4, 4)),
+    ("context_parallel", True), ("head_dim_v", 32), ("attn_mask_type", "causal_bottom_right"), ("window_size", (4, 4)),
     ("qkv_dtype", torch.float64),
 ])
 def test_what_te_fusers_module_refuses_has_no_backend(field, value):
@@ -254,3 +254,11 @@ def test_padded_offsets_equal_to_cu_seqlens_are_accepted_and_others_refused():
     with pytest.raises(NotImplementedError, match="cu_seqlens_kv_padded differing from cu_seqlens_kv"):
         module(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu.clone(),
                cu_seqlens_kv_padded=torch.tensor([0, 12, 30], dtype=torch.int32))
+
+
+def test_an_arbitrary_mask_runs_in_the_unfused_family():
+    """attn_mask_type="arbitrary" runs in torch operators (TE's UnfusedDotProductAttention), not with FP8."""
+    params = dataclasses.replace(_params("bshd", "no_mask", 24, 24, 4, torch.float32, 0.0), attn_mask_type="arbitrary")
+    assert get_attention_backend(params) == (False, None, False, None, True, [False, False, True])
+    thd = dataclasses.replace(params, qkv_layout="thd_thd_thd")
+    assert get_attention_backend(thd) == (False, None, False, None, False, [False, False, False])

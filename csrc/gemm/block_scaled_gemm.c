@@ -1,7 +1,9 @@
 /* Block-scaled GEMM driver (block_scaled_gemm.h): per output tile, each K block is packed and
  * summed by the FP8 GEMM's kernel of the tier into a zeroed partial tile, then scaled into the
- * tile's float32 total; the FP8 GEMM's epilogue adds the bias (after NVFP4's alpha) and rounds. On the
- * fused AVX512-BF16 path, scales are multiplied into the packed values where that gives the same bits:
+ * tile's float32 total; the FP8 GEMM's epilogue adds the bias (after NVFP4's alpha) and rounds. The fused
+ * paths (AVX512-BF16's bf16 pairs; float32 on the AVX2 and AVX-512 tiers) sum each block in registers and
+ * scale it straight into the total. On them, scales are multiplied into the packed values where that gives
+ * the same bits:
  * powers of two (MXFP8's, and Float8 block scaling's with power_2_scale) within a range (foldable), and
  * NVFP4's E4M3 scales (e4m3_valued). That saves the kernel two multiplies per vector and block: MXFP8's
  * 1024^2 Linear step went from 1.13-1.29x to 1.12-1.13x the FP8 Linear's (Zen 4, 2 threads,
@@ -250,34 +252,54 @@ static void compute_tile(const job *jb, int64_t row0, int64_t col0, int64_t rows
 }
 
 #if TF_X86
-/* The fused AVX512-BF16 path: packs the tile's blocks of a (once per row of tiles) and of b (once
- * per column of tiles), gathers b's scales, and sums the tile in registers. */
+/* Packs rows [row0, row0 + rows) of a (valid of them, the rest zeros) for K block [k0, k0 + kc), in the
+ * fused path's layout: bf16 pairs (kc_pad) or float32 (kc); folded, times their scales. */
+static void pack_fused_a(const job *jb, const scratch *w, int64_t row0, int64_t rows, int64_t a_rows, int64_t kb,
+                         int64_t k0, int64_t kc, void *dst, float *scale) {
+  const tf_block_operand *a = jb->a;
+  if (w->elem == sizeof(float))
+    tf_gemm_pack_a_f32_avx2(a->codes, jb->k, row0, rows, a_rows, k0, kc, a->format, dst);
+  else
+    tf_gemm_pack_a_bf16(a->codes, jb->k, row0, rows, a_rows, k0, kc, tf_block_kc_pad(kc), w->codes_a, dst);
+  if (!w->folded) return;
+  fold_scales(a, row0, rows, a_rows, kb, scale);
+  if (w->elem == sizeof(float))
+    tf_gemm_fold_a_f32(dst, a_rows, kc, scale);
+  else
+    tf_gemm_fold_a_bf16(dst, a_rows, tf_block_kc_pad(kc), scale);
+}
+
+static void pack_fused_b(const job *jb, const scratch *w, int64_t col0, int64_t cols, int64_t b_cols, int64_t kb,
+                         int64_t k0, int64_t kc, void *dst, float *scale) {
+  const tf_block_operand *b = jb->b;
+  if (w->elem == sizeof(float))
+    tf_gemm_pack_b_f32_avx2(b->codes, jb->k, col0, cols, b_cols, k0, kc, b->format, dst);
+  else
+    tf_gemm_pack_b_bf16(b->codes, jb->k, col0, cols, b_cols, k0, kc, tf_block_kc_pad(kc), w->codes_b, dst);
+  if (!w->folded) return;
+  fold_scales(b, col0, cols, b_cols, kb, scale);
+  if (w->elem == sizeof(float))
+    tf_gemm_fold_b_f32(dst, b_cols, kc, scale);
+  else
+    tf_gemm_fold_b_bf16(dst, b_cols, tf_block_kc_pad(kc), scale);
+}
+
+/* The fused paths (AVX512-BF16 pairs, or float32 on the AVX2 and AVX-512 tiers): packs the tile's blocks
+ * of a (once per row of tiles) and of b (once per column of tiles), gathers b's scales, and sums the tile
+ * with the tier's fused kernel. */
 static void compute_tile_fused(const job *jb, int64_t row0, int64_t col0, int64_t rows, int64_t cols, scratch *w) {
   const tf_block_operand *a = jb->a, *b = jb->b;
   const int64_t a_rows = covered(rows, 96, TF_GEMM_MB), b_cols = covered(cols, 32, TF_GEMM_NB);
   const int64_t col_tile = col0 / TF_GEMM_NB, slot = w->b_slots == 1 ? 0 : col_tile;
   const int64_t a_elems = TF_GEMM_MB * w->kstride, b_elems = TF_GEMM_NB * w->kstride;
-  uint16_t *a_blocks = w->a_row, *b_blocks = w->b_all + slot * jb->blocks * b_elems;
+  char *a_blocks = w->a_row, *b_blocks = (char *)w->b_all + slot * jb->blocks * b_elems * (int64_t)w->elem;
   const int pack_a = w->a_row0 != row0;
   const int pack_b = w->b_slots == 1 ? w->b_col != col_tile : !w->b_packed[col_tile];
   float scale[TF_GEMM_MB > TF_GEMM_NB ? TF_GEMM_MB : TF_GEMM_NB];
   for (int64_t kb = 0; kb < jb->blocks; ++kb) {
     const int64_t k0 = kb * jb->block, kc = jb->k - k0 < jb->block ? jb->k - k0 : jb->block;
-    const int64_t kc_pad = tf_block_kc_pad(kc);
-    if (pack_a) {
-      tf_gemm_pack_a_bf16(a->codes, jb->k, row0, rows, a_rows, k0, kc, kc_pad, w->codes_a, a_blocks + kb * a_elems);
-      if (w->folded) {
-        fold_scales(a, row0, rows, a_rows, kb, scale);
-        tf_gemm_fold_a_bf16(a_blocks + kb * a_elems, a_rows, kc_pad, scale);
-      }
-    }
-    if (pack_b) {
-      tf_gemm_pack_b_bf16(b->codes, jb->k, col0, cols, b_cols, k0, kc, kc_pad, w->codes_b, b_blocks + kb * b_elems);
-      if (w->folded) {
-        fold_scales(b, col0, cols, b_cols, kb, scale);
-        tf_gemm_fold_b_bf16(b_blocks + kb * b_elems, b_cols, kc_pad, scale);
-      }
-    }
+    if (pack_a) pack_fused_a(jb, w, row0, rows, a_rows, kb, k0, kc, a_blocks + kb * a_elems * (int64_t)w->elem, scale);
+    if (pack_b) pack_fused_b(jb, w, col0, cols, b_cols, kb, k0, kc, b_blocks + kb * b_elems * (int64_t)w->elem, scale);
     if (w->folded) continue;
     float *sb = w->sb_all + kb * TF_GEMM_NB;
     for (int64_t j = 0; j < TF_GEMM_NB; ++j)
@@ -288,8 +310,16 @@ static void compute_tile_fused(const job *jb, int64_t row0, int64_t col0, int64_
     w->b_col = col_tile;
   else
     w->b_packed[col_tile] = 1;
-  const tf_block_tile t = {jb->blocks, jb->block, jb->k, a_blocks, a_elems, b_blocks, b_elems,
-                           a->scales + row0 * a->scale_row_stride, a->scale_row_stride, a->scale_block_stride,
+  const float *sa = a->scales + row0 * a->scale_row_stride;
+  if (w->elem == sizeof(float)) {
+    const tf_block_tile_f32 t = {jb->blocks, jb->block, jb->k, (const float *)a_blocks, a_elems,
+                                 (const float *)b_blocks, b_elems, sa, a->scale_row_stride, a->scale_block_stride,
+                                 w->sb_all, w->folded};
+    tf_block_gemm_tile_f32_avx2(&t, w->total, rows, cols);
+    return;
+  }
+  const tf_block_tile t = {jb->blocks, jb->block, jb->k, (const uint16_t *)a_blocks, a_elems,
+                           (const uint16_t *)b_blocks, b_elems, sa, a->scale_row_stride, a->scale_block_stride,
                            w->sb_all, w->folded};
   tf_block_gemm_tile_bf16_avx512(&t, w->total, rows, cols);
 }
@@ -334,14 +364,20 @@ static tf_status gemm(const tf_block_operand *a, const tf_block_operand *b, int6
   const int several_rows = (tile_end - 1) / tiles_n > tile_begin / tiles_n;
   const int several_cols = tile_end - tile_begin > 1 && tiles_n > 1;
 #if TF_X86
-  /* every tile of the call on the fused kernel, if its buffers can be had (compared by division, so
-   * nothing overflows) */
-  const int want_fused = isa == TF_ISA_AVX512_BF16 && jb.blocks > 0;
-  if (isa >= TF_ISA_AVX512_BF16) {
+  /* every tile of the call on the fused kernel (AVX512-BF16's, or the float32 one on the AVX2 and AVX-512
+   * tiers), if its buffers can be had (compared by division, so nothing overflows). At the avx2 tier the
+   * float32 kernel took a 1024^2 Linear step's three block GEMMs from 43.4-44.8 to 37.9-38.9 ms (MXFP8) and
+   * NVFP4's from 51.7-54.3 to 40.7-43.0 ms (Zen 4 capped at avx2, 2 threads, bench_block_linear.py,
+   * 2026-11-29). */
+  const int bf16_path = isa >= TF_ISA_AVX512_BF16;
+  const int want_fused = (isa == TF_ISA_AVX512_BF16 || isa == TF_ISA_AVX2 || isa == TF_ISA_AVX512) && jb.blocks > 0;
+  if (bf16_path) {
     w.elem = sizeof(uint16_t);
     w.kstride = want_fused ? tf_block_kc_pad(block) : (block + 31) / 32 * 32;
     bf16_codes(a->format, w.codes_a);
     bf16_codes(b->format, w.codes_b);
+  }
+  if (bf16_path || want_fused) {
     const int64_t block_bytes = TF_GEMM_NB * w.kstride * (int64_t)w.elem;
     if (jb.blocks > 0 && jb.blocks <= PACKED_MAX_BYTES / block_bytes) {
       if (several_rows && tiles_n <= PACKED_MAX_BYTES / (jb.blocks * block_bytes))
@@ -362,13 +398,15 @@ static tf_status gemm(const tf_block_operand *a, const tf_block_operand *b, int6
   w.fused = want_fused && w.a_row && w.b_all && w.b_packed && w.sb_all;
   w.folded = w.fused && (nvfp4 ? e4m3_valued(a, m, jb.blocks) && e4m3_valued(b, n, jb.blocks)
                                : foldable(a, b, m, n, block, jb.blocks));
-  if (want_fused && !w.fused) { /* the per-block path packs 32-multiples: its own buffers, sized per tile */
-    free(w.a_row);
-    w.a_row = NULL;
+  if (want_fused && !w.fused) {
     w.b_slots = 0;
-    w.kstride = (block + 31) / 32 * 32;
+    if (bf16_path || !several_cols) { /* the per-block bf16 path packs 32-multiples: buffers sized per tile */
+      free(w.a_row);
+      w.a_row = NULL;
+    }
+    if (bf16_path) w.kstride = (block + 31) / 32 * 32;
   }
-  if (!w.fused && (w.b_slots != tiles_n || !w.b_all || !w.b_packed)) { /* packing per tile needs none */
+  if (!w.fused && (!bf16_path || w.b_slots != tiles_n || !w.b_all || !w.b_packed)) { /* none per tile */
     free(w.b_all);
     free(w.b_packed);
     w.b_all = NULL;

@@ -94,8 +94,25 @@ typedef struct {
   int folded;      /* 1: sa and sb are not read */
 } tf_block_tile;
 
+/* The same sums on the float32 layouts (block kb of a at a + kb * a_block_elems: MR-row panels of
+ * [MR][kc]; of b at b + kb * b_block_elems: NR-column panels of [kc][NR]; kc = min(block, k - kb * block),
+ * unpadded), FMAs in k order as tf_gemm_block_f32_avx2 adds them, and per 6 x 16 register block:
+ * total += P * (sa * sb), or folded total += P (block_scaled_gemm_f32.c). */
+typedef struct {
+  int64_t blocks, block, k;
+  const float *a;
+  int64_t a_block_elems;
+  const float *b;
+  int64_t b_block_elems;
+  const float *sa;
+  int64_t sa_row_stride, sa_block_stride;
+  const float *sb; /* [blocks][TF_GEMM_NB], 0 past cols */
+  int folded;
+} tf_block_tile_f32;
+
 #if TF_X86
 void tf_block_gemm_tile_bf16_avx512(const tf_block_tile *t, float *total, int64_t rows, int64_t cols);
+void tf_block_gemm_tile_f32_avx2(const tf_block_tile_f32 *t, float *total, int64_t rows, int64_t cols);
 
 /* Multiply packed bf16 values in place: row r of a's layout (pack_a) by scale[r] for r < rows, or
  * column j of b's layout (pack_b; cols a multiple of 16) by scale[j] for j < cols, in float32 and
@@ -103,6 +120,10 @@ void tf_block_gemm_tile_bf16_avx512(const tf_block_tile *t, float *total, int64_
  * each result is exact. */
 void tf_gemm_fold_a_bf16(uint16_t *a, int64_t rows, int64_t kc_pad, const float *scale);
 void tf_gemm_fold_b_bf16(uint16_t *b, int64_t cols, int64_t kc_pad, const float *scale);
+/* The same on the float32 layouts (row r of a at a + r * kc; b's cols a multiple of 16), exact under
+ * the same check. */
+void tf_gemm_fold_a_f32(float *a, int64_t rows, int64_t kc, const float *scale);
+void tf_gemm_fold_b_f32(float *b, int64_t cols, int64_t kc, const float *scale);
 #endif
 
 /* The packed length of a K block of kc values on the fused kernel: a multiple of 16, not 32, so that

@@ -179,8 +179,8 @@ def test_bad_arguments():
         _layer(normalization="BatchNorm")
     with pytest.raises(ValueError, match="hidden_dropout"):
         _layer(hidden_dropout=1.5)
-    with pytest.raises(NotImplementedError, match="attn_mask_type='arbitrary'"):
-        _layer(self_attn_mask_type="arbitrary")
+    with pytest.raises(NotImplementedError, match="attn_mask_type='causal_bottom_right'"):
+        _layer(self_attn_mask_type="causal_bottom_right")
     with pytest.raises(ValueError, match="encoder_output"):
         _layer(layer_type="decoder")(torch.randn(SEQ, BATCH, HIDDEN))
     with pytest.raises(ValueError, match="sequence parallelism: hidden_states has 16 rows"):

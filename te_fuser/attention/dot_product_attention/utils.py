@@ -163,7 +163,9 @@ def _unsupported(params: AttentionParams) -> Optional[str]:
         (_qkv_format(params.qkv_layout) not in QKV_FORMATS, f"qkv_layout={params.qkv_layout!r}"),
         (params.qkv_dtype not in FLOAT_DTYPES + (torch.float8_e4m3fn,), f"qkv_dtype={params.qkv_dtype}"),
         (params.head_dim_qk != params.head_dim_v, "different q/k and v head dims"),
-        (params.attn_mask_type not in MASK_TYPES, f"attn_mask_type={params.attn_mask_type!r}"),
+        (params.attn_mask_type not in MASK_TYPES + ("arbitrary",), f"attn_mask_type={params.attn_mask_type!r}"),
+        (params.attn_mask_type == "arbitrary" and (_fp8_attention(params) or _qkv_format(params.qkv_layout) == "thd"),
+         "attn_mask_type='arbitrary' with FP8 attention or the thd format"),
         (params.attn_mask_type in MASK_TYPES and _window_refused(params),
          f"window_size={params.window_size!r} (sliding window)"),
         (params.alibi_slopes_shape is not None or params.core_attention_bias_type != "no_bias",
@@ -217,6 +219,8 @@ def get_attention_backend(attention_params: AttentionParams = None):
     if refused is not None:
         logger.debug("No backend: te_fuser's DotProductAttention does not support %s", refused)
         return False, None, False, None, False, [False, False, False]
+    if params.attn_mask_type == "arbitrary":  # torch operators (attention/torch_attention.py): TE's unfused family
+        return False, None, False, None, True, [False, False, True]
     problem = problem_of(params)
     try:
         choice = choose(problem)
