@@ -252,36 +252,25 @@ static void compute_tile(const job *jb, int64_t row0, int64_t col0, int64_t rows
 }
 
 #if TF_X86
-/* Packs rows [row0, row0 + rows) of a (valid of them, the rest zeros) for K block [k0, k0 + kc), in the
- * fused path's layout: bf16 pairs (kc_pad) or float32 (kc); folded, times their scales. */
-static void pack_fused_a(const job *jb, const scratch *w, int64_t row0, int64_t rows, int64_t a_rows, int64_t kb,
-                         int64_t k0, int64_t kc, void *dst, float *scale) {
-  const tf_block_operand *a = jb->a;
+/* Packs rows [r0, r0 + valid) of operand x (a, or b when is_b; `covered` rows in all, the rest zeros) for K
+ * block [k0, k0 + kc) in the fused path's layout: bf16 pairs (kc_pad) or float32 (kc); folded, times their
+ * scales. */
+static void pack_fused(const job *jb, const scratch *w, int is_b, int64_t r0, int64_t valid, int64_t covered_rows,
+                       int64_t kb, int64_t k0, int64_t kc, void *dst, float *scale) {
+  const tf_block_operand *x = is_b ? jb->b : jb->a;
+  const int64_t kc_pad = tf_block_kc_pad(kc);
   if (w->elem == sizeof(float))
-    tf_gemm_pack_a_f32_avx2(a->codes, jb->k, row0, rows, a_rows, k0, kc, a->format, dst);
+    (is_b ? tf_gemm_pack_b_f32_avx2 : tf_gemm_pack_a_f32_avx2)(x->codes, jb->k, r0, valid, covered_rows, k0, kc,
+                                                               x->format, dst);
   else
-    tf_gemm_pack_a_bf16(a->codes, jb->k, row0, rows, a_rows, k0, kc, tf_block_kc_pad(kc), w->codes_a, dst);
+    (is_b ? tf_gemm_pack_b_bf16 : tf_gemm_pack_a_bf16)(x->codes, jb->k, r0, valid, covered_rows, k0, kc, kc_pad,
+                                                       is_b ? w->codes_b : w->codes_a, dst);
   if (!w->folded) return;
-  fold_scales(a, row0, rows, a_rows, kb, scale);
+  fold_scales(x, r0, valid, covered_rows, kb, scale);
   if (w->elem == sizeof(float))
-    tf_gemm_fold_a_f32(dst, a_rows, kc, scale);
+    (is_b ? tf_gemm_fold_b_f32 : tf_gemm_fold_a_f32)(dst, covered_rows, kc, scale);
   else
-    tf_gemm_fold_a_bf16(dst, a_rows, tf_block_kc_pad(kc), scale);
-}
-
-static void pack_fused_b(const job *jb, const scratch *w, int64_t col0, int64_t cols, int64_t b_cols, int64_t kb,
-                         int64_t k0, int64_t kc, void *dst, float *scale) {
-  const tf_block_operand *b = jb->b;
-  if (w->elem == sizeof(float))
-    tf_gemm_pack_b_f32_avx2(b->codes, jb->k, col0, cols, b_cols, k0, kc, b->format, dst);
-  else
-    tf_gemm_pack_b_bf16(b->codes, jb->k, col0, cols, b_cols, k0, kc, tf_block_kc_pad(kc), w->codes_b, dst);
-  if (!w->folded) return;
-  fold_scales(b, col0, cols, b_cols, kb, scale);
-  if (w->elem == sizeof(float))
-    tf_gemm_fold_b_f32(dst, b_cols, kc, scale);
-  else
-    tf_gemm_fold_b_bf16(dst, b_cols, tf_block_kc_pad(kc), scale);
+    (is_b ? tf_gemm_fold_b_bf16 : tf_gemm_fold_a_bf16)(dst, covered_rows, kc_pad, scale);
 }
 
 /* The fused paths (AVX512-BF16 pairs, or float32 on the AVX2 and AVX-512 tiers): packs the tile's blocks
@@ -298,8 +287,8 @@ static void compute_tile_fused(const job *jb, int64_t row0, int64_t col0, int64_
   float scale[TF_GEMM_MB > TF_GEMM_NB ? TF_GEMM_MB : TF_GEMM_NB];
   for (int64_t kb = 0; kb < jb->blocks; ++kb) {
     const int64_t k0 = kb * jb->block, kc = jb->k - k0 < jb->block ? jb->k - k0 : jb->block;
-    if (pack_a) pack_fused_a(jb, w, row0, rows, a_rows, kb, k0, kc, a_blocks + kb * a_elems * (int64_t)w->elem, scale);
-    if (pack_b) pack_fused_b(jb, w, col0, cols, b_cols, kb, k0, kc, b_blocks + kb * b_elems * (int64_t)w->elem, scale);
+    if (pack_a) pack_fused(jb, w, 0, row0, rows, a_rows, kb, k0, kc, a_blocks + kb * a_elems * (int64_t)w->elem, scale);
+    if (pack_b) pack_fused(jb, w, 1, col0, cols, b_cols, kb, k0, kc, b_blocks + kb * b_elems * (int64_t)w->elem, scale);
     if (w->folded) continue;
     float *sb = w->sb_all + kb * TF_GEMM_NB;
     for (int64_t j = 0; j < TF_GEMM_NB; ++j)
