@@ -297,7 +297,7 @@ class DotProductAttention(torch.nn.Module):
         return None, None, lens_q, lens_kv
 
     def _onnx_attention(self, q, k, v, qkv_format, mask_type, attention_mask, inference_params):
-        """The forward under te_fuser.export.onnx_export(True) (attention/onnx_attention.py)."""
+        """The forward under te_fuser.export.onnx_export(True) (attention/torch_attention.py)."""
         if inference_params is not None:
             raise NotImplementedError("ONNX export of DotProductAttention with inference_params (the KV cache)")
         if self._fp8_quantizers(q.device) is not None:
