@@ -9,19 +9,26 @@ Configurations:
   FP8                fp8_autocast(DelayedScaling(fp8_dpa=True, fp8_mha=True))
   MXFP8, FP8 block,  fp8_autocast(MXFP8BlockScaling(E4M3)), (Float8BlockScaling()), (NVFP4BlockScaling())
   NVFP4
+  MXFP8 / NVFP4      the same recipes with fp8_dpa=True and TE's NVTE_DPA_FP8_RECIPE=Float8CurrentScaling:
+  + FP8 attn         the attention in per-tensor FP8 between the block-scaled linears, the one FP8 attention
+                     TE offers those recipes (FP8 block has none, as in TE)
   "+ weights"        the same, the model built under te_fuser.quantized_model_init(enabled=True) with the
                      recipe ("not available" while that raises NotImplementedError)
 For each: every storage autograd saves for backward in one forward (te_fuser.memory.saved_for_backward:
 saved_tensors_hooks, each storage once) other than the parameters' own storages (held by the step anyway),
-grouped by the op that saved it (graph node, and the basic op inside te_fuser's op fuser); the parameter
+grouped by the op that saved it (graph node, and the basic op inside te_fuser's op fuser), and the part of
+those bytes kept in 16 or 32 bits (what the recipe leaves unquantized: TE keeps a LayerNorm's input, the
+activation's input under MXFP8 and NVFP4, the LM head's input and, without FP8 attention, q, k, v and the
+attention output in high precision, so those bytes bound the ratio from below); the parameter
 bytes (a quantized parameter: every buffer it holds); and the peak of one training step (forward, backward,
 AdamW on float32 master weights, the weights copied back) over the bytes held before it, from
 te_fuser.memory.MemoryTracker("cpu"), measured on the second step (the first creates AdamW's state).
-Ratios are against bf16 in the same run. Targets: saved for backward FP8 and MXFP8 <= 0.6x bf16, NVFP4
-<= 0.4x; parameters under NVFP4 weights <= 0.35x.
+Ratios are against bf16 in the same run (the 16/32-bit part against bf16's whole saved bytes). Targets:
+saved for backward FP8 and MXFP8 <= 0.6x bf16, NVFP4 <= 0.4x; parameters under NVFP4 weights <= 0.35x.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -45,7 +52,15 @@ RECIPES = {
     "FP8 block": lambda: te_fuser.recipe.Float8BlockScaling(),
     "NVFP4": lambda: te_fuser.recipe.NVFP4BlockScaling(),
 }
-TARGETS = {"FP8": 0.6, "MXFP8": 0.6, "NVFP4": 0.4}  # saved for backward, over bf16
+# Block-scaled recipes with FP8 attention: (recipe, NVTE_DPA_FP8_RECIPE while it runs).
+FP8_ATTENTION = {
+    "MXFP8 + FP8 attn": lambda: te_fuser.recipe.MXFP8BlockScaling(fp8_format=te_fuser.recipe.Format.E4M3,
+                                                                  fp8_dpa=True),
+    "NVFP4 + FP8 attn": lambda: te_fuser.recipe.NVFP4BlockScaling(fp8_dpa=True),
+}
+DPA_SWITCH = "Float8CurrentScaling"
+TARGETS = {"FP8": 0.6, "MXFP8": 0.6, "NVFP4": 0.4, "MXFP8 + FP8 attn + weights": 0.6,
+           "NVFP4 + FP8 attn + weights": 0.4}  # saved for backward, over bf16
 PARAM_TARGETS = {"NVFP4 + weights": 0.35}
 
 
@@ -79,6 +94,25 @@ def without_parameters(saved: SavedTensors, model) -> SavedTensors:
     that saves its (bf16) weight costs nothing extra, and counting it would flatter the FP8 ratio."""
     params = param_storages(model)
     return SavedTensors([e for e in saved if e.tensor.untyped_storage().data_ptr() not in params])
+
+
+def high_precision_bytes(saved: SavedTensors) -> int:
+    """The saved bytes kept in 16 or 32-bit floating point."""
+    return sum(e.nbytes for e in saved if e.dtype.is_floating_point and e.dtype.itemsize >= 2)
+
+
+@contextlib.contextmanager
+def dpa_recipe(switch):
+    """NVTE_DPA_FP8_RECIPE=switch (None: unset) while the block runs; te_fuser reads it at each call."""
+    old = os.environ.pop("NVTE_DPA_FP8_RECIPE", None)
+    if switch is not None:
+        os.environ["NVTE_DPA_FP8_RECIPE"] = switch
+    try:
+        yield
+    finally:
+        os.environ.pop("NVTE_DPA_FP8_RECIPE", None)
+        if old is not None:
+            os.environ["NVTE_DPA_FP8_RECIPE"] = old
 
 
 def train_step(model, tokens, recipe, masters, optimizer):
@@ -149,26 +183,33 @@ def main():
     probe = torch.ones(1, 1, dtype=torch.bfloat16)
     widened_peak = measure(args.layers, None)["peak"] if gemm.widens_to_float32(probe, probe) else None
     unavailable = {}
-    for name, make in RECIPES.items():
-        columns[name] = measure(args.layers, make())
-        try:
-            columns[f"{name} + weights"] = measure(args.layers, make(), quantized_weights=True)
-        except NotImplementedError as err:
-            unavailable[f"{name} + weights"] = str(err).splitlines()[0]
+    configs = [(name, make, None) for name, make in RECIPES.items()]
+    configs += [(name, make, DPA_SWITCH) for name, make in FP8_ATTENTION.items()]
+    for name, make, switch in configs:
+        with dpa_recipe(switch):
+            columns[name] = measure(args.layers, make())
+            try:
+                columns[f"{name} + weights"] = measure(args.layers, make(), quantized_weights=True)
+            except NotImplementedError as err:
+                unavailable[f"{name} + weights"] = str(err).splitlines()[0]
     print(f"example GPT: h=512, ffn=2048, 8 heads, s={SEQ}, b={BATCH}, {args.layers} layer(s), bf16 params, CPU; "
-          f"recipes: " + "; ".join(f"{name} {make()!r}" for name, make in RECIPES.items()))
+          f"recipes: " + "; ".join(f"{name} {make()!r}" for name, make in RECIPES.items())
+          + f"; + FP8 attn: fp8_dpa=True, NVTE_DPA_FP8_RECIPE={DPA_SWITCH}")
     if not args.no_tensors:
         for name, col in columns.items():
             print_saved(name, col["saved"])
 
     base = columns["bf16"]
     rows = (("saved for backward", lambda c: c["saved"].total_bytes),
+            ("of it 16/32-bit", lambda c: high_precision_bytes(c["saved"])),
             ("parameters", lambda c: c["params"]),
             ("training step peak", lambda c: c["peak"]))
-    print(f"\n{'':20s}" + "".join(f"{label:>28s}" for label, _ in rows))
+    print(f"\n{'':28s}" + "".join(f"{label:>28s}" for label, _ in rows))
     for name, col in columns.items():
-        cells = [f"{get(col) / MIB:>12.2f} MiB ({get(col) / get(base):.2f}x)" for _, get in rows]
-        print(f"{name:20s}" + "".join(f"{c:>28s}" for c in cells))
+        # The 16/32-bit part over bf16's whole saved bytes: the least ratio quantizing the rest could reach.
+        over = [rows[0][1](base) if label == "of it 16/32-bit" else get(base) for label, get in rows]
+        cells = [f"{get(col) / MIB:>12.2f} MiB ({get(col) / o:.2f}x)" for (_, get), o in zip(rows, over)]
+        print(f"{name:28s}" + "".join(f"{c:>28s}" for c in cells))
     for name, why in unavailable.items():
         print(f"{name}: not available (quantized_model_init(enabled=True): {why})")
     if widened_peak is not None:

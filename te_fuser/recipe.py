@@ -227,13 +227,22 @@ class MXFP8BlockScaling(Recipe):
         if self.enable_2d_quantization:
             raise NotImplementedError("te_fuser does not implement MXFP8BlockScaling(enable_2d_quantization=True) "
                                       "(32x32 weight blocks)")
-        if self.fp8_dpa or self.fp8_mha:
-            raise NotImplementedError("te_fuser's FP8 attention (fp8_dpa / fp8_mha) runs under DelayedScaling "
-                                      "and Float8CurrentScaling only, not MXFP8BlockScaling")
+        _check_no_fp8_mha(self)
         if self.fp8_format == Format.HYBRID:
             warnings.warn("MXFP8BlockScaling(fp8_format=Format.HYBRID) casts gradients to E5M2 in 32-element "
                           "blocks, which TE users have reported to diverge; TE's default is Format.E4M3",
                           UserWarning, stacklevel=3)
+
+
+def _check_no_fp8_mha(recipe) -> None:
+    """fp8_dpa under a block-scaled recipe runs the attention in per-tensor FP8 when NVTE_DPA_FP8_RECIPE says
+    which (te_fuser/attention/dot_product_attention/fp8_recipe.py); fp8_mha would also hand the projections
+    per-tensor FP8 tensors in place of the recipe's own."""
+    if recipe.fp8_mha:
+        raise NotImplementedError(f"{type(recipe).__name__}(fp8_mha=True) is not supported by te_fuser: the QKV and "
+                                  "output projections would exchange per-tensor FP8 tensors with the attention; "
+                                  "use fp8_dpa=True (FP8 attention between the recipe's linear layers, with "
+                                  "NVTE_DPA_FP8_RECIPE)")
 
 
 # TE reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES when the recipe module is imported.
@@ -363,9 +372,7 @@ class NVFP4BlockScaling(Recipe):
         if self.fp8_format != Format.E4M3:
             raise ValueError(f"fp8_format must be Format.E4M3 (NVFP4's block scales), got {self.fp8_format!r}")
         _check_backward_override(self.backward_override)
-        if self.fp8_dpa or self.fp8_mha:
-            raise NotImplementedError("te_fuser's FP8 attention (fp8_dpa / fp8_mha) runs under DelayedScaling "
-                                      "and Float8CurrentScaling only, not NVFP4BlockScaling")
+        _check_no_fp8_mha(self)
         rht, sr, two_d = not self.disable_rht, not self.disable_stochastic_rounding, not self.disable_2d_quantization
         object.__setattr__(self, "fp4_quant_fwd_inp", QParams(random_hadamard_transform=rht))
         object.__setattr__(self, "fp4_quant_fwd_weight", QParams(fp4_2d_quantization=two_d))

@@ -62,3 +62,27 @@ def test_nvfp4_weights_hold_at_most_035x_the_bf16_parameter_bytes(monkeypatch):
     monkeypatch.setattr(utils, "keeps_columnwise", lambda quantizer: True)
     assert param_bytes(recipe) / bf16 > 0.35
 
+
+
+def test_the_high_precision_part_counts_16_and_32_bit_floats_only():
+    import te_fuser
+
+    model = te_fuser.Linear(64, 64, params_dtype=torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16, requires_grad=True)
+    _, high = saved_for_backward(lambda: model(x))
+    with te_fuser.fp8_autocast(fp8_recipe=te_fuser.recipe.MXFP8BlockScaling()):
+        _, low = saved_for_backward(lambda: model(x))
+    assert memory_breakdown.high_precision_bytes(high) == high.total_bytes > 0  # x and the weight, in bf16
+    assert {e.dtype for e in low} == {torch.uint8}  # MXFP8 data and E8M0 scales: no 16/32-bit byte
+    assert memory_breakdown.high_precision_bytes(low) == 0
+
+
+def test_the_attention_switch_is_set_only_inside_its_block(monkeypatch):
+    import os
+
+    monkeypatch.setenv("NVTE_DPA_FP8_RECIPE", "F16")
+    with memory_breakdown.dpa_recipe(memory_breakdown.DPA_SWITCH):
+        assert os.environ["NVTE_DPA_FP8_RECIPE"] == "Float8CurrentScaling"
+    with memory_breakdown.dpa_recipe(None):
+        assert "NVTE_DPA_FP8_RECIPE" not in os.environ
+    assert os.environ["NVTE_DPA_FP8_RECIPE"] == "F16"

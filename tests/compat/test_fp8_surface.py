@@ -153,8 +153,9 @@ def test_nvfp4_recipe_takes_tes_fields_and_derives_its_qparams():
         NVFP4BlockScaling(fp4_format=Format.E4M3)
     with pytest.raises(ValueError, match="fp8_format"):
         NVFP4BlockScaling(fp8_format=Format.E5M2)
-    with pytest.raises(NotImplementedError, match="fp8_dpa"):
-        NVFP4BlockScaling(fp8_dpa=True)
+    assert NVFP4BlockScaling(fp8_dpa=True).fp8_dpa  # FP8 attention beside NVFP4 linears: NVTE_DPA_FP8_RECIPE
+    with pytest.raises(NotImplementedError, match="fp8_mha"):
+        NVFP4BlockScaling(fp8_mha=True)
     with pytest.raises(NotImplementedError, match="backward_override"):
         NVFP4BlockScaling(backward_override="dequantized")
     with pytest.raises(TypeError, match="fp4_quant_fwd_inp"):

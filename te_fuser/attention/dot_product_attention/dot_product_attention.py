@@ -19,6 +19,7 @@ from ..inference import check_inference_params
 from ..kv_cache_attention import cached_attention
 from ..torch_attention import torch_attention
 from ..masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
+from .fp8_recipe import attention_recipe
 from .utils import te_view
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
@@ -97,7 +98,8 @@ class DotProductAttention(torch.nn.Module):
     Options te_fuser does not implement raise NotImplementedError naming the
     option. With fp8_autocast and a recipe with fp8_dpa=True, q, k and v are
     quantized to FP8 E4M3 and the kernels consume the FP8 data (fp8_mha=True, as in TE, turns
-    this on too). Float8Tensor q, k, v in E4M3 (fp8_mha: views of the QKV projection's FP8
+    this on too). TE's NVTE_DPA_FP8_RECIPE picks another recipe for the attention than the linear
+    layers' (FP8 attention beside MXFP8 or NVFP4 linears, or "F16"): fp8_recipe.py in this package. Float8Tensor q, k, v in E4M3 (fp8_mha: views of the QKV projection's FP8
     output) are used as they are, with their per-tensor scales; outside FP8 attention they are
     dequantized. forward(fp8_output=True) under FP8 attention (and any forward under a recipe
     with fp8_mha=True, as in TE) returns the output as a Float8Tensor, quantized with an O scaling slot of its own (delayed scaling: its own amax
@@ -213,8 +215,8 @@ class DotProductAttention(torch.nn.Module):
         """The q, k, v quantizers when fp8_autocast runs a recipe with fp8_dpa=True, else None."""
         if not FP8GlobalState.is_enabled() or FP8GlobalState.is_calibrating():
             return None
-        recipe = canonical_recipe(FP8GlobalState.get_recipe())
-        if not (getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)):
+        recipe = attention_recipe(canonical_recipe(FP8GlobalState.get_recipe()))
+        if recipe is None:
             return None
         if recipe.fp8_format.fwd_dtype != torch.float8_e4m3fn:
             raise NotImplementedError(f"fp8_dpa with fp8_format={recipe.fp8_format.name}: the attention kernels "
@@ -385,7 +387,7 @@ class DotProductAttention(torch.nn.Module):
                                                    for t in (query_layer, key_layer, value_layer))
         # TE: under fp8_mha the attention output is FP8 whether or not fp8_output is passed.
         output_quantizer = None
-        if quantizers is not None and (fp8_output or getattr(FP8GlobalState.get_recipe(), "fp8_mha", False)):
+        if quantizers is not None and (fp8_output or self._fp8_recipe.fp8_mha):
             output_quantizer = self._fp8_output_quantizer(query_layer.device)
         causal = "causal" in mask_type
         compiling = torch.compiler.is_compiling()

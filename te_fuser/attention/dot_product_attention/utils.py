@@ -30,6 +30,7 @@ from ...kernels.validate import FLOAT_DTYPES
 from ..backends.problem import Problem
 from ..backends.selection import choose, te_family
 from ..masks import MASK_TYPES, check_window_size
+from .fp8_recipe import attention_recipe
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 
@@ -178,7 +179,7 @@ def _unsupported(params: AttentionParams) -> Optional[str]:
 
 def _fp8_attention(params: AttentionParams) -> bool:
     recipe = (params.fp8_meta or {}).get("recipe") if params.fp8 else None
-    return bool(getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False))
+    return attention_recipe(recipe) is not None
 
 
 def problem_of(params: AttentionParams, device: Optional[torch.device] = None) -> Problem:
