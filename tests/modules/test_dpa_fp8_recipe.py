@@ -231,3 +231,19 @@ def test_refusals_name_what_to_set(monkeypatch):
             cls(fp8_mha=True)
     with pytest.raises(ValueError, match="Float8BlockScaling"):
         Float8BlockScaling(fp8_dpa=True)  # TE refuses FP8 attention with this recipe
+
+
+@pytest.mark.parametrize("recipe", [MXFP8BlockScaling(fp8_dpa=True), NVFP4BlockScaling(fp8_dpa=True)],
+                         ids=lambda r: type(r).__name__)
+def test_switched_delayed_scaling_state_round_trips_through_extra_state(monkeypatch, recipe):
+    """The attention's delayed-scaling state under a switched recipe is saved in _extra_state: a module loaded
+    from it continues with the same scales (a fresh module, the control, starts from scale 1 and differs)."""
+    monkeypatch.setenv("NVTE_DPA_FP8_RECIPE", "DelayedScaling")
+    trained = dpa()
+    for seed in range(2):
+        run(trained, recipe, seed)
+    loaded, fresh = dpa(), dpa()
+    loaded.load_state_dict(trained.state_dict())
+    outs = [run(module, recipe, 9)[0] for module in (trained, loaded, fresh)]
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], outs[2])
