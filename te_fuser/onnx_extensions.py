@@ -18,6 +18,7 @@ from typing import Tuple
 
 import torch
 
+from .kernels.fp8_block import mxfp8_scale_shape
 from .tensor.float8_tensor import Float8Quantizer, Float8Tensor
 from .tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 
@@ -29,7 +30,7 @@ def onnx_fp8_quantize(x: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """E4M3 codes (uint8) of x / scale_inv, saturating as te_fuser's FP8 cast does."""
     scale = torch.reciprocal(scale_inv.float().reshape(1))
     quantizer = Float8Quantizer(scale, torch.zeros(1, device=x.device), _E4M3, columnwise=False)
-    return quantizer(x.float())._data.view(torch.uint8)
+    return quantizer(x.float())._data  # TE's layout: the E4M3 codes as uint8
 
 
 @onnx_fp8_quantize.register_fake
@@ -50,10 +51,6 @@ def _(q, scale_inv):
     return torch.empty(q.shape, dtype=torch.float32, device=q.device)
 
 
-def _mxfp8_scale_shape(shape) -> Tuple[int, int]:
-    return MXFP8Quantizer(_E4M3, columnwise=False).get_scale_shape(tuple(shape), False)
-
-
 @torch.library.custom_op("te_fuser::onnx_mxfp8_quantize", mutates_args=())
 def onnx_mxfp8_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 E4M3 codes (uint8) of x in 32-value blocks of the last dimension, and their E8M0 scales."""
@@ -64,7 +61,7 @@ def onnx_mxfp8_quantize(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 @onnx_mxfp8_quantize.register_fake
 def _(x):
     return (torch.empty(x.shape, dtype=torch.uint8, device=x.device),
-            torch.empty(_mxfp8_scale_shape(x.shape), dtype=torch.uint8, device=x.device))
+            torch.empty(mxfp8_scale_shape(x.shape, columnwise=False), dtype=torch.uint8, device=x.device))
 
 
 @torch.library.custom_op("te_fuser::onnx_mxfp8_dequantize", mutates_args=())
