@@ -98,12 +98,14 @@ class DotProductAttention(torch.nn.Module):
     Options te_fuser does not implement raise NotImplementedError naming the
     option. With fp8_autocast and a recipe with fp8_dpa=True, q, k and v are
     quantized to FP8 E4M3 and the kernels consume the FP8 data (fp8_mha=True, as in TE, turns
-    this on too). TE's NVTE_DPA_FP8_RECIPE picks another recipe for the attention than the linear
-    layers' (FP8 attention beside MXFP8 or NVFP4 linears, or "F16"): fp8_recipe.py in this package. Float8Tensor q, k, v in E4M3 (fp8_mha: views of the QKV projection's FP8
+    this on too). TE's NVTE_DPA_FP8_RECIPE gives the attention another recipe than the linear
+    layers' (FP8 attention beside MXFP8 or NVFP4 linears, or "F16"): fp8_recipe.py in this package.
+    Float8Tensor q, k, v in E4M3 (fp8_mha: views of the QKV projection's FP8
     output) are used as they are, with their per-tensor scales; outside FP8 attention they are
     dequantized. forward(fp8_output=True) under FP8 attention (and any forward under a recipe
-    with fp8_mha=True, as in TE) returns the output as a Float8Tensor, quantized with an O scaling slot of its own (delayed scaling: its own amax
-    history; current scaling: the output's amax); otherwise it is ignored.
+    with fp8_mha=True, as in TE) returns the output as a Float8Tensor, quantized with an O scaling
+    slot of its own (delayed scaling: its own amax history; current scaling: the output's amax);
+    otherwise it is ignored.
 
     Backends. Each call runs on one of te_fuser's attention backends, inside one autograd Function
     that saves only through save_for_backward: "te_fuser" (its own kernels: C on the CPU, CUDA C on
@@ -212,7 +214,8 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(f"query_layer and key_layer have different batch sizes: {tuple(q.shape)}, {tuple(k.shape)}")
 
     def _fp8_quantizers(self, device):
-        """The q, k, v quantizers when fp8_autocast runs a recipe with fp8_dpa=True, else None."""
+        """The q, k, v quantizers when fp8_autocast runs a recipe with fp8_dpa=True (under the attention's
+        recipe, fp8_recipe.py), else None."""
         if not FP8GlobalState.is_enabled() or FP8GlobalState.is_calibrating():
             return None
         recipe = attention_recipe(canonical_recipe(FP8GlobalState.get_recipe()))
