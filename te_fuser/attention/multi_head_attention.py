@@ -6,7 +6,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 
 from .dot_product_attention import DotProductAttention
-from .dot_product_attention.fp8_recipe import attention_recipe
+from .dot_product_attention.fp8_recipe import dpa_variables, fp8_attention
 from .inference import check_inference_params
 from .kv_cache_rope import apply_step_rotary_pos_emb
 from .rope import apply_rotary_pos_emb
@@ -246,8 +246,10 @@ class MultiheadAttention(torch.nn.Module):
             check_inference_params(inference_params)
             if self.layer_number not in inference_params.cache_manager.cache:
                 inference_params.allocate_memory(self.layer_number)  # once per layer, as TE's
-        dpa_recipe = attention_recipe(FP8GlobalState.get_recipe()) if FP8GlobalState.is_enabled() else None
-        fp8_mha = dpa_recipe is not None and dpa_recipe.fp8_mha
+        # The attention's recipe keeps the autocast recipe's fp8_mha (TE), unless NVTE_DPA_FP8_RECIPE is "F16".
+        recipe = FP8GlobalState.get_recipe()
+        fp8_mha = (FP8GlobalState.is_enabled() and bool(getattr(recipe, "fp8_mha", False))
+                   and fp8_attention(recipe, dpa_variables()))
         # RoPE and the q/k norms are applied in high precision (TE).
         qkv_fp8 = fp8_mha and rotary_pos_emb is None and self.q_norm is None
         if not isinstance(hidden_states, torch.Tensor):

@@ -15,6 +15,8 @@ from te_fuser.memory.saved import saved_for_backward
 from te_fuser.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
                              NVFP4BlockScaling)
 
+from _torch_support import compiles_te_fuser_modules
+
 HEADS, DIM, SEQ, BATCH = 4, 32, 64, 2
 VARS = ("NVTE_DPA_FP8_RECIPE", "NVTE_DPA_FP8_FORMAT", "NVTE_DPA_FP8DS_AMAX_ALGO", "NVTE_DPA_FP8DS_AMAX_HISTLEN",
         "NVTE_DPA_FP8DS_REDUCE_AMAX")
@@ -247,3 +249,28 @@ def test_switched_delayed_scaling_state_round_trips_through_extra_state(monkeypa
     outs = [run(module, recipe, 9)[0] for module in (trained, loaded, fresh)]
     assert torch.equal(outs[0], outs[1])
     assert not torch.equal(outs[0], outs[2])
+
+
+@compiles_te_fuser_modules
+@pytest.mark.parametrize("recipe", [DelayedScaling(fp8_dpa=True), NVFP4BlockScaling(fp8_dpa=True)],
+                         ids=lambda r: type(r).__name__)
+def test_switch_under_torch_compile_fullgraph(monkeypatch, recipe):
+    """The switched recipe is made while dynamo traces (not inside the graph): the compiled step, autocast
+    inside it, gives eager's output and grads bit for bit, under current scaling (no state between steps)."""
+    monkeypatch.setenv("NVTE_DPA_FP8_RECIPE", "Float8CurrentScaling")
+    modules = [dpa(), dpa()]
+
+    def step(module, q, k, v):
+        with te_fuser.fp8_autocast(fp8_recipe=recipe):
+            return module(q, k, v)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for module, fn in zip(modules, (step, compiled)):
+        q, k, v = inputs(6)
+        out = fn(module, q, k, v)
+        out.float().sum().backward()
+        results.append([out.detach(), q.grad, k.grad, v.grad])
+        assert isinstance(module._fp8_recipe, Float8CurrentScaling)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -19,7 +19,7 @@ from ..inference import check_inference_params
 from ..kv_cache_attention import cached_attention
 from ..torch_attention import torch_attention
 from ..masks import check_mask_type, check_window_size, lengths_from_cu_seqlens, padding_lengths
-from .fp8_recipe import attention_recipe
+from .fp8_recipe import attention_recipe, dpa_variables, fp8_attention
 from .utils import te_view
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
@@ -218,17 +218,19 @@ class DotProductAttention(torch.nn.Module):
         recipe, fp8_recipe.py), else None."""
         if not FP8GlobalState.is_enabled() or FP8GlobalState.is_calibrating():
             return None
-        recipe = attention_recipe(canonical_recipe(FP8GlobalState.get_recipe()))
-        if recipe is None:
+        recipe, variables = canonical_recipe(FP8GlobalState.get_recipe()), dpa_variables()
+        if not fp8_attention(recipe, variables):
             return None
-        if recipe.fp8_format.fwd_dtype != torch.float8_e4m3fn:
-            raise NotImplementedError(f"fp8_dpa with fp8_format={recipe.fp8_format.name}: the attention kernels "
-                                      "take E4M3 inputs (use Format.E4M3 or Format.HYBRID)")
-        self._ensure_fp8_state(recipe, device)
+        self._ensure_fp8_state(recipe, variables, device)
         return self._fp8_state.quantizers(FP8GlobalState.get_group())
 
     @runs_while_tracing
-    def _ensure_fp8_state(self, recipe, device) -> None:
+    def _ensure_fp8_state(self, autocast_recipe, variables, device) -> None:
+        # The attention's recipe is made here, as Python even under torch.compile (fp8_recipe.py).
+        recipe = attention_recipe(autocast_recipe, variables)
+        if recipe.fp8_format.fwd_dtype != torch.float8_e4m3fn:
+            raise NotImplementedError(f"fp8_dpa with fp8_format={recipe.fp8_format.name}: the attention kernels "
+                                      "take E4M3 inputs (use Format.E4M3 or Format.HYBRID)")
         if (self._fp8_device != device and self._fp8_recipe == recipe
                 and isinstance(self._fp8_state, DelayedScalingState)):
             # A loaded state (kept on the CPU: this module has no parameters), or inputs on a new device.

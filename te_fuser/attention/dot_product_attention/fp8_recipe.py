@@ -20,42 +20,41 @@ TE reads the variables when its module is imported; te_fuser reads them at each 
 test or a script may set them after importing te_fuser.
 """
 
-import functools
 import os
-from typing import Optional
+from typing import Tuple
 
 from ...recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling, NVFP4BlockScaling
 
 RECIPE_VAR = "NVTE_DPA_FP8_RECIPE"
 _SWITCHES = ("", "F16", "DelayedScaling", "Float8CurrentScaling", "MXFP8BlockScaling")
 _FORMATS = {"HYBRID": Format.HYBRID, "E4M3": Format.E4M3, "E5M2": Format.E5M2}
+# (name, default) of the variables, in the order dpa_variables() returns their values
+_VARIABLES = ((RECIPE_VAR, ""), ("NVTE_DPA_FP8_FORMAT", "HYBRID"), ("NVTE_DPA_FP8DS_AMAX_ALGO", "most_recent"),
+              ("NVTE_DPA_FP8DS_AMAX_HISTLEN", "1"), ("NVTE_DPA_FP8DS_REDUCE_AMAX", "1"))
 
 
-def attention_recipe(recipe) -> Optional[object]:
-    """The recipe of the attention's FP8 quantizers under the autocast recipe `recipe`, or None for high
-    precision attention (fp8_dpa and fp8_mha off, or NVTE_DPA_FP8_RECIPE="F16")."""
-    if not (getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)):
-        return None
-    switch = os.getenv(RECIPE_VAR, "")
-    if switch == "F16":
-        return None
-    if switch == "":  # the common case: no environment to read beyond this
-        if isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-            return recipe
-        return _switched(recipe, switch, None, "", "", "")
-    return _switched(recipe, switch, os.getenv("NVTE_DPA_FP8_FORMAT", "HYBRID"),
-                     os.getenv("NVTE_DPA_FP8DS_AMAX_ALGO", "most_recent"),
-                     os.getenv("NVTE_DPA_FP8DS_AMAX_HISTLEN", "1"), os.getenv("NVTE_DPA_FP8DS_REDUCE_AMAX", "1"))
+def dpa_variables() -> Tuple[str, ...]:
+    """The NVTE_DPA_FP8_* values now: strings, which torch.compile hands to code that runs while it traces."""
+    return tuple(os.getenv(name, default) for name, default in _VARIABLES)
 
 
-@functools.lru_cache(maxsize=64)
-def _switched(recipe, switch: str, fmt: Optional[str], amax_algo: str, histlen: str, reduce_amax: str):
-    """One recipe object per (autocast recipe, variables): the attention's scaling state is kept while the
-    recipe it was made for stays equal."""
+def fp8_attention(recipe, variables: Tuple[str, ...]) -> bool:
+    """Whether the attention quantizes under the autocast recipe `recipe`: fp8_dpa or fp8_mha, and not "F16"."""
+    requested = getattr(recipe, "fp8_dpa", False) or getattr(recipe, "fp8_mha", False)
+    return bool(requested) and variables[0] != "F16"
+
+
+def attention_recipe(recipe, variables: Tuple[str, ...]):
+    """The recipe of the attention's FP8 quantizers under the autocast recipe `recipe` (fp8_attention(recipe,
+    variables) holding), made anew for a switch: equal to the last one while the variables stay, so the
+    attention keeps its scaling state."""
+    switch, fmt, amax_algo, histlen, reduce_amax = variables
     if switch not in _SWITCHES:
         raise ValueError(f"{RECIPE_VAR}={switch!r}: expected one of "
                          f"{', '.join(repr(s) for s in _SWITCHES[1:])}, or unset")
     name = type(recipe).__name__
+    if switch == "" and isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        return recipe
     if switch == "MXFP8BlockScaling" or (switch == "" and isinstance(recipe, MXFP8BlockScaling)):
         raise NotImplementedError(f"MXFP8 attention ({RECIPE_VAR}={switch or 'unset'} under {name} with "
                                   "fp8_dpa) is not implemented by te_fuser: its FP8 attention uses per-tensor "

@@ -30,7 +30,7 @@ from ...kernels.validate import FLOAT_DTYPES
 from ..backends.problem import Problem
 from ..backends.selection import choose, te_family
 from ..masks import MASK_TYPES, check_window_size
-from .fp8_recipe import attention_recipe
+from .fp8_recipe import dpa_variables, fp8_attention
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 
@@ -179,7 +179,7 @@ def _unsupported(params: AttentionParams) -> Optional[str]:
 
 def _fp8_attention(params: AttentionParams) -> bool:
     recipe = (params.fp8_meta or {}).get("recipe") if params.fp8 else None
-    return attention_recipe(recipe) is not None
+    return fp8_attention(recipe, dpa_variables())
 
 
 def problem_of(params: AttentionParams, device: Optional[torch.device] = None) -> Problem:
