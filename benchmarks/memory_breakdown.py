@@ -200,22 +200,23 @@ def main():
             print_saved(name, col["saved"])
 
     base = columns["bf16"]
-    rows = (("saved for backward", lambda c: c["saved"].total_bytes),
-            ("of it 16/32-bit", lambda c: high_precision_bytes(c["saved"])),
-            ("parameters", lambda c: c["params"]),
-            ("training step peak", lambda c: c["peak"]))
-    print(f"\n{'':28s}" + "".join(f"{label:>28s}" for label, _ in rows))
+    saved_base = base["saved"].total_bytes
+    # (label, value of a column, what it is divided by): the 16/32-bit part over bf16's whole saved bytes,
+    # the least ratio quantizing the rest could reach.
+    rows = (("saved for backward", lambda c: c["saved"].total_bytes, saved_base),
+            ("of it 16/32-bit", lambda c: high_precision_bytes(c["saved"]), saved_base),
+            ("parameters", lambda c: c["params"], base["params"]),
+            ("training step peak", lambda c: c["peak"], base["peak"]))
+    print(f"\n{'':28s}" + "".join(f"{label:>28s}" for label, _, _ in rows))
     for name, col in columns.items():
-        # The 16/32-bit part over bf16's whole saved bytes: the least ratio quantizing the rest could reach.
-        over = [rows[0][1](base) if label == "of it 16/32-bit" else get(base) for label, get in rows]
-        cells = [f"{get(col) / MIB:>12.2f} MiB ({get(col) / o:.2f}x)" for (_, get), o in zip(rows, over)]
+        cells = [f"{get(col) / MIB:>12.2f} MiB ({get(col) / over:.2f}x)" for _, get, over in rows]
         print(f"{name:28s}" + "".join(f"{c:>28s}" for c in cells))
     for name, why in unavailable.items():
         print(f"{name}: not available (quantized_model_init(enabled=True): {why})")
     if widened_peak is not None:
         print(f"bf16 training step peak with this CPU's float32-widened 16-bit GEMMs: {widened_peak / MIB:.2f} MiB")
     for name, target in TARGETS.items():
-        ratio = columns[name]["saved"].total_bytes / base["saved"].total_bytes
+        ratio = columns[name]["saved"].total_bytes / saved_base
         print(f"saved for backward, {name} / bf16 = {ratio:.3f} (target <= {target})")
     for name, target in PARAM_TARGETS.items():
         if name in columns:
